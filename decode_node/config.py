@@ -1,0 +1,46 @@
+"""Decode node configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class DecodeNodeConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    prefill_targets: tuple[str, ...] = ()  # host:port of every prefill node
+    host: str = "127.0.0.1"
+    port: int = 50051
+    ucx_host: str = "127.0.0.1"  # the KV listener binds here: the transfer plane's address
+    ucx_port: int = 0
+    metrics_port: int = -1  # -1: no metrics endpoint, 0: an ephemeral port
+    max_inflight: int = 256  # admitted requests (any state) before RESOURCE_EXHAUSTED
+    kv_transfer_timeout: float = 30.0  # from prefill dispatch to the last KV byte placed
+    prefill_timeout: float = 60.0  # the Prefill RPC, queueing on the prefill node included
+    prefill_retries: int = 1  # re-dispatches to another healthy prefill node after a failure
+    health_check_interval: float = 2.0
+    layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
+
+    def validate(self) -> None:
+        self.engine.validate()
+        if not self.prefill_targets:
+            raise ValueError("a decode node needs at least one prefill target (--prefill HOST:PORT)")
+        for target in self.prefill_targets:
+            host, sep, port = target.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"prefill target {target!r} is not HOST:PORT")
+        for name in ("port", "ucx_port"):
+            value = getattr(self, name)
+            if not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if self.metrics_port < -1 or self.metrics_port > 65535:
+            raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
+        for name in ("kv_transfer_timeout", "prefill_timeout", "health_check_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.prefill_retries < 0:
+            raise ValueError(f"prefill_retries must be >= 0, got {self.prefill_retries}")

@@ -1,0 +1,106 @@
+"""Prefill peers as the decode node sees them: routing, health, layout agreement."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
+from shared.node_common import GRPC_SERVER_OPTIONS, describe_layout_info
+
+log = logging.getLogger(__name__)
+
+
+class LayoutMismatch(Exception):
+    pass
+
+
+@dataclass
+class PrefillPeer:
+    target: str
+    channel: aio.Channel
+    stub: prefill_pb2_grpc.PrefillStub
+    healthy: bool = True
+    outstanding_tokens: int = 0
+    layout: generation_pb2.KvLayoutInfo | None = None
+    failures: int = field(default=0)
+
+    async def ensure_layout(self, mine: generation_pb2.KvLayoutInfo) -> None:
+        if self.layout is None:
+            info = await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5.0)
+            self.layout = info.kv_layout
+        if self.layout.fingerprint != mine.fingerprint:
+            raise LayoutMismatch(
+                f"KV layout mismatch with prefill node {self.target}: decode has "
+                f"{describe_layout_info(mine)}, prefill has {describe_layout_info(self.layout)}"
+            )
+
+    async def cancel(self, request_id: str) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+            await self.stub.CancelPrefill(
+                prefill_pb2.CancelPrefillRequest(request_id=request_id), timeout=2.0
+            )
+
+    async def check_health(self) -> bool:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except (grpc.RpcError, asyncio.TimeoutError):
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class PrefillPool:
+    def __init__(self, targets: tuple[str, ...], health_interval: float):
+        self.peers = [
+            PrefillPeer(t, ch := aio.insecure_channel(t, options=GRPC_SERVER_OPTIONS),
+                        prefill_pb2_grpc.PrefillStub(ch))
+            for t in targets
+        ]
+        self.health_interval = health_interval
+        self._task: asyncio.Task[None] | None = None
+        self._next = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for peer in self.peers:
+            await peer.channel.close()
+
+    def pick(self, exclude: set[str]) -> PrefillPeer | None:
+        """Least outstanding prefill tokens among healthy peers; ties rotate."""
+        candidates = [p for p in self.peers if p.healthy and p.target not in exclude]
+        if not candidates:
+            return None
+        self._next += 1
+        n = len(candidates)
+        rotated = [candidates[(i + self._next) % n] for i in range(n)]
+        return min(rotated, key=lambda p: p.outstanding_tokens)
+
+    def mark_unhealthy(self, peer: PrefillPeer, why: str) -> None:
+        if peer.healthy:
+            log.warning("prefill node %s marked unhealthy: %s", peer.target, why)
+        peer.healthy = False
+        peer.layout = None  # a restarted node may come back with another model
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            for peer in self.peers:
+                ok = await peer.check_health()
+                if ok and not peer.healthy:
+                    log.info("prefill node %s is healthy again", peer.target)
+                if not ok and peer.healthy:
+                    self.mark_unhealthy(peer, "health check failed")
+                peer.healthy = ok

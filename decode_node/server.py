@@ -1,0 +1,458 @@
+"""The decode node: the public front door.
+
+A `Generate` call is admitted in DISAGG_GENERATION_INIT (KV blocks reserved and pinned, no seat),
+dispatched to the least-loaded healthy prefill node with the destination of those blocks
+(DISAGG_GENERATION_TRANS_IN_PROGRESS), and once every layer of every block has landed it becomes
+DISAGG_GENERATION_TRANS_COMPLETE: the first token (sampled by the prefill node) is streamed at once
+and the next engine iteration seats the request and decodes it in the continuous batch.
+Every wait has a deadline enforced by the event loop's timers; every exit path releases the
+request on both nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc import aio
+
+from decode_node.config import DecodeNodeConfig
+from decode_node.peers import LayoutMismatch, PrefillPeer, PrefillPool
+from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
+from shared.engine import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine_loop import EngineLoop
+from shared.metrics import MetricsServer, serve_metrics
+from shared.node_common import (
+    NodeMetrics,
+    create_grpc_server,
+    layout_info,
+    model_info,
+    set_serving,
+)
+from shared.output_processor import TokenDelta
+from shared.request import FinishReason
+from shared.sampling_params import SamplingParams
+from transfer.protocol import TransferDestination
+from transfer.ucx import KvReceiver, TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_FINISH = {
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORTED,
+}
+
+
+class GenerateError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _PrefillFailed(Exception):
+    """The prefill node could not serve this attempt; another node may."""
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    prompt_len: int
+    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
+    transfer_id: int | None = None
+    peer: PrefillPeer | None = None
+    prefill_done: bool = False
+    admitted_at: float = field(default_factory=time.monotonic)
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    kv_transfer_seconds: float = 0.0
+    first_token_at: float | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class DecodeNode(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, config: DecodeNodeConfig, core: EngineCore | None = None):
+        config.validate()
+        self.config = config
+        self.core = core or EngineCore(config.engine)
+        self.layout_info = layout_info(self.core.layout)
+        self.streams: dict[str, _Stream] = {}
+        self.engine: EngineLoop | None = None
+        self.receiver = KvReceiver(
+            self.core.kv_pool, self.core.layout, config.ucx_host, config.ucx_port
+        )
+        self.pool = PrefillPool(config.prefill_targets, config.health_check_interval)
+        self.metrics = NodeMetrics(lambda: self._snapshot())
+        self.metrics.registry.gauge(
+            "pdserve_kv_transfer_rejected_messages",
+            "KV messages dropped by validation since start (bad token, ids, sizes, late)",
+            fn=lambda: self.receiver.rejected_total,
+        )
+        self.metrics_server: MetricsServer | None = None
+        self.server: aio.Server | None = None
+        self.port = 0
+        self.accepting = True
+        # PrefillResponse of recent requests (timestamps, bytes): the layer-wise evidence
+        self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
+
+    def _snapshot(self):  # noqa: ANN202
+        assert self.engine is not None
+        return self.engine.snapshot
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine = EngineLoop(self.core, loop, self._on_deltas, name="decode-engine")
+        self.engine.start()
+        await self.receiver.start()
+        self.pool.start()
+        self.server, self.health, self.port = create_grpc_server(
+            [SERVICE],
+            lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),
+            self.config.host,
+            self.config.port,
+        )
+        await self.server.start()
+        if self.config.metrics_port >= 0:
+            self.metrics_server = await serve_metrics(
+                self.metrics.registry, self.config.host, self.config.metrics_port
+            )
+        set_serving(self.health, [SERVICE], True)
+        log.info(
+            "decode node serving on %s:%d (KV listener %s)",
+            self.config.host,
+            self.port,
+            self.receiver.address,
+        )
+
+    async def stop(self, grace: float = 5.0) -> bool:
+        """Stop admitting, let in-flight work finish within `grace`, abort the rest, release
+        everything and return whether seats and blocks were all conserved."""
+        self.accepting = False
+        set_serving(self.health, [SERVICE], False)
+        if self.server is not None:
+            await self.server.stop(grace)
+        conserved = True
+        if self.engine is not None:
+            await self.engine.call(lambda core: core.shutdown())
+            try:
+                await self.engine.call(lambda core: core.check_conservation())
+            except AssertionError as e:
+                log.error("conservation check failed at shutdown: %s", e)
+                conserved = False
+            self.engine.stop()
+        await self.pool.close()
+        await self.receiver.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+        return conserved
+
+    def _on_deltas(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(delta)
+
+    # ---- RPCs -----------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context):  # noqa: N802, ANN001, ANN201
+        return model_info(self.core, generation_pb2.NODE_ROLE_DECODE)
+
+    async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            async for response in self._generate(rid, request, context.time_remaining()):
+                yield response
+        except GenerateError as e:
+            await context.abort(e.code, str(e))
+
+    async def _generate(
+        self, rid: str, request: generation_pb2.GenerateRequest, time_left: float | None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        deadline = None if time_left is None else time.monotonic() + time_left
+        prompt, params = self._parse(request)
+        if not self.accepting:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "decode node is shutting down")
+        if rid in self.streams:
+            raise GenerateError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
+            )
+        if len(self.streams) >= self.config.max_inflight:
+            raise GenerateError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode node is at its admission limit ({self.config.max_inflight} requests "
+                "in flight); retry with backoff",
+            )
+        stream = _Stream(rid, len(prompt))
+        self.streams[rid] = stream
+        try:
+            first = await self._admit_and_transfer(stream, prompt, params, deadline)
+            yield self._response(stream, first)
+            delta = first
+            while delta.finish_reason is None:
+                delta = await self._next_delta(stream, deadline)
+                yield self._response(stream, delta)
+        finally:
+            await asyncio.shield(self._release(stream))
+
+    async def _next_delta(self, stream: _Stream, deadline: float | None) -> TokenDelta:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        prev = time.monotonic()
+        try:
+            delta = await asyncio.wait_for(stream.queue.get(), timeout)
+        except TimeoutError:
+            raise GenerateError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request {stream.request_id} exceeded its deadline while decoding",
+            ) from None
+        self.metrics.itl.observe(time.monotonic() - prev)
+        return delta
+
+    def _parse(
+        self, request: generation_pb2.GenerateRequest
+    ) -> tuple[list[int], SamplingParams]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
+            prompt = self.core.tokenizer.encode(request.text)
+        elif which == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            raise GenerateError(
+                grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
+            )
+        s = request.sampling
+        params = SamplingParams.from_wire(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(s.stop),
+            ignore_eos=s.ignore_eos,
+        )
+        try:
+            self.core.validate_request(prompt, params)
+        except RequestRejected as e:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return prompt, params.with_resolved_seed()
+
+    # ---- admission and transfer -----------------------------------------------------------
+    async def _admit_and_transfer(
+        self,
+        stream: _Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float | None,
+    ) -> TokenDelta:
+        assert self.engine is not None
+        rid = stream.request_id
+        try:
+            req, blocks, first_block = await self.engine.call(
+                lambda core: core.reserve_for_transfer(prompt, params, rid)
+            )
+        except RequestRejected as e:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except ResourcesExhausted as e:
+            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        stream.cached_tokens = req.cached_tokens
+        await self.engine.call(lambda core: core.start_transfer(rid))
+        tried: set[str] = set()
+        last_error = "no prefill node configured"
+        for _ in range(1 + self.config.prefill_retries):
+            peer = self.pool.pick(tried)
+            if peer is None:
+                break
+            tried.add(peer.target)
+            try:
+                response = await self._prefill_once(
+                    stream, peer, prompt, params, blocks, first_block, deadline
+                )
+            except _PrefillFailed as e:
+                last_error = str(e)
+                continue
+            delta = await self.engine.call(
+                lambda core: core.complete_transfer(rid, response.first_token_id)
+            )
+            stream.first_token_at = time.monotonic()
+            self.metrics.ttft.observe(stream.first_token_at - stream.admitted_at)
+            return delta
+        raise GenerateError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no healthy prefill node could serve {rid}: {last_error}",
+        )
+
+    async def _prefill_once(
+        self,
+        stream: _Stream,
+        peer: PrefillPeer,
+        prompt: list[int],
+        params: SamplingParams,
+        blocks: list[int],
+        first_block: int,
+        deadline: float | None,
+    ) -> prefill_pb2.PrefillResponse:
+        try:
+            await peer.ensure_layout(self.layout_info)
+        except LayoutMismatch as e:
+            raise GenerateError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except (grpc.RpcError, asyncio.TimeoutError) as e:
+            self.pool.mark_unhealthy(peer, f"model info failed: {e}")
+            raise _PrefillFailed(f"{peer.target}: {e}") from None
+        dest = self.receiver.expect(stream.request_id, blocks)
+        stream.transfer_id, stream.peer, stream.prefill_done = dest.transfer_id, peer, False
+        budget = self.config.prefill_timeout
+        if deadline is not None:
+            budget = min(budget, max(0.001, deadline - time.monotonic()))
+        call = peer.stub.Prefill(
+            self._prefill_request(stream, prompt, params, dest, first_block), timeout=budget
+        )
+        landed = asyncio.ensure_future(
+            self.receiver.wait(dest.transfer_id, min(budget, self.config.kv_transfer_timeout))
+        )
+        peer.outstanding_tokens += len(prompt)
+        started = time.monotonic()
+        try:
+            response = await self._await_both(call, landed, stream, peer)
+        finally:
+            peer.outstanding_tokens -= len(prompt)
+            if not landed.done():
+                landed.cancel()
+        stream.prefill_done = True
+        self.transfer_log[stream.request_id] = response
+        while len(self.transfer_log) > 1024:
+            self.transfer_log.popitem(last=False)
+        stats = response.stats
+        stream.queue_seconds = stats.queue_seconds
+        stream.prefill_seconds = stats.prefill_seconds
+        stream.kv_transfer_seconds = stats.transfer_tail_seconds
+        self.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
+        self.metrics.kv_transfer_bytes.inc(stats.bytes_sent)
+        return response
+
+    async def _await_both(
+        self,
+        call: aio.UnaryUnaryCall,
+        landed: asyncio.Future[object],
+        stream: _Stream,
+        peer: PrefillPeer,
+    ) -> prefill_pb2.PrefillResponse:
+        rpc = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_EXCEPTION)
+            if landed.done() and landed.exception() is not None:
+                raise landed.exception()  # type: ignore[misc]
+            response = await rpc
+            await landed
+            return response
+        except grpc.RpcError as e:
+            self._forget_transfer(stream)
+            code = e.code()
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise GenerateError(code, f"prefill node {peer.target}: {e.details()}") from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise GenerateError(
+                    code, f"prefill of {stream.request_id} on {peer.target} timed out"
+                ) from None
+            self.pool.mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
+            raise _PrefillFailed(f"{peer.target}: {code.name} {e.details()}") from None
+        except TransferTimeout:
+            self._forget_transfer(stream)
+            call.cancel()
+            asyncio.ensure_future(peer.cancel(stream.request_id))
+            raise GenerateError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"KV transfer for {stream.request_id} from {peer.target} timed out",
+            ) from None
+        except TransferError as e:
+            self._forget_transfer(stream)
+            call.cancel()
+            asyncio.ensure_future(peer.cancel(stream.request_id))
+            self.pool.mark_unhealthy(peer, f"KV transfer failed: {e}")
+            raise _PrefillFailed(f"{peer.target}: KV transfer failed: {e}") from None
+        finally:
+            if not rpc.done():
+                rpc.cancel()
+
+    def _forget_transfer(self, stream: _Stream) -> None:
+        if stream.transfer_id is not None:
+            self.receiver.cancel(stream.transfer_id)
+            stream.transfer_id = None
+
+    def _prefill_request(
+        self,
+        stream: _Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        dest: TransferDestination,
+        first_block: int,
+    ) -> prefill_pb2.PrefillRequest:
+        return prefill_pb2.PrefillRequest(
+            request_id=stream.request_id,
+            prompt_token_ids=prompt,
+            sampling=generation_pb2.SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                stop=list(params.stop),
+                ignore_eos=params.ignore_eos,
+            ),
+            seed=params.seed or 0,
+            destination=prefill_pb2.KvDestination(
+                ucx_address=dest.address,
+                transfer_id=dest.transfer_id,
+                transfer_token=dest.token,
+                block_ids=list(dest.block_ids),
+                first_block_index=first_block,
+                layout_fingerprint=self.layout_info.fingerprint,
+            ),
+            layerwise=self.config.layerwise,
+        )
+
+    # ---- responses and release ------------------------------------------------------------
+    def _response(self, stream: _Stream, delta: TokenDelta) -> generation_pb2.GenerateResponse:
+        stream.completion_tokens += len(delta.token_ids)
+        msg = generation_pb2.GenerateResponse(
+            request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
+        )
+        if delta.finish_reason is not None:
+            msg.finish_reason = _FINISH[delta.finish_reason]
+            msg.usage.CopyFrom(
+                generation_pb2.Usage(
+                    prompt_tokens=stream.prompt_len,
+                    completion_tokens=stream.completion_tokens,
+                    cached_tokens=stream.cached_tokens,
+                )
+            )
+            ttft = (stream.first_token_at or time.monotonic()) - stream.admitted_at
+            msg.timing.CopyFrom(
+                generation_pb2.Timing(
+                    queue_seconds=stream.queue_seconds,
+                    prefill_seconds=stream.prefill_seconds,
+                    kv_transfer_seconds=stream.kv_transfer_seconds,
+                    time_to_first_token_seconds=ttft,
+                    e2e_seconds=time.monotonic() - stream.admitted_at,
+                )
+            )
+        return msg
+
+    async def _release(self, stream: _Stream) -> None:
+        """Every exit path: cancel the transfer, tell the prefill node, free seat and blocks."""
+        rid = stream.request_id
+        self.streams.pop(rid, None)
+        self._forget_transfer(stream)
+        if stream.peer is not None and not stream.prefill_done:
+            asyncio.ensure_future(stream.peer.cancel(rid))
+        if self.engine is not None:
+            with contextlib.suppress(RuntimeError):
+                await self.engine.call(lambda core: core.abort(rid))

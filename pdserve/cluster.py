@@ -1,0 +1,109 @@
+"""`pdserve up`: a local cluster of separate node processes (fresh interpreters, never forked:
+UCX does not survive a fork)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NodeProcess:
+    role: str
+    proc: subprocess.Popen[str]
+    ready: threading.Event = field(default_factory=threading.Event)
+    info: dict[str, object] = field(default_factory=dict)
+
+    def pump(self, echo: bool) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("PDSERVE_READY "):
+                self.info = json.loads(line.split(" ", 1)[1])
+                self.ready.set()
+            elif echo:
+                sys.stdout.write(line)
+        self.ready.set()  # EOF: the process died; `wait_ready` tells the difference
+
+
+def spawn(role: str, args: list[str], echo: bool = True) -> NodeProcess:
+    cmd = [sys.executable, "-m", "pdserve.cli", role, *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy(), start_new_session=True
+    )
+    node = NodeProcess(role, proc)
+    threading.Thread(target=node.pump, args=(echo,), daemon=True).start()
+    return node
+
+
+def wait_ready(nodes: list[NodeProcess], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        if not node.ready.wait(max(0.0, deadline - time.monotonic())) or not node.info:
+            code = node.proc.poll()
+            raise RuntimeError(
+                f"{node.role} node (pid {node.proc.pid}) did not become ready"
+                + (f": exited with {code}" if code is not None else f" within {timeout:.0f}s")
+            )
+
+
+def stop_all(nodes: list[NodeProcess], grace: float = 15.0) -> int:
+    """SIGTERM everyone (decode first: it is the front door), then wait; kill stragglers."""
+    for node in sorted(nodes, key=lambda n: n.role != "decode"):
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    worst = 0
+    for node in nodes:
+        try:
+            code = node.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            code = node.proc.wait()
+        worst = max(worst, abs(code))
+    return worst
+
+
+class Cluster:
+    def __init__(self, model: str, num_prefill: int, num_decode: int, port: int, extra: list[str]):
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode node")
+        self.model = model
+        self.num_prefill = num_prefill
+        self.num_decode = num_decode
+        self.port = port
+        self.extra = extra
+        self.nodes: list[NodeProcess] = []
+
+    def start(self, timeout: float = 120.0, echo: bool = True) -> list[str]:
+        prefills = [
+            spawn("prefill", ["--model", self.model, "--port", "0", *self.extra], echo)
+            for _ in range(self.num_prefill)
+        ]
+        self.nodes.extend(prefills)
+        wait_ready(prefills, timeout)
+        targets = ",".join(f"127.0.0.1:{p.info['port']}" for p in prefills)
+        decodes = [
+            spawn(
+                "decode",
+                [
+                    "--model", self.model,
+                    "--port", str(self.port + i if self.port else 0),
+                    "--prefill", targets,
+                    *self.extra,
+                ],
+                echo,
+            )
+            for i in range(self.num_decode)
+        ]
+        self.nodes.extend(decodes)
+        wait_ready(decodes, timeout)
+        return [f"127.0.0.1:{d.info['port']}" for d in decodes]
+
+    def stop(self) -> int:
+        return stop_all(self.nodes)

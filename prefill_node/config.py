@@ -1,0 +1,28 @@
+"""Prefill node configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class PrefillNodeConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int = -1  # -1: no metrics endpoint, 0: an ephemeral port
+    max_pending: int = 256  # context-only requests queued or in flight before RESOURCE_EXHAUSTED
+    default_timeout: float = 120.0  # when the caller sets no deadline
+
+    def validate(self) -> None:
+        self.engine.validate()
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"prefill port must be in [0, 65535], got {self.port}")
+        if self.metrics_port < -1 or self.metrics_port > 65535:
+            raise ValueError(f"metrics port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.default_timeout <= 0:
+            raise ValueError(f"default_timeout must be positive, got {self.default_timeout}")

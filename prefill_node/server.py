@@ -1,0 +1,282 @@
+"""The prefill node: context-only requests in, KV pushed over UCX, first token out.
+
+A `Prefill` call is admitted into the continuous batch (chunked prefill, own prefix cache). As each
+layer of a chunk is computed, the finished blocks of that layer are packed and pushed to the decode
+node's reserved blocks while the next layer computes. The seat goes back when the last chunk is
+computed; the blocks stay pinned until the push completes, then remain in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+from grpc import aio
+
+from prefill_node.config import PrefillNodeConfig
+from prefill_node.push import FINAL, PushState, make_layer_hook, plan_push
+from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
+from shared.engine import EngineCore, RequestRejected
+from shared.engine_loop import EngineLoop
+from shared.metrics import MetricsServer, serve_metrics
+from shared.node_common import NodeMetrics, create_grpc_server, model_info, set_serving
+from shared.output_processor import TokenDelta
+from shared.request import LlmRequestState
+from shared.sampling_params import SamplingParams
+from shared.scheduler import ScheduledRequest
+from transfer.protocol import TransferDestination
+from transfer.ucx import KvSender, TransferError
+
+log = logging.getLogger(__name__)
+SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+class _Pending:
+    """What the RPC handler waits on: the first token (engine) and the push (sender task)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.first_token: asyncio.Future[int] = loop.create_future()
+        self.admitted_at = time.monotonic()
+        self.context_done_at: float | None = None
+
+
+class PrefillNode(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, config: PrefillNodeConfig, core: EngineCore | None = None):
+        config.validate()
+        self.config = config
+        self.core = core or EngineCore(config.engine, context_only=True)
+        if not self.core.context_only:
+            raise ValueError("a prefill node needs an EngineCore built with context_only=True")
+        self.layout = self.core.layout
+        self.pushes: dict[str, PushState] = {}
+        self.pending: dict[str, _Pending] = {}
+        self.tasks: dict[str, asyncio.Task[object]] = {}
+        self.sender = KvSender(self.layout)
+        self.engine: EngineLoop | None = None
+        self.metrics = NodeMetrics(lambda: self._snapshot())
+        self.metrics_server: MetricsServer | None = None
+        self.server: aio.Server | None = None
+        self.port = 0
+
+    def _snapshot(self):  # noqa: ANN202 - EngineSnapshot
+        assert self.engine is not None
+        return self.engine.snapshot
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine = EngineLoop(self.core, loop, self._on_deltas, name="prefill-engine")
+        self.core.layer_hook_factory = self._layer_hook
+        self.engine.start()
+        self.server, self.health, self.port = create_grpc_server(
+            [SERVICE],
+            lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(self, s),
+            self.config.host,
+            self.config.port,
+        )
+        await self.server.start()
+        if self.config.metrics_port >= 0:
+            self.metrics_server = await serve_metrics(
+                self.metrics.registry, self.config.host, self.config.metrics_port
+            )
+        set_serving(self.health, [SERVICE], True)
+        log.info("prefill node serving on %s:%d", self.config.host, self.port)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        set_serving(self.health, [SERVICE], False)
+        if self.server is not None:
+            await self.server.stop(grace)
+        for state in self.pushes.values():
+            state.cancelled = True
+        if self.engine is not None:
+            await self.engine.call(lambda core: core.shutdown())
+            self.engine.stop()
+        await self.sender.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+
+    # ---- engine thread side ---------------------------------------------------------------
+    def _layer_hook(self, scheduled: list[ScheduledRequest]):  # noqa: ANN202
+        work = plan_push(
+            scheduled, self.pushes, self.core.kv_manager.block_table, self.layout.block_size
+        )
+        return make_layer_hook(work, self.core.kv_pool, self.layout.num_layers)
+
+    def _on_deltas(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            pending = self.pending.get(delta.request_id)
+            if pending is not None and not pending.first_token.done():
+                pending.context_done_at = time.monotonic()
+                pending.first_token.set_result(delta.token_ids[0])
+
+    # ---- RPCs -----------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context):  # noqa: N802, ANN001, ANN201
+        return model_info(self.core, generation_pb2.NODE_ROLE_PREFILL)
+
+    async def CancelPrefill(self, request, context):  # noqa: N802, ANN001, ANN201
+        found = await self._cancel(request.request_id)
+        return prefill_pb2.CancelPrefillResponse(found=found)
+
+    async def Prefill(self, request, context):  # noqa: N802, ANN001, ANN201
+        rid = request.request_id
+        dest = request.destination
+        if dest.layout_fingerprint != self.layout.fingerprint():
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV layout mismatch: decode node has fingerprint {dest.layout_fingerprint}, "
+                f"this prefill node has {self.layout.fingerprint()} ({self.layout.describe()})",
+            )
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if rid in self.pending:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight here"
+            )
+        if len(self.pending) >= self.config.max_pending:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prefill node has {len(self.pending)} requests pending (max_pending); retry",
+            )
+        timeout = context.time_remaining() or self.config.default_timeout
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks[rid] = task
+        try:
+            return await asyncio.wait_for(self._run(request), timeout)
+        except RequestRejected as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"prefill of {rid} did not finish within {timeout:.1f}s",
+            )
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push for {rid} failed: {e}")
+        finally:
+            await self._cleanup(rid)
+
+    async def _run(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        assert self.engine is not None
+        rid = request.request_id
+        loop = asyncio.get_running_loop()
+        s = request.sampling
+        params = SamplingParams.from_wire(
+            max_tokens=max(1, s.max_tokens),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=request.seed,
+            stop=tuple(s.stop),
+            ignore_eos=s.ignore_eos,
+        )
+        d = request.destination
+        destination = TransferDestination(
+            address=d.ucx_address,
+            transfer_id=d.transfer_id,
+            token=bytes(d.transfer_token),
+            block_ids=tuple(d.block_ids),
+            layout_fingerprint=d.layout_fingerprint,
+        )
+        pending = _Pending(loop)
+        self.pending[rid] = pending
+        state = PushState(rid, destination, d.first_block_index, request.layerwise, loop)
+        self.pushes[rid] = state
+        prompt = list(request.prompt_token_ids)
+        self._check_destination(prompt, state)
+        req = await self.engine.call(lambda core: core.add_request(prompt, params, rid))
+        sent_bytes, messages = await self._drain(state)
+        first_token = await pending.first_token
+        state.completed = True
+        stats = self._stats(pending, state, sent_bytes, messages, req.first_scheduled_time)
+        return prefill_pb2.PrefillResponse(
+            request_id=rid,
+            first_token_id=first_token,
+            cached_tokens=req.cached_tokens,
+            stats=stats,
+        )
+
+    def _check_destination(self, prompt: list[int], state: PushState) -> None:
+        blocks = -(-len(prompt) // self.layout.block_size)
+        want = blocks - state.first_block_index
+        if state.first_block_index >= blocks or len(state.destination.block_ids) != want:
+            raise RequestRejected(
+                f"destination.block_ids has {len(state.destination.block_ids)} blocks from "
+                f"first_block_index {state.first_block_index}; a {len(prompt)}-token prompt "
+                f"needs {want}"
+            )
+
+    async def _drain(self, state: PushState) -> tuple[int, int]:
+        sent = messages = 0
+        while True:
+            item = await state.queue.get()
+            if item is FINAL:
+                return sent, messages
+            if state.first_message_at is None:
+                state.first_message_at = time.time()
+            wire = await self.sender.send(
+                state.destination, item.layer, item.dest_block_ids, item.payload
+            )
+            payload = item.payload.numel() * item.payload.element_size()
+            sent += payload  # KV bytes; `wire` adds the small per-message header
+            messages += 1
+            self.metrics.kv_transfer_bytes.inc(wire)
+
+    def _stats(
+        self,
+        pending: _Pending,
+        state: PushState,
+        sent: int,
+        messages: int,
+        first_scheduled: float | None,
+    ) -> prefill_pb2.TransferStats:
+        now_wall = time.time()
+        scheduled = first_scheduled or pending.admitted_at
+        context_done = pending.context_done_at or time.monotonic()
+        last_computed = state.last_layer_computed_at or now_wall
+        return prefill_pb2.TransferStats(
+            bytes_sent=sent,
+            messages=messages,
+            queue_seconds=max(0.0, scheduled - pending.admitted_at),
+            prefill_seconds=max(0.0, context_done - scheduled),
+            transfer_tail_seconds=max(0.0, now_wall - last_computed),
+            first_layer_sent_unix=state.first_message_at or 0.0,
+            last_layer_computed_unix=last_computed,
+            last_byte_sent_unix=now_wall,
+        )
+
+    async def _cancel(self, rid: str) -> bool:
+        """The decode node gave up on `rid`: stop computing and pushing it; the handler's
+        cleanup releases everything."""
+        task = self.tasks.get(rid)
+        state = self.pushes.get(rid)
+        if state is not None:
+            state.cancelled = True  # the layer hook stops packing at once
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def _cleanup(self, rid: str) -> None:
+        """Whatever happened: the engine forgets the request (unpinning its blocks)."""
+        state = self.pushes.pop(rid, None)
+        self.pending.pop(rid, None)
+        self.tasks.pop(rid, None)
+        ok = state is not None and state.completed and not state.cancelled
+        if state is not None:
+            state.cancelled = True
+        if self.engine is not None:
+            with contextlib.suppress(RuntimeError):
+                await self.engine.call(lambda core: _release(core, rid, ok))
+
+
+def _release(core: EngineCore, rid: str, ok: bool) -> None:
+    request = core.requests.get(rid)
+    if request is None:
+        return
+    if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+        core.complete_context(rid, ok)
+    else:
+        core.abort(rid)

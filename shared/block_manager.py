@@ -1,0 +1,207 @@
+"""Paged-KV block bookkeeping. Pure Python: no torch, no I/O.
+
+A block is in exactly one of three places:
+- `free`: never cached or evicted; handed out FIFO (oldest freed first);
+- `evictable`: unreferenced but still holding a cached full block (prefix cache), LRU order;
+- in use: referenced by at least one request, or pinned by a transfer.
+A pinned block (a send or receive still touches its memory) is never evicted or reallocated,
+even when its last reference goes away; it returns to a pool only when the last pin is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+from shared.utils import cdiv
+
+BlockHash = bytes
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Chained hashes of the full blocks of `token_ids`: block i's hash covers tokens [0, (i+1)*bs)."""
+    return extend_block_hashes([], token_ids, block_size)
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+) -> list[BlockHash]:
+    """Append the hashes of full blocks of `token_ids` not yet in `hashes` (in place)."""
+    parent = hashes[-1] if hashes else b""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        chunk = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        # sha256, not hash(): a collision would silently serve another prompt's KV
+        parent = hashlib.sha256(parent + chunk).digest()[:16]
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive: {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._ref = [0] * num_blocks
+        self._pins = [0] * num_blocks
+        self._num_pinned = 0
+        self._hash_of: dict[int, BlockHash] = {}
+        self._block_of: dict[BlockHash, int] = {}
+
+    # ---- counts ---------------------------------------------------------------------------
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self._num_pinned
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def is_pinned(self, block_id: int) -> bool:
+        return self._pins[block_id] > 0
+
+    # ---- allocation -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} KV blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)  # least recently used
+                self._uncache(block)
+            self._ref[block] = 1
+            out.append(block)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block. Tail blocks first, so a request's last (least
+        shareable) blocks are evicted before its prefix."""
+        for block in reversed(block_ids):
+            if self._ref[block] <= 0:
+                raise AssertionError(f"double free of KV block {block}")
+            self._ref[block] -= 1
+            if self._ref[block] == 0 and not self._pins[block]:
+                self._release(block)
+
+    def _release(self, block: int) -> None:
+        if block in self._hash_of:
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
+
+    def _uncache(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None and self._block_of.get(h) == block:
+            del self._block_of[h]
+
+    # ---- pinning --------------------------------------------------------------------------
+    def pin(self, block_ids: Iterable[int]) -> None:
+        for block in block_ids:
+            if self._ref[block] <= 0 and not self._pins[block]:
+                raise AssertionError(f"pinning KV block {block} that nobody holds")
+            if self._pins[block] == 0:
+                self._num_pinned += 1
+            self._pins[block] += 1
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        for block in block_ids:
+            if self._pins[block] <= 0:
+                raise AssertionError(f"unpinning KV block {block} that is not pinned")
+            self._pins[block] -= 1
+            if self._pins[block] == 0:
+                self._num_pinned -= 1
+                if self._ref[block] == 0:
+                    self._release(block)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Longest run of cached blocks for these chained hashes (no references taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        out: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks found by `match_prefix`."""
+        for block in block_ids:
+            if self._ref[block] == 0 and not self._pins[block]:
+                del self._evictable[block]
+            self._ref[block] += 1
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
+        """Publish a full, computed block for reuse. If another block already holds this content,
+        keep that one: the duplicate simply stays private and is freed normally."""
+        if not self.enable_prefix_caching or block_id in self._hash_of:
+            return
+        if block_hash in self._block_of:
+            return
+        self._hash_of[block_id] = block_hash
+        self._block_of[block_hash] = block_id
+
+    # ---- integrity ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        evictable = set(self._evictable)
+        if len(free) != len(self._free):
+            raise AssertionError("duplicate block in the free deque")
+        if free & evictable:
+            raise AssertionError(f"blocks both free and evictable: {sorted(free & evictable)}")
+        for block in range(self.num_blocks):
+            held = self._ref[block] > 0 or self._pins[block] > 0
+            pooled = block in free or block in evictable
+            if held == pooled:
+                raise AssertionError(
+                    f"block {block}: ref={self._ref[block]} pins={self._pins[block]} "
+                    f"free={block in free} evictable={block in evictable}"
+                )
+            if self._ref[block] < 0 or self._pins[block] < 0:
+                raise AssertionError(f"block {block} has a negative count")
+        if self._num_pinned != sum(1 for p in self._pins if p):
+            raise AssertionError("pinned-block counter out of sync")
+        for block in evictable:
+            if block not in self._hash_of:
+                raise AssertionError(f"evictable block {block} has no hash")
+        for block in free:
+            if block in self._hash_of:
+                raise AssertionError(f"free block {block} still has a hash")
+        for h, block in self._block_of.items():
+            if self._hash_of.get(block) != h:
+                raise AssertionError(f"hash map inconsistent for block {block}")
+
+    def check_all_free(self) -> None:
+        """Conservation: nothing referenced or pinned (cached blocks may stay evictable)."""
+        self.check_integrity()
+        if self.num_free_blocks != self.num_blocks:
+            held = [b for b in range(self.num_blocks) if self._ref[b] or self._pins[b]]
+            raise AssertionError(f"{len(held)} KV blocks still held: {held[:20]}")

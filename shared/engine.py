@@ -1,0 +1,432 @@
+"""The engine core shared by every role, and the colocated engine built on it.
+
+`EngineCore.step()` is one iteration of continuous batching: schedule, prepare resources (seats
+in order, KV last), one batched forward over the paged pool, one batched sample, then output
+processing and release of finished requests in the seat-system order (sampler, KV, seat).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.attention import ForwardBatch, SeqEntry
+from shared.config import EngineConfig, resolve_device, resolve_dtype
+from shared.kv_cache import KvLayout, allocate_kv_pool, dtype_name
+from shared.model_loader import LoadedModel, load_model
+from shared.output_processor import OutputProcessor, TokenDelta
+from shared.block_manager import NoFreeBlocksError
+from shared.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
+from shared.resource_manager import (
+    KVCacheManager,
+    ResourceManager,
+    ResourceManagerType,
+    SeqSlotManager,
+    compute_max_num_sequences,
+    validate_seq_slot_pool_covers_admission,
+)
+from shared.sampler import Sampler
+from shared.sampling_params import SamplingParams
+from shared.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from shared.utils import cdiv
+
+# Called with the step's scheduled requests (before their counters advance); returns a hook that
+# the model calls after each layer's K/V are written, or None.
+LayerHookFactory = Callable[[Sequence[ScheduledRequest]], Callable[[int], None] | None]
+
+
+class RequestRejected(ValueError):
+    """Bad input: the message names the field (mapped to INVALID_ARGUMENT)."""
+
+
+class ResourcesExhausted(RuntimeError):
+    """The request is valid but cannot be admitted now (mapped to RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    cached_tokens: int
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        *,
+        context_only: bool = False,
+    ):
+        config.validate()
+        self.config = config
+        # a prefill node: a request ends after its first token, its blocks pinned for the push
+        self.context_only = context_only
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.loaded = loaded or load_model(config.model, self.device, self.dtype)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.model_config = self.loaded.config
+        self.layout: KvLayout = self.model_config.kv_layout(config.block_size, self.dtype)
+        self.max_model_len = self._resolve_max_model_len()
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_mb * 2**20 // self._bytes_per_block()
+        )
+        self.kv_pool = allocate_kv_pool(self.layout, num_blocks, self.device)
+        self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
+        self.kv_manager = KVCacheManager(
+            num_blocks, config.block_size, self.max_num_sequences, config.enable_prefix_caching
+        )
+        self.seq_slot_manager = SeqSlotManager(self.max_num_sequences)
+        validate_seq_slot_pool_covers_admission(self.max_num_sequences, self.kv_manager)
+        self.resource_manager = ResourceManager(
+            {
+                ResourceManagerType.KV_CACHE_MANAGER: self.kv_manager,
+                ResourceManagerType.SEQ_SLOT_MANAGER: self.seq_slot_manager,
+            }
+        )
+        self.sampler = Sampler(self.max_num_sequences, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_batch_size, config.max_num_tokens),
+            self.kv_manager,
+            self.seq_slot_manager,
+            self.free_request_resources,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
+        self.requests: dict[str, LlmRequest] = {}
+        self.layer_hook_factory: LayerHookFactory | None = None
+        self.num_steps = 0
+        # lifecycles of recently ended requests, for tests and debugging
+        self.recent_history: deque[tuple[str, list[tuple[LlmRequestState, int | None]]]] = deque(
+            maxlen=1024
+        )
+
+    def _bytes_per_block(self) -> int:
+        return self.layout.num_layers * self.layout.block_bytes_per_layer
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.model_config.max_context_len
+        if self.config.max_model_len and self.config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} exceeds the model's context "
+                f"{model_max}"
+            )
+        return self.config.max_model_len or model_max
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    # ---- admission ------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestRejected naming the field; nothing is allocated before this passes."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+        if not prompt_token_ids:
+            raise RequestRejected("prompt is empty: send non-empty text or token_ids")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad} is out of range [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(prompt_token_ids)} tokens) + sampling.max_tokens "
+                f"({params.max_tokens}) = {total} exceeds the model's context of "
+                f"{self.max_model_len} tokens"
+            )
+        need = cdiv(len(prompt_token_ids) + params.max_tokens - 1, self.config.block_size)
+        if need > self.kv_manager.blocks.num_blocks:
+            raise RequestRejected(
+                f"request needs {need} KV blocks but this node's whole pool has "
+                f"{self.kv_manager.blocks.num_blocks}; shorten the prompt or max_tokens"
+            )
+
+    def new_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str = "",
+        state: LlmRequestState = LlmRequestState.CONTEXT_INIT,
+    ) -> LlmRequest:
+        self.validate_request(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise RequestRejected(f"request_id {request_id!r} is already in flight")
+        request = LlmRequest(
+            request_id, list(prompt_token_ids), params.with_resolved_seed(), state=state
+        )
+        self.requests[request_id] = request
+        self.outputs.add(request)
+        return request
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
+    ) -> LlmRequest:
+        request = self.new_request(prompt_token_ids, params, request_id)
+        self.scheduler.add_request(request)
+        return request
+
+    # ---- one iteration --------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[TokenDelta]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        batch = [s.request for s in out.scheduled]
+        self.resource_manager.prepare_resources(batch)
+        for s in out.scheduled:
+            if s.request.state == LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE:
+                s.request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
+        forward = ForwardBatch.build(
+            [self._entry(s) for s in out.scheduled], self.config.block_size, self.device
+        )
+        hook = self.layer_hook_factory(out.scheduled) if self.layer_hook_factory else None
+        logits = self.model.forward(forward, self.kv_pool, layer_hook=hook)
+        sample_rows = [i for i, s in enumerate(out.scheduled) if s.completes_context]
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        self.resource_manager.update_resources(batch)
+        self.num_steps += 1
+        if not sample_rows:
+            return []
+        to_sample = [batch[i] for i in sample_rows]
+        tokens = self.sampler.sample(to_sample, logits[sample_rows])
+        return [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
+
+    def _entry(self, s: ScheduledRequest) -> SeqEntry:
+        r = s.request
+        start = r.num_computed_tokens
+        return SeqEntry(
+            token_ids=r.all_token_ids[start : start + s.num_new_tokens],
+            num_computed=start,
+            block_table=self.kv_manager.block_table(r.request_id),
+        )
+
+    def _accept_token(self, request: LlmRequest, token: int) -> TokenDelta:
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if self.context_only:
+            return self._finish_context(request, token)
+        if request.state == LlmRequestState.CONTEXT_INIT:
+            request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
+        delta = self.outputs.process(request, token)
+        if delta.finish_reason is not None:
+            self.finish_request(request, delta.finish_reason)
+        return delta
+
+    # ---- prefill side of P/D -------------------------------------------------------------
+    def _finish_context(self, request: LlmRequest, token: int) -> TokenDelta:
+        """Last chunk computed: the seat goes back now; the blocks stay pinned until the push
+        completes (`complete_context`), so nothing can evict or reuse them mid-send."""
+        request.output_token_ids.append(token)
+        self.scheduler.remove(request)
+        self.kv_manager.pin_blocks(request.request_id, self.kv_manager.block_table(request.request_id))
+        self.free_request_resources(request)
+        request.transition(LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
+        return TokenDelta(request.request_id, [token], "", None)
+
+    def complete_context(self, request_id: str, ok: bool) -> None:
+        """The push finished (ok) or failed: unpin; the blocks stay in the prefix cache."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.state != LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
+            return
+        self.kv_manager.unpin_request(request_id)
+        request.transition(
+            LlmRequestState.DISAGG_CONTEXT_COMPLETE if ok else LlmRequestState.DISAGG_TRANS_ERROR
+        )
+        request.finish_time = time.monotonic()
+        self.requests.pop(request_id, None)
+        self.outputs.forget(request_id)
+        self.recent_history.append((request_id, list(request.history)))
+
+    # ---- decode side of P/D ---------------------------------------------------------------
+    def reserve_for_transfer(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
+    ) -> tuple[LlmRequest, list[int], int]:
+        """Admit a request in DISAGG_GENERATION_INIT: blocks reserved (minus this node's own
+        prefix-cache hit) and pinned for the incoming transfer, no seat. Returns the request,
+        the blocks to fill and the prompt block index of the first of them."""
+        request = self.new_request(
+            prompt_token_ids, params, request_id, LlmRequestState.DISAGG_GENERATION_INIT
+        )
+        try:
+            cached = self.kv_manager.acquire_prefix(request)
+            request.cached_tokens = cached
+            new_blocks = self.kv_manager.reserve(request, request.prompt_len)
+        except NoFreeBlocksError:
+            self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
+            raise ResourcesExhausted(
+                f"no KV blocks free for a {request.prompt_len}-token prompt; retry later"
+            ) from None
+        self.kv_manager.pin_blocks(request.request_id, new_blocks)
+        return request, new_blocks, cached // self.config.block_size
+
+    def start_transfer(self, request_id: str) -> None:
+        self._live(request_id).transition(LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+
+    def complete_transfer(self, request_id: str, first_token: int) -> TokenDelta:
+        """All KV landed: the request becomes schedulable (its seat comes at the next prepare);
+        the first token, sampled on the prefill node, is processed at once."""
+        request = self._live(request_id)
+        self.kv_manager.unpin_request(request_id)
+        request.transition(LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE)
+        request.num_computed_tokens = request.prompt_len
+        self.kv_manager.cache_computed_blocks(request)
+        request.first_token_time = time.monotonic()
+        delta = self.outputs.process(request, first_token)
+        if delta.finish_reason is not None:
+            self.finish_request(request, delta.finish_reason)
+        else:
+            self.scheduler.add_request(request)
+        return delta
+
+    def fail_transfer(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
+
+    def _live(self, request_id: str) -> LlmRequest:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id} is not live (aborted or finished)")
+        return request
+
+    # ---- release --------------------------------------------------------------------------
+    def free_request_resources(self, request: LlmRequest) -> None:
+        """seat-system.md §7: sampler state first, then managers in reverse (KV, then seat)."""
+        self.sampler.release_request(request)
+        self.resource_manager.free_resources(request)
+
+    def finish_request(
+        self,
+        request: LlmRequest,
+        reason: FinishReason,
+        state: LlmRequestState = LlmRequestState.GENERATION_COMPLETE,
+    ) -> None:
+        self.scheduler.remove(request)
+        self.kv_manager.unpin_request(request.request_id)
+        self.free_request_resources(request)
+        request.finish_reason = reason
+        request.finish_time = time.monotonic()
+        if request.state != state and state in ALLOWED_TRANSITIONS[request.state]:
+            request.transition(state)
+        elif request.state != state and not request.is_finished:
+            request.transition(self._abort_state(request))
+        self.requests.pop(request.request_id, None)
+        self.outputs.forget(request.request_id)
+        self.recent_history.append((request.request_id, list(request.history)))
+
+    @staticmethod
+    def _abort_state(request: LlmRequest) -> LlmRequestState:
+        if LlmRequestState.GENERATION_COMPLETE in ALLOWED_TRANSITIONS[request.state]:
+            return LlmRequestState.GENERATION_COMPLETE
+        return LlmRequestState.DISAGG_TRANS_ERROR
+
+    def abort(self, request_id: str) -> LlmRequest | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish_request(request, FinishReason.ABORTED)
+        return request
+
+    # ---- introspection --------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def check_conservation(self) -> None:
+        """All seats and blocks back in their pools (cached blocks stay evictable)."""
+        assert not self.requests, f"requests still live: {sorted(self.requests)[:10]}"
+        self.seq_slot_manager.slot_manager.check_conservation()
+        assert self.sampler.seats_in_use() == 0, "sampler rows still owned"
+        self.kv_manager.check_conservation()
+
+    def shutdown(self) -> None:
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self.resource_manager.shutdown()
+
+
+class Engine:
+    """Colocated engine: one process does prefill and decode. The correctness and performance
+    baseline for the disaggregated path."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.core = EngineCore(config or EngineConfig(), loaded)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the loader's Tokenizer
+        return self.core.tokenizer
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.core.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str = ""
+    ) -> LlmRequest:
+        return self.core.add_request(self.encode(prompt), params, request_id)
+
+    def step(self) -> list[TokenDelta]:
+        return self.core.step()
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        params_list = self._expand_params(prompts, sampling_params)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        texts = {r.request_id: "" for r in requests}
+        while self.core.has_work:
+            for delta in self.core.step():
+                if delta.request_id in texts:
+                    texts[delta.request_id] += delta.text
+        return [
+            RequestOutput(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids),
+                text=texts[r.request_id],
+                finish_reason=r.finish_reason or FinishReason.ABORTED,
+                cached_tokens=r.cached_tokens,
+                num_preemptions=r.num_preemptions,
+            )
+            for r in requests
+        ]
+
+    @staticmethod
+    def _expand_params(
+        prompts: Sequence[object],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(sampling_params)} sampling params for {len(prompts)} prompts"
+            )
+        return list(sampling_params)
+
+    def check_conservation(self) -> None:
+        self.core.check_conservation()

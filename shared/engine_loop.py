@@ -1,0 +1,144 @@
+"""Runs an EngineCore on a thread of its own, driven from an asyncio event loop.
+
+The engine thread owns every piece of engine state (scheduler, seats, blocks, requests). The
+event loop never touches it directly: it submits commands (`call`), which the thread runs between
+steps, and receives token deltas through a callback scheduled onto the loop. While there is no
+work the thread sleeps on a condition variable, so an idle node burns no CPU; deadlines are
+enforced by timers on the event loop, never by the engine noticing new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from shared.engine import EngineCore
+from shared.output_processor import TokenDelta
+from shared.request import LlmRequestState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class EngineSnapshot:
+    """Counters published after every step or command, read by /metrics without locking."""
+
+    seats_in_use: int = 0
+    seats_total: int = 0
+    blocks_in_use: int = 0
+    blocks_total: int = 0
+    blocks_pinned: int = 0
+    blocks_cached: int = 0
+    requests_by_state: dict[str, int] = field(default_factory=dict)
+    waiting: int = 0
+    running: int = 0
+    steps: int = 0
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        loop: asyncio.AbstractEventLoop,
+        on_deltas: Callable[[list[TokenDelta]], None],
+        name: str = "engine",
+    ):
+        self.core = core
+        self._loop = loop
+        self._on_deltas = on_deltas
+        self._commands: deque[tuple[Callable[[EngineCore], object], Future[object]]] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.snapshot = EngineSnapshot()
+        self.fatal_error: BaseException | None = None
+        self._publish()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def submit(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        with self._cv:
+            if self._stopping:
+                fut.set_exception(RuntimeError("engine is shutting down"))
+                return fut
+            self._commands.append((fn, fut))  # type: ignore[arg-type]
+            self._cv.notify()
+        return fut
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(core)` on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._commands and not self.core.has_work and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping and not self._commands:
+                        return
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for fn, fut in commands:
+                    self._run_command(fn, fut)
+                if self.core.has_work:
+                    deltas = self.core.step()
+                    if deltas:
+                        self._loop.call_soon_threadsafe(self._on_deltas, deltas)
+                self._publish()
+        except BaseException as e:  # a crashed engine must not look like an idle one
+            log.exception("engine thread crashed")
+            self.fatal_error = e
+            self._fail_pending(e)
+
+    def _run_command(self, fn: Callable[[EngineCore], object], fut: Future[object]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(self.core))
+        except BaseException as e:
+            fut.set_exception(e)
+        self._publish()
+
+    def _fail_pending(self, error: BaseException) -> None:
+        with self._cv:
+            self._stopping = True
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(f"engine crashed: {error!r}"))
+
+    def _publish(self) -> None:
+        core = self.core
+        states: dict[str, int] = {s.name: 0 for s in LlmRequestState}
+        for request in core.requests.values():
+            states[request.state.name] += 1
+        blocks = core.kv_manager.blocks
+        self.snapshot = EngineSnapshot(
+            seats_in_use=core.seq_slot_manager.num_in_use,
+            seats_total=core.max_num_sequences,
+            blocks_in_use=blocks.num_used_blocks,
+            blocks_total=blocks.num_blocks,
+            blocks_pinned=blocks.num_pinned_blocks,
+            blocks_cached=blocks.num_cached_blocks,
+            requests_by_state=states,
+            waiting=len(core.scheduler.waiting),
+            running=len(core.scheduler.running),
+            steps=core.num_steps,
+        )

@@ -1,0 +1,142 @@
+"""Pieces both node roles share: gRPC server set-up, model info, node metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.pdserve.v1 import generation_pb2
+from shared.engine import EngineCore
+from shared.engine_loop import EngineSnapshot
+from shared.kv_cache import KvLayout
+from shared.metrics import LATENCY_BUCKETS, MetricsRegistry
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def layout_info(layout: KvLayout) -> generation_pb2.KvLayoutInfo:
+    return generation_pb2.KvLayoutInfo(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+        fingerprint=layout.fingerprint(),
+    )
+
+
+def describe_layout_info(info: generation_pb2.KvLayoutInfo) -> str:
+    return (
+        f"layers={info.num_layers} kv_heads={info.num_kv_heads} head_dim={info.head_dim} "
+        f"block_size={info.block_size} dtype={info.dtype}"
+    )
+
+
+def model_info(core: EngineCore, role: int) -> generation_pb2.ModelInfo:
+    return generation_pb2.ModelInfo(
+        name=core.loaded.name,
+        architecture=core.model_config.architecture,
+        vocab_size=core.model_config.vocab_size,
+        max_context=core.max_model_len,
+        block_size=core.config.block_size,
+        node_role=role,
+        kv_layout=layout_info(core.layout),
+    )
+
+
+def create_grpc_server(
+    services: Sequence[str],
+    add_servicers: Callable[[aio.Server], None],
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[aio.Server, health.HealthServicer, int]:
+    """A grpc.aio server with health checking and reflection; returns (server, health, port)."""
+    server = aio.server(options=GRPC_SERVER_OPTIONS)
+    add_servicers(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    bound = (
+        server.add_secure_port(address, credentials)
+        if credentials is not None
+        else server.add_insecure_port(address)
+    )
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    return server, health_servicer, bound
+
+
+def set_serving(health_servicer: health.HealthServicer, services: Sequence[str], ok: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if ok
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", *services):
+        health_servicer.set(name, status)
+
+
+class NodeMetrics:
+    """The metrics every node exports; engine gauges read the engine loop's latest snapshot."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self.registry = MetricsRegistry()
+        r = self.registry
+        r.gauge("pdserve_seats_in_use", "Seats (seq slots) held", fn=lambda: snapshot().seats_in_use)
+        r.gauge("pdserve_seats_total", "Seat pool size", fn=lambda: snapshot().seats_total)
+        r.gauge(
+            "pdserve_kv_blocks_in_use",
+            "KV blocks referenced or pinned",
+            fn=lambda: snapshot().blocks_in_use,
+        )
+        r.gauge("pdserve_kv_blocks_total", "KV pool size", fn=lambda: snapshot().blocks_total)
+        r.gauge(
+            "pdserve_kv_blocks_pinned",
+            "KV blocks pinned by an in-flight transfer",
+            fn=lambda: snapshot().blocks_pinned,
+        )
+        r.gauge(
+            "pdserve_kv_blocks_cached",
+            "KV blocks published in the prefix cache",
+            fn=lambda: snapshot().blocks_cached,
+        )
+        r.gauge(
+            "pdserve_requests",
+            "Live requests by state",
+            labelnames=("state",),
+            fn=lambda: {(k,): v for k, v in snapshot().requests_by_state.items()},
+        )
+        self.kv_transfer_seconds = r.histogram(
+            "pdserve_kv_transfer_seconds", "KV transfer time per request", LATENCY_BUCKETS
+        )
+        self.kv_transfer_bytes = r.counter(
+            "pdserve_kv_transfer_bytes_total", "KV bytes moved over UCX"
+        )
+        self.kv_transfer_rejected = r.counter(
+            "pdserve_kv_transfer_rejected_total",
+            "KV messages dropped by validation (bad token, ids, sizes, late)",
+        )
+        self.ttft = r.histogram(
+            "pdserve_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS
+        )
+        self.itl = r.histogram(
+            "pdserve_inter_token_latency_seconds", "Time between streamed tokens", LATENCY_BUCKETS
+        )
+        self.requests_total = r.counter(
+            "pdserve_requests_total", "Finished requests by outcome", labelnames=("outcome",)
+        )

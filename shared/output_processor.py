@@ -1,0 +1,94 @@
+"""Turns sampled tokens into finish decisions and streamed text (EOS, max_tokens, stop strings).
+
+Text that could still grow into a stop string is held back until it cannot, so a client never
+receives characters that a later stop match would have cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.request import FinishReason, LlmRequest
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class TokenDelta:
+    """What one request produced in one step: new tokens, their released text, and whether it
+    finished."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class OutputState:
+    detokenizer: IncrementalDetokenizer
+    stops: tuple[str, ...]
+    text: str = ""  # all text decoded so far (stop string included until finish)
+    emitted: int = 0  # chars of `text` already released to the client
+    checked: int = 0  # chars of `text` already searched for stop strings
+    pending_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def holdback(self) -> int:
+        return max((len(s) for s in self.stops), default=1) - 1
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: frozenset[int]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._states: dict[str, OutputState] = {}
+
+    def add(self, request: LlmRequest) -> None:
+        self._states[request.request_id] = OutputState(
+            IncrementalDetokenizer(self.tokenizer), request.sampling_params.stop
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def process(self, request: LlmRequest, token: int) -> TokenDelta:
+        """Record `token` as the request's next output and decide whether it finishes."""
+        state = self._states[request.request_id]
+        request.output_token_ids.append(token)
+        state.pending_tokens.append(token)
+        state.text += state.detokenizer.push([token])
+        params = request.sampling_params
+        reason: FinishReason | None = None
+        if state.stops and self._cut_at_stop(state):
+            reason = FinishReason.STOP
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = FinishReason.STOP
+        elif len(request.output_token_ids) >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None and not (state.stops and reason == FinishReason.STOP):
+            state.text += state.detokenizer.flush()
+        if reason:
+            release_to = len(state.text)
+        else:
+            release_to = max(state.emitted, len(state.text) - state.holdback)
+        delta = TokenDelta(
+            request.request_id, state.pending_tokens, state.text[state.emitted : release_to], reason
+        )
+        state.emitted = release_to
+        state.pending_tokens = []
+        return delta
+
+    @staticmethod
+    def _cut_at_stop(state: OutputState) -> bool:
+        # a new match must end in the new text, so it starts at most `holdback` chars earlier
+        start = max(0, state.checked - state.holdback)
+        state.checked = len(state.text)
+        best = -1
+        for stop in state.stops:
+            pos = state.text.find(stop, start)
+            if pos != -1 and (best == -1 or pos < best):
+                best = pos
+        if best == -1:
+            return False
+        state.text = state.text[:best]
+        return True

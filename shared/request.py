@@ -1,0 +1,132 @@
+"""LlmRequest and its state machine.
+
+States follow TensorRT-LLM's LlmRequestState (seat-system.md §8). Every change goes through
+`LlmRequest.transition`, which checks `ALLOWED_TRANSITIONS`; an illegal move raises, because a
+request in the wrong state is how seats and blocks leak.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+class LlmRequestState(enum.Enum):
+    CONTEXT_INIT = "context_init"  # queued or prefilling (also after preemption)
+    GENERATION_IN_PROGRESS = "generation_in_progress"
+    GENERATION_COMPLETE = "generation_complete"
+    # decode side of P/D
+    DISAGG_GENERATION_INIT = "disagg_generation_init"  # blocks reserved, no seat
+    DISAGG_GENERATION_TRANS_IN_PROGRESS = "disagg_generation_trans_in_progress"
+    DISAGG_GENERATION_TRANS_COMPLETE = "disagg_generation_trans_complete"  # seat at next prepare
+    # prefill side of P/D
+    DISAGG_CONTEXT_TRANS_IN_PROGRESS = "disagg_context_trans_in_progress"  # seat gone, blocks pinned
+    DISAGG_CONTEXT_COMPLETE = "disagg_context_complete"
+    DISAGG_TRANS_ERROR = "disagg_trans_error"
+
+
+S = LlmRequestState
+
+ALLOWED_TRANSITIONS: dict[LlmRequestState, frozenset[LlmRequestState]] = {
+    S.CONTEXT_INIT: frozenset(
+        {
+            S.GENERATION_IN_PROGRESS,
+            S.GENERATION_COMPLETE,
+            S.DISAGG_CONTEXT_TRANS_IN_PROGRESS,
+            S.DISAGG_TRANS_ERROR,
+        }
+    ),
+    S.GENERATION_IN_PROGRESS: frozenset({S.GENERATION_COMPLETE, S.CONTEXT_INIT}),
+    S.GENERATION_COMPLETE: frozenset(),
+    S.DISAGG_GENERATION_INIT: frozenset(
+        {S.DISAGG_GENERATION_TRANS_IN_PROGRESS, S.DISAGG_TRANS_ERROR, S.GENERATION_COMPLETE}
+    ),
+    S.DISAGG_GENERATION_TRANS_IN_PROGRESS: frozenset(
+        {S.DISAGG_GENERATION_TRANS_COMPLETE, S.DISAGG_TRANS_ERROR, S.GENERATION_COMPLETE}
+    ),
+    S.DISAGG_GENERATION_TRANS_COMPLETE: frozenset(
+        {S.GENERATION_IN_PROGRESS, S.GENERATION_COMPLETE, S.CONTEXT_INIT}
+    ),
+    S.DISAGG_CONTEXT_TRANS_IN_PROGRESS: frozenset(
+        {S.DISAGG_CONTEXT_COMPLETE, S.DISAGG_TRANS_ERROR}
+    ),
+    S.DISAGG_CONTEXT_COMPLETE: frozenset(),
+    S.DISAGG_TRANS_ERROR: frozenset(),
+}
+
+TERMINAL_STATES = frozenset(s for s, nxt in ALLOWED_TRANSITIONS.items() if not nxt)
+
+
+class IllegalStateTransition(RuntimeError):
+    pass
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)  # identity: requests are entities, compared by `is`
+class LlmRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    state: LlmRequestState = LlmRequestState.CONTEXT_INIT
+    seq_slot: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # tokens whose K/V are in this node's pool (prefix-cache hits included)
+    num_computed_tokens: int = 0
+    cached_tokens: int = 0  # prefix-cache hit of the first admission, reported in usage
+    finish_reason: FinishReason | None = None
+    stop_reason_text: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    return_perf_metrics: bool = True
+    # (state entered, seat held at that moment): the debug trail tests read the lifecycle from
+    history: list[tuple[LlmRequestState, int | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.history.append((self.state, self.seq_slot))
+
+    def transition(self, new_state: LlmRequestState) -> None:
+        if new_state not in ALLOWED_TRANSITIONS[self.state]:
+            raise IllegalStateTransition(
+                f"request {self.request_id}: illegal transition {self.state.name} -> "
+                f"{new_state.name}"
+            )
+        self.state = new_state
+        self.history.append((new_state, self.seq_slot))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def is_disagg_waiting_for_kv(self) -> bool:
+        return self.state in (
+            LlmRequestState.DISAGG_GENERATION_INIT,
+            LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS,
+        )
+
+    def max_total_tokens(self) -> int:
+        """Tokens the request may ever hold in the KV cache (the last sampled one is never fed)."""
+        return self.prompt_len + self.sampling_params.max_tokens - 1

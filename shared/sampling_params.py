@@ -1,0 +1,76 @@
+"""Per-request sampling parameters, validated before anything is allocated."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field, replace
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off (the wire format's 0 is mapped to 1 by `from_wire`)
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_wire(
+        cls,
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int | None,
+        stop: tuple[str, ...],
+        ignore_eos: bool,
+    ) -> SamplingParams:
+        return cls(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0 if top_p == 0.0 else top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple(stop),
+            ignore_eos=ignore_eos,
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field; the gRPC layer maps it to INVALID_ARGUMENT."""
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in [0, 1] (0 = off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"sampling.seed must fit in uint64, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"sampling.stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} allowed"
+            )
+        for s in self.stop:
+            if not s:
+                raise ValueError("sampling.stop contains an empty string")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"sampling.stop string of {len(s)} chars exceeds {MAX_STOP_STRING_CHARS}"
+                )
+
+    def with_resolved_seed(self) -> SamplingParams:
+        """Fix the seed at admission so that every node draws from the same per-request stream."""
+        if self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbits(63))

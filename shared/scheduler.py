@@ -1,0 +1,150 @@
+"""Iteration-level continuous batching with chunked prefill (no torch, no I/O).
+
+Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
+the next chunk), then waiting requests FCFS while a seat, batch room, token budget and blocks
+remain. When running requests need more blocks than are free, the newest running request is
+preempted by full release and re-queued at the front (recompute), never by pausing alone: a
+paused request keeping its seat would be double-seated when it resumes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shared.request import LlmRequest, LlmRequestState
+from shared.resource_manager import KVCacheManager, SeqSlotManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 32
+    max_num_tokens: int = 512  # token budget per step; prompts longer than this are chunked
+
+    def validate(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+
+
+@dataclass
+class ScheduledRequest:
+    request: LlmRequest
+    num_new_tokens: int
+
+    @property
+    def completes_context(self) -> bool:
+        """After this step every token of the request has K/V: its logits yield a token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[LlmRequest] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        seats: SeqSlotManager,
+        release: Callable[[LlmRequest], None],
+    ):
+        config.validate()
+        self.config = config
+        self.kv = kv
+        self.seats = seats
+        self._release = release  # the engine's free_request_resources (sampler, KV, seat)
+        self.waiting: deque[LlmRequest] = deque()
+        self.running: list[LlmRequest] = []
+
+    def add_request(self, request: LlmRequest) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: LlmRequest) -> bool:
+        """Forget a finished or aborted request (resources are released by the caller)."""
+        if request in self.running:
+            self.running.remove(request)
+            return True
+        if request in self.waiting:
+            self.waiting.remove(request)
+            return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_tokens
+        reserved = 0  # blocks promised to requests scheduled this step, allocated in prepare
+        budget, reserved = self._schedule_running(out, budget, reserved)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, reserved)
+        self.kv.scheduled_tokens = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+        return out
+
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, reserved: int
+    ) -> tuple[int, int]:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            need = self.kv.blocks_to_allocate(request, num_new)
+            while need > self.kv.num_free_blocks - reserved:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget, reserved
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            reserved += need
+            i += 1
+        return budget, reserved
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, reserved: int) -> None:
+        seats_left = self.seats.num_free
+        while self.waiting and budget > 0 and seats_left > 0:
+            if len(self.running) >= self.config.max_batch_size:
+                return
+            request = self.waiting[0]
+            fresh = request.request_id not in self.kv.block_tables
+            if fresh:
+                cached = self.kv.acquire_prefix(request)
+                request.num_computed_tokens = cached
+                if request.num_preemptions == 0:
+                    request.cached_tokens = cached
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            need = self.kv.blocks_to_allocate(request, num_new)
+            if need > self.kv.num_free_blocks - reserved:
+                if fresh:  # give the prefix back; it is matched again next step
+                    self.kv.free_resources(request)
+                    request.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            reserved += need
+            seats_left -= 1
+
+    def _preempt(self, request: LlmRequest) -> None:
+        self.running.remove(request)
+        self._release(request)
+        if request.state != LlmRequestState.CONTEXT_INIT:
+            request.transition(LlmRequestState.CONTEXT_INIT)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# UCX must be configured before ucxx is imported anywhere in the test process
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(checkpoint_root: Path) -> Callable[..., Path]:
+    """checkpoint("llama" | "llama3" | "qwen2" | "mistral", **overrides) -> a built HF dir."""
+    from tests.checkpoints import cached_checkpoint
+
+    def build(arch: str, **kwargs: object) -> Path:
+        return cached_checkpoint(checkpoint_root, arch, **kwargs)
+
+    return build

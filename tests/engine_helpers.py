@@ -1,0 +1,48 @@
+"""Reference outputs from transformers and prompt sets shared by the engine and P/D tests."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from pathlib import Path
+
+import torch
+
+
+def random_prompts(
+    n: int, vocab: int, *, min_len: int = 1, max_len: int = 300, seed: int = 0, prefix: list[int] | None = None
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    lo = 3  # keep clear of special tokens at the bottom of the vocab
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        prompts.append([*(prefix or []), *(rng.randrange(lo, vocab) for _ in range(length))])
+    return prompts
+
+
+def random_max_tokens(n: int, *, lo: int = 1, hi: int = 64, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+@cache
+def _hf_model(path: str):  # noqa: ANN202
+    from tests.checkpoints import load_hf_model
+
+    return load_hf_model(Path(path))
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers `generate(do_sample=False)` for one prompt: the token-exact reference."""
+    model = _hf_model(str(path))
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+        )
+    return out[0, len(prompt) :].tolist()

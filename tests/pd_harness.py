@@ -1,0 +1,98 @@
+"""In-process P/D clusters for tests: real gRPC servers, real UCX, one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from decode_node.config import DecodeNodeConfig
+from prefill_node.config import PrefillNodeConfig
+from shared.config import EngineConfig
+from shared.engine import EngineCore
+from shared.metrics import parse_prometheus_text
+from shared.model_loader import load_model
+
+
+@dataclass
+class PdCluster:
+    prefills: list  # list[PrefillNode]
+    decodes: list  # list[DecodeNode]
+
+    @property
+    def targets(self) -> list[str]:
+        return [f"127.0.0.1:{d.port}" for d in self.decodes]
+
+    def metrics(self) -> list[dict[str, float]]:
+        out = []
+        for node in [*self.prefills, *self.decodes]:
+            url = f"http://127.0.0.1:{node.metrics_server.port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                out.append(parse_prometheus_text(resp.read().decode()))
+        return out
+
+    async def assert_idle_and_conserved(self, timeout: float = 10.0) -> None:
+        """Every node: zero seats and zero pinned blocks in use (via /metrics), then the
+        engine's own conservation check."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            samples = await asyncio.to_thread(self.metrics)
+            busy = [
+                m
+                for m in samples
+                if m["pdserve_seats_in_use"] or m["pdserve_kv_blocks_pinned"]
+                or m["pdserve_kv_blocks_in_use"]
+            ]
+            if not busy:
+                break
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"nodes still hold resources: {busy}")
+            await asyncio.sleep(0.05)
+        for node in [*self.prefills, *self.decodes]:
+            await node.engine.call(lambda core: core.check_conservation())
+
+
+@contextlib.asynccontextmanager
+async def pd_cluster(
+    model: str | Path,
+    *,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    prefill_engine: EngineConfig | None = None,
+    decode_engine: EngineConfig | None = None,
+    decode_overrides: dict[str, object] | None = None,
+) -> AsyncIterator[PdCluster]:
+    from decode_node.server import DecodeNode
+    from prefill_node.server import PrefillNode
+
+    # one model per node, as in separate processes: a model runs one forward at a time
+    base = EngineConfig(model=str(model), num_kv_blocks=1024, max_batch_size=16)
+    prefills = []
+    decodes = []
+    try:
+        for _ in range(num_prefill):
+            cfg = PrefillNodeConfig(engine=prefill_engine or base, port=0, metrics_port=0)
+            node = PrefillNode(cfg, EngineCore(cfg.engine, load_model(str(model)), context_only=True))
+            await node.start()
+            prefills.append(node)
+        targets = tuple(f"127.0.0.1:{p.port}" for p in prefills)
+        for _ in range(num_decode):
+            cfg = DecodeNodeConfig(
+                engine=decode_engine or base,
+                prefill_targets=targets,
+                port=0,
+                metrics_port=0,
+            )
+            cfg = replace(cfg, **(decode_overrides or {}))
+            node = DecodeNode(cfg, EngineCore(cfg.engine, load_model(str(model))))
+            await node.start()
+            decodes.append(node)
+        yield PdCluster(prefills, decodes)
+    finally:
+        for node in decodes:
+            await node.stop(grace=1.0)
+        for node in prefills:
+            await node.stop(grace=1.0)

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import pytest
+
+from shared.block_manager import BlockManager, NoFreeBlocksError, compute_block_hashes
+from shared.utils import cdiv
+
+
+def test_cdiv() -> None:
+    assert [cdiv(n, 16) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
+    with pytest.raises(ValueError):
+        cdiv(3, 0)
+
+
+def test_exact_ids_fifo_and_refcounts() -> None:
+    bm = BlockManager(8, 4)
+    a = bm.allocate(3)
+    b = bm.allocate(2)
+    assert a == [0, 1, 2] and b == [3, 4]
+    assert bm.num_free_blocks == 3
+    bm.free(a)  # freed tail first: 2, 1, 0 join the back of the FIFO
+    assert bm.allocate(5) == [5, 6, 7, 2, 1]
+    assert bm.ref_count(0) == 0 and bm.ref_count(1) == 1
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(2)
+    bm.check_integrity()
+
+
+def test_double_free_asserts() -> None:
+    bm = BlockManager(4, 4)
+    a = bm.allocate(1)
+    bm.free(a)
+    with pytest.raises(AssertionError):
+        bm.free(a)
+
+
+def test_prefix_cache_refcounts_and_lru_eviction_order() -> None:
+    bm = BlockManager(4, 2)
+    tokens_a = [1, 2, 3, 4]
+    tokens_b = [9, 9, 8, 8]
+    ha = compute_block_hashes(tokens_a, 2)
+    hb = compute_block_hashes(tokens_b, 2)
+    a = bm.allocate(2)
+    for block, h in zip(a, ha, strict=True):
+        bm.cache_block(block, h)
+    b = bm.allocate(2)
+    for block, h in zip(b, hb, strict=True):
+        bm.cache_block(block, h)
+    assert bm.match_prefix(ha) == a
+    # a second user of a's prefix shares the blocks
+    bm.acquire(a)
+    assert [bm.ref_count(x) for x in a] == [2, 2]
+    bm.free(a)
+    bm.free(a)  # now unreferenced but cached: evictable, still matchable
+    assert bm.num_free_blocks == 2 and bm.match_prefix(ha) == a
+    bm.free(b)
+    # LRU: a's blocks were released first (tail first: a[1], a[0]) so they are evicted first
+    assert bm.allocate(1) == [a[1]]
+    assert bm.match_prefix(ha) == [a[0]]  # chain broken after the evicted block
+    assert bm.allocate(1) == [a[0]]
+    assert bm.match_prefix(ha) == []
+    assert bm.match_prefix(hb) == b
+    bm.check_integrity()
+
+
+def test_chained_hash_depends_on_prefix() -> None:
+    h1 = compute_block_hashes([1, 2, 3, 4], 2)
+    h2 = compute_block_hashes([5, 6, 3, 4], 2)
+    assert h1[1] != h2[1]  # same block content, different prefix
+    assert compute_block_hashes([1, 2, 3], 2) == h1[:1]  # partial block not hashed
+
+
+def test_pinned_block_never_evicted_or_reallocated() -> None:
+    bm = BlockManager(2, 2)
+    (blk,) = bm.allocate(1)
+    bm.cache_block(blk, compute_block_hashes([1, 2], 2)[0])
+    bm.pin([blk])
+    bm.free([blk])  # last reference gone while a transfer still reads it
+    assert bm.is_pinned(blk) and bm.num_free_blocks == 1
+    assert bm.allocate(1) == [1]
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(1)
+    bm.check_integrity()
+    bm.unpin([blk])
+    assert bm.num_free_blocks == 1
+    assert bm.allocate(1) == [blk]  # evicted only now
+    with pytest.raises(AssertionError):
+        bm.unpin([blk])
+    bm.free([blk])
+    bm.free([1])
+    bm.check_all_free()
+
+
+def test_conservation_check_reports_held_blocks() -> None:
+    bm = BlockManager(3, 4)
+    bm.allocate(1)
+    with pytest.raises(AssertionError, match="still held"):
+        bm.check_all_free()
+
+
+def test_prefix_caching_disabled() -> None:
+    bm = BlockManager(2, 2, enable_prefix_caching=False)
+    (blk,) = bm.allocate(1)
+    h = compute_block_hashes([1, 2], 2)
+    bm.cache_block(blk, h[0])
+    assert bm.match_prefix(h) == []
+    bm.free([blk])
+    bm.check_all_free()

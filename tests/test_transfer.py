@@ -1,0 +1,422 @@
+"""KV transfer plane over real UCX, two processes: the receiver (decode side) lives in this process
+on its own event loop; senders run in fresh interpreters (tests/transfer_peer.py), because a
+process that forks after UCX is initialised breaks its children."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from shared.kv_cache import KvLayout, allocate_kv_pool
+from tests.transfer_peer import (
+    LAYOUT,
+    REPLY_PREFIX,
+    SENDER_BLOCKS,
+    dest_from_json,
+    dest_to_json,
+    sender_pool,
+)
+from transfer import protocol as proto
+from transfer.errors import TransferCancelled, TransferError, TransferTimeout
+from transfer.protocol import TransferDestination
+
+T = TypeVar("T")
+RECEIVER_BLOCKS = 24
+BLOCK_BYTES = LAYOUT.block_bytes_per_layer
+
+
+# ---- pure protocol ---------------------------------------------------------------------------
+def test_header_round_trip_and_alignment() -> None:
+    token = secrets.token_bytes(16)
+    fp = proto.fingerprint_bytes(LAYOUT.fingerprint())
+    ids = (7, 3, 200_000, 0)
+    raw = proto.encode_header(2**64 - 1, token, fp, 2, ids, 4 * BLOCK_BYTES, last=True)
+    assert len(raw) == proto.header_size(len(ids)) and len(raw) % 64 == 0
+    prefix = proto.decode_prefix(raw)
+    assert (prefix.transfer_id, prefix.token, prefix.layer, prefix.n_blocks) == (
+        2**64 - 1,
+        token,
+        2,
+        4,
+    )
+    assert prefix.last and prefix.payload_bytes == 4 * BLOCK_BYTES
+    assert proto.decode_block_ids(raw, prefix) == ids
+    assert [proto.header_size(n) for n in (0, 1, 16, 17)] == [64, 128, 128, 192]
+    with pytest.raises(proto.ProtocolError) as bad:
+        proto.decode_prefix(b"XXXX" + raw[4:])
+    assert bad.value.reason == proto.REJECT_BAD_HEADER
+
+
+def test_destination_validation() -> None:
+    dest = TransferDestination("10.0.0.1:5000", 5, b"x" * 16, [1, 2], "fp")  # type: ignore[arg-type]
+    assert dest.block_ids == (1, 2) and hash(dest)
+    assert proto.split_address("[::1]:70") == ("::1", 70)
+    for bad in (("nohost", 1, b"x" * 16), ("h:1", -1, b"x" * 16), ("h:1", 1, b"short")):
+        with pytest.raises(ValueError):
+            TransferDestination(bad[0], bad[1], bad[2], (1,), "fp")
+
+
+# ---- harness: receiver here, peers in subprocesses ---------------------------------------------
+class Peer:
+    def __init__(self, proc: asyncio.subprocess.Process, first: dict[str, Any]) -> None:
+        self.proc = proc
+        self.first = first
+
+    @classmethod
+    async def spawn(cls, role: str) -> Peer:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.transfer_peer",
+            "--role",
+            role,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        peer = cls(proc, {})
+        peer.first = await peer._reply(30)
+        return peer
+
+    async def call(self, timeout: float = 20, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+        return await self._reply(timeout)
+
+    async def _reply(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            if not line:
+                raise RuntimeError(f"peer exited with {await self.proc.wait()}")
+            text = line.decode(errors="replace")
+            if text.startswith(REPLY_PREFIX):
+                return json.loads(text[len(REPLY_PREFIX) :])
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            try:
+                await self.call(timeout=10, op="exit")
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except (RuntimeError, TimeoutError, BrokenPipeError, ConnectionResetError):
+                pass
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pool = allocate_kv_pool(LAYOUT, RECEIVER_BLOCKS, "cpu")
+        gen = torch.Generator().manual_seed(99)
+        self.pool.copy_(torch.randn(self.pool.shape, generator=gen))  # not zeros: see "untouched"
+        self.source = sender_pool()
+        from transfer.ucx import KvReceiver
+
+        self.receiver = KvReceiver(self.pool, LAYOUT)
+        self.run(self.receiver.start())
+        self.sender = self.run(Peer.spawn("sender"))
+
+    def run(self, aw: Awaitable[T], timeout: float = 60) -> T:
+        return self.loop.run_until_complete(asyncio.wait_for(aw, timeout))
+
+    async def send(self, dest: TransferDestination, messages: list, **kw: Any) -> dict[str, Any]:
+        return await self.sender.call(op="send", dest=dest_to_json(dest), messages=messages, **kw)
+
+    async def raw(self, tag: int, data: bytes) -> dict[str, Any]:
+        reply = await self.sender.call(
+            op="raw", address=self.receiver.address, tag=tag, data=data.hex()
+        )
+        assert reply["ok"], reply
+        await self.settle()
+        return reply
+
+    async def settle(self, seconds: float = 0.1) -> None:
+        """Let the receiver's loop process whatever the peer just sent."""
+        await asyncio.sleep(seconds)
+
+    def close(self) -> None:
+        self.run(self.sender.stop())
+        self.run(self.receiver.close())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+def forged(
+    dest: TransferDestination,
+    *,
+    layer: int = 0,
+    ids: tuple[int, ...] | None = None,
+    token: bytes | None = None,
+    transfer_id: int | None = None,
+    payload_bytes: int | None = None,
+    payload: bytes | None = None,
+) -> bytes:
+    """A KV message built by hand: header + payload, any field overridable."""
+    ids = ids if ids is not None else dest.block_ids[:1]
+    body = payload if payload is not None else os.urandom(len(ids) * BLOCK_BYTES)
+    header = proto.encode_header(
+        dest.transfer_id if transfer_id is None else transfer_id,
+        dest.token if token is None else token,
+        proto.fingerprint_bytes(dest.layout_fingerprint),
+        layer,
+        ids,
+        len(body) if payload_bytes is None else payload_bytes,
+    )
+    return header + body
+
+
+def snapshot(pool: torch.Tensor) -> torch.Tensor:
+    return pool.clone()
+
+
+# ---- the transfer path ------------------------------------------------------------------------
+def test_round_trip_chunked_non_contiguous(h: Harness) -> None:
+    dst = [17, 3, 9, 21, 5, 12, 0]  # decode-side blocks, prompt order, scattered
+    src = [2, 5, 6, 7, 11, 12, 15]  # prefill-side blocks
+    chunks = [(0, 3), (3, 4), (4, 7)]  # chunked prefill: 3 chunks finish 3, 1, 3 blocks
+    before = snapshot(h.pool)
+    layers_done: list[int] = []
+
+    async def main() -> Any:
+        dest = h.receiver.expect("req-rt", dst, on_layer=layers_done.append)
+        messages = [
+            [layer, src[a:b], dst[a:b]] for a, b in chunks for layer in range(LAYOUT.num_layers)
+        ]
+        landed = asyncio.ensure_future(h.receiver.wait(dest.transfer_id, 20))
+        reply = await h.send(dest, messages)
+        assert reply["ok"], reply
+        return await landed, reply
+
+    stats, reply = h.run(main())
+    assert layers_done == [0, 1, 2]
+    assert stats.bytes == len(dst) * LAYOUT.num_layers * BLOCK_BYTES
+    assert stats.messages == len(chunks) * LAYOUT.num_layers
+    assert all(t is not None for t in stats.layer_completed_at)
+    assert stats.first_message_at <= stats.last_message_at <= stats.completed_at
+    assert reply["bytes"] > stats.bytes  # headers on top of the payload
+    for layer in range(LAYOUT.num_layers):
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(h.pool[layer][:, d], h.source[layer][:, s])
+    untouched = [b for b in range(RECEIVER_BLOCKS) if b not in dst]
+    assert torch.equal(h.pool[:, :, untouched], before[:, :, untouched])
+
+
+def test_noise_is_dropped_and_the_transfer_goes_on(h: Harness) -> None:
+    """Messages without the transfer's token: counted, never written, transfer unaffected."""
+
+    async def main() -> None:
+        dest = h.receiver.expect("req-noise", [1, 2, 4])
+        before = snapshot(h.pool)
+        counts = dict(h.receiver.rejected_by_reason)
+        tid = dest.transfer_id
+        await h.raw(tid, forged(dest, token=secrets.token_bytes(16)))  # forged token
+        await h.raw(tid, forged(dest, transfer_id=tid ^ 1))  # header names another transfer
+        await h.raw(secrets.randbits(64), forged(dest))  # tag of no transfer
+        await h.raw(tid, os.urandom(300))  # garbage on the right tag
+        await h.raw(secrets.randbits(64), os.urandom(5000))  # garbage anywhere
+        await h.raw(tid, b"tiny")  # shorter than any header
+        await h.raw(tid, os.urandom(1 << 20))  # larger than any message of this transfer
+        assert torch.equal(h.pool, before)
+        assert _delta(counts, h.receiver.rejected_by_reason) == {
+            proto.REJECT_BAD_TOKEN: 1,
+            proto.REJECT_UNKNOWN_TRANSFER: 3,
+            proto.REJECT_BAD_HEADER: 1,
+            proto.REJECT_BAD_LENGTH: 2,
+        }
+        messages = [[layer, [0, 1, 2], [1, 2, 4]] for layer in range(LAYOUT.num_layers)]
+        landed = asyncio.ensure_future(h.receiver.wait(tid, 20))
+        assert (await h.send(dest, messages))["ok"]
+        await landed
+        assert torch.equal(h.pool[:, :, [1, 2, 4]], h.source[:, :, [0, 1, 2]])
+
+    total = h.receiver.rejected_total
+    h.run(main())
+    assert h.receiver.rejected_total == total + 7
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("block_outside_reservation", proto.REJECT_BAD_BLOCK),
+        ("wrong_byte_count", proto.REJECT_BAD_LENGTH),
+        ("duplicate_block", proto.REJECT_DUPLICATE),
+        ("bad_layer", proto.REJECT_BAD_LAYER),
+    ],
+)
+def test_bad_data_from_the_sender_fails_the_transfer(h: Harness, case: str, reason: str) -> None:
+    """Malformed messages with the right token come from a broken sender: rejected, counted,
+    not written, and the transfer fails at once; the next transfer is unaffected."""
+
+    async def main() -> None:
+        dest = h.receiver.expect(f"req-{case}", [6, 7])
+        landed = asyncio.ensure_future(h.receiver.wait(dest.transfer_id, 20))
+        if case == "duplicate_block":
+            assert (await h.send(dest, [[0, [3], [6]]]))["ok"]
+        before = snapshot(h.pool)
+        counts = dict(h.receiver.rejected_by_reason)
+        message = {
+            "block_outside_reservation": lambda: forged(dest, ids=(6, 8)),
+            "wrong_byte_count": lambda: forged(dest, payload_bytes=BLOCK_BYTES - 4),
+            "duplicate_block": lambda: forged(dest, ids=(6,)),
+            "bad_layer": lambda: forged(dest, layer=LAYOUT.num_layers),
+        }[case]()
+        await h.raw(dest.transfer_id, message)
+        with pytest.raises(TransferError, match=reason):
+            await landed
+        assert torch.equal(h.pool, before)
+        assert _delta(counts, h.receiver.rejected_by_reason) == {reason: 1}
+        await _valid_transfer(h, [6, 7])
+
+    h.run(main())
+
+
+def test_timeout_fires_without_sender_and_late_message_is_dropped(h: Harness) -> None:
+    async def main() -> None:
+        dest = h.receiver.expect("req-late", [10, 11])
+        before = snapshot(h.pool)
+        started = time.monotonic()
+        with pytest.raises(TransferTimeout, match="2 of 2|6 of 6"):
+            await h.receiver.wait(dest.transfer_id, 0.3)
+        assert 0.25 < time.monotonic() - started < 2
+        late = h.receiver.rejected_by_reason.get(proto.REJECT_LATE, 0)
+        reply = await h.send(dest, [[0, [0, 1], [10, 11]]])
+        assert reply["ok"], reply  # drained by the receiver: the sender is not left hanging
+        await h.settle()
+        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 1
+        assert torch.equal(h.pool, before)
+        await _valid_transfer(h, [10, 11])  # no stale receive swallows the next transfer
+
+    h.run(main())
+
+
+def test_cancel(h: Harness) -> None:
+    async def main() -> None:
+        dest = h.receiver.expect("req-cancel", [13])
+        waiter = asyncio.ensure_future(h.receiver.wait(dest.transfer_id, 20))
+        await asyncio.sleep(0.05)
+        h.receiver.cancel(dest.transfer_id)
+        h.receiver.cancel(dest.transfer_id)  # idempotent
+        with pytest.raises(TransferCancelled):
+            await waiter
+        before = snapshot(h.pool)
+        late = h.receiver.rejected_by_reason.get(proto.REJECT_LATE, 0)
+        assert (await h.send(dest, [[0, [0], [13]]]))["ok"]
+        await h.settle()
+        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 1
+        assert torch.equal(h.pool, before)
+        h.receiver.cancel(12345)  # unknown: ignored
+
+    h.run(main())
+
+
+def test_idle_listener_does_not_spin(h: Harness) -> None:
+    """A listener with a connected peer and a transfer expected but not arriving stays idle."""
+
+    async def main() -> float:
+        dest = h.receiver.expect("req-idle", [14])
+        await asyncio.sleep(0.2)
+        cpu, wall = time.process_time(), time.monotonic()
+        await asyncio.sleep(2.0)
+        used = (time.process_time() - cpu) / (time.monotonic() - wall)
+        h.receiver.cancel(dest.transfer_id)
+        return used
+
+    used = h.run(main())
+    assert used < 0.05, f"idle receiver used {used:.1%} of a core"
+
+
+def test_sender_sees_decode_death_quickly(h: Harness) -> None:
+    from transfer.ucx import KvSender
+
+    everything = list(range(SENDER_BLOCKS))  # 16 blocks: one message is rendezvous-sized
+
+    async def main() -> None:
+        decode = await Peer.spawn("receiver")
+        sender = KvSender(LAYOUT)
+        try:
+            reply = await decode.call(op="expect", blocks=everything)
+            dest = dest_from_json(reply["dest"])
+            payload = KvSender.pack(h.source, 0, everything)
+            assert await sender.send(dest, 0, everything, payload) > 8192
+            # Stopped, not dead: the message is not taken, and the send's deadline says so.
+            decode.signal(signal.SIGSTOP)
+            with pytest.raises(TransferTimeout):
+                payload = KvSender.pack(h.source, 1, everything)
+                await sender.send(dest, 1, everything, payload, timeout=0.5)
+            # A send pending while the process dies fails within a few seconds.
+            payload = KvSender.pack(h.source, 2, everything)
+            pending = asyncio.ensure_future(sender.send(dest, 2, everything, payload))
+            await asyncio.sleep(0.3)
+            assert not pending.done()
+            decode.signal(signal.SIGKILL)
+            await decode.proc.wait()
+            died = time.monotonic()
+            with pytest.raises(TransferError) as pending_error:
+                await pending
+            assert not isinstance(pending_error.value, TransferTimeout)
+            assert time.monotonic() - died < 3
+            # The broken endpoint was dropped; reconnecting to a dead node fails fast too.
+            started = time.monotonic()
+            with pytest.raises(TransferError):
+                await sender.send(dest, 0, [2], KvSender.pack(h.source, 0, [2]))
+            assert time.monotonic() - started < 3
+        finally:
+            await sender.close()
+            await decode.stop()
+
+    h.run(main())
+
+
+def test_sender_refuses_layout_mismatch(h: Harness) -> None:
+    from transfer.ucx import KvSender
+
+    other = KvLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+    dest = TransferDestination("127.0.0.1:1", 1, b"t" * 16, (0,), other.fingerprint())
+
+    async def main() -> None:
+        sender = KvSender(LAYOUT)
+        with pytest.raises(TransferError, match="layout mismatch"):
+            await sender.send(dest, 0, [0], KvSender.pack(h.source, 0, [0]))
+        await sender.close()
+
+    h.run(main())
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+async def _valid_transfer(h: Harness, dst: list[int]) -> None:
+    src = list(range(len(dst)))
+    dest = h.receiver.expect("req-valid", dst)
+    landed = asyncio.ensure_future(h.receiver.wait(dest.transfer_id, 20))
+    messages = [[layer, src, dst] for layer in range(LAYOUT.num_layers)]
+    reply = await h.send(dest, messages, last=True)
+    assert reply["ok"], reply
+    await landed
+    assert torch.equal(h.pool[:, :, dst], h.source[:, :, src])
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}

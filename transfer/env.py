@@ -1,0 +1,76 @@
+"""UCX environment for the transfer plane; importing this module does not import ucxx.
+
+UCX reads most of its configuration from `UCX_*` variables when a UCX context is created (the
+first KvReceiver.start() / KvSender.send() of the process), and a few global ones when the library
+is loaded (`import ucxx`). `transfer.engine` calls `configure_ucx_env()` with the defaults before
+it imports ucxx, so importing `transfer.ucx` always gives a working setup; call it yourself, with
+arguments, before that import (or at the latest before the first receiver/sender starts) to
+change the defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+# Defaults; an operator's environment wins over them (setdefault), explicit arguments win over
+# both.
+_DEFAULTS: dict[str, str] = {
+    # ucxx turns endpoint error handling on (we need it: a dead peer must fail sends instead of
+    # hanging them), and UCX then drops its shared-memory transports unless told that they may
+    # be used with error handling; without this, same-host transfers run over tcp/lo at
+    # ~0.4 GB/s instead of sysv shared memory at 5-10 GB/s (see transfer/engine.py).
+    "UCX_MM_ERROR_HANDLING": "y",
+    # Without CUDA, UCX warns about UCX_MEMTYPE_CACHE (which ucxx sets) being unused.
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    # ucxx sets this itself on import; set here too so a context created before that import
+    # (none today) would see the same value. Required by UCX for CUDA memory detection.
+    "UCX_MEMTYPE_CACHE": "n",
+}
+
+
+def configure_ucx_env(
+    *,
+    tls: str | None = None,
+    shm_error_handling: bool | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> None:
+    """Set the UCX environment of this process; idempotent.
+
+    tls: value for UCX_TLS, None leaves transport selection to UCX (shared memory on one host,
+        tcp across hosts or network namespaces, cuda_copy/cuda_ipc for GPU memory). Listener
+        based connection setup needs tcp, so a list must keep it (e.g. "tcp,sm,cuda_copy").
+    shm_error_handling: force UCX_MM_ERROR_HANDLING on/off (default on).
+    extra: further UCX_* variables, set as given.
+    """
+    for key, value in _DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    explicit: dict[str, str] = dict(extra or {})
+    if tls is not None:
+        _check_tls(tls)
+        explicit["UCX_TLS"] = tls
+    if shm_error_handling is not None:
+        explicit["UCX_MM_ERROR_HANDLING"] = "y" if shm_error_handling else "n"
+    for key, value in explicit.items():
+        if not key.startswith("UCX_"):
+            raise ValueError(f"{key} is not a UCX_* variable")
+        if "ucxx" in sys.modules and os.environ.get(key) != value:
+            log.warning(
+                "%s=%s set after ucxx was imported; it applies to UCX contexts created "
+                "from now on only",
+                key,
+                value,
+            )
+        os.environ[key] = value
+
+
+def _check_tls(tls: str) -> None:
+    names = {name.strip().lstrip("^") for name in tls.split(",")}
+    if tls.startswith("^") or "all" in names:
+        return
+    if "tcp" not in names:
+        raise ValueError(f"UCX_TLS={tls!r} lacks tcp, which listener connection setup needs")

@@ -1,0 +1,24 @@
+"""Errors of the KV transfer plane."""
+
+from __future__ import annotations
+
+
+class TransferError(Exception):
+    """A KV transfer failed (peer gone, bad data, ...). The transfer is torn down: nothing more is
+    written for it and late messages carrying its id are dropped."""
+
+
+class TransferTimeout(TransferError):
+    """The transfer's deadline passed before every (layer, block) pair landed."""
+
+
+class TransferCancelled(TransferError):
+    """The transfer was cancelled by the caller (or the receiver closed)."""
+
+
+class ProtocolError(ValueError):
+    """A KV message failed validation; `reason` is the key counted in `rejected_by_reason`."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
