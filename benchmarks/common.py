@@ -27,7 +27,9 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
-def bar_plot(path: Path, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+def bar_plot(
+    path: Path, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -54,7 +54,9 @@ def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int
 
 def run_pdserve(path: Path, prompts: list[list[int]], outputs: list[int], batch: int) -> float:
     engine = Engine(
-        EngineConfig(model=str(path), num_kv_blocks=4096, max_batch_size=batch, max_num_tokens=1024),
+        EngineConfig(
+            model=str(path), num_kv_blocks=4096, max_batch_size=batch, max_num_tokens=1024
+        ),
         load_model(str(path)),
     )
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in outputs]

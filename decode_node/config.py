@@ -26,7 +26,9 @@ class DecodeNodeConfig:
     def validate(self) -> None:
         self.engine.validate()
         if not self.prefill_targets:
-            raise ValueError("a decode node needs at least one prefill target (--prefill HOST:PORT)")
+            raise ValueError(
+                "a decode node needs at least one prefill target (--prefill HOST:PORT)"
+            )
         for target in self.prefill_targets:
             host, sep, port = target.rpartition(":")
             if not sep or not host or not port.isdigit():

@@ -51,7 +51,7 @@ class PrefillPeer:
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except (grpc.RpcError, asyncio.TimeoutError):
+        except (TimeoutError, grpc.RpcError):
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -59,8 +59,11 @@ class PrefillPeer:
 class PrefillPool:
     def __init__(self, targets: tuple[str, ...], health_interval: float):
         self.peers = [
-            PrefillPeer(t, ch := aio.insecure_channel(t, options=GRPC_SERVER_OPTIONS),
-                        prefill_pb2_grpc.PrefillStub(ch))
+            PrefillPeer(
+                t,
+                ch := aio.insecure_channel(t, options=GRPC_SERVER_OPTIONS),
+                prefill_pb2_grpc.PrefillStub(ch),
+            )
             for t in targets
         ]
         self.health_interval = health_interval

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 
 import grpc
@@ -101,10 +101,11 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.server: aio.Server | None = None
         self.port = 0
         self.accepting = True
+        self._tasks: set[asyncio.Future[None]] = set()
         # PrefillResponse of recent requests (timestamps, bytes): the layer-wise evidence
         self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
 
-    def _snapshot(self):  # noqa: ANN202
+    def _snapshot(self):
         assert self.engine is not None
         return self.engine.snapshot
 
@@ -163,10 +164,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 stream.queue.put_nowait(delta)
 
     # ---- RPCs -----------------------------------------------------------------------------
-    async def GetModelInfo(self, request, context):  # noqa: N802, ANN001, ANN201
+    async def GetModelInfo(self, request, context):
         return model_info(self.core, generation_pb2.NODE_ROLE_DECODE)
 
-    async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+    async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
         try:
             async for response in self._generate(rid, request, context.time_remaining()):
@@ -216,9 +217,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.metrics.itl.observe(time.monotonic() - prev)
         return delta
 
-    def _parse(
-        self, request: generation_pb2.GenerateRequest
-    ) -> tuple[list[int], SamplingParams]:
+    def _parse(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
         which = request.WhichOneof("prompt")
         if which == "text":
             if not request.text:
@@ -280,8 +279,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             except _PrefillFailed as e:
                 last_error = str(e)
                 continue
+            first_token = response.first_token_id
             delta = await self.engine.call(
-                lambda core: core.complete_transfer(rid, response.first_token_id)
+                lambda core, token=first_token: core.complete_transfer(rid, token)
             )
             stream.first_token_at = time.monotonic()
             self.metrics.ttft.observe(stream.first_token_at - stream.admitted_at)
@@ -305,7 +305,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             await peer.ensure_layout(self.layout_info)
         except LayoutMismatch as e:
             raise GenerateError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-        except (grpc.RpcError, asyncio.TimeoutError) as e:
+        except (TimeoutError, grpc.RpcError) as e:
             self.pool.mark_unhealthy(peer, f"model info failed: {e}")
             raise _PrefillFailed(f"{peer.target}: {e}") from None
         dest = self.receiver.expect(stream.request_id, blocks)
@@ -368,7 +368,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         except TransferTimeout:
             self._forget_transfer(stream)
             call.cancel()
-            asyncio.ensure_future(peer.cancel(stream.request_id))
+            self._background(peer.cancel(stream.request_id))
             raise GenerateError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"KV transfer for {stream.request_id} from {peer.target} timed out",
@@ -376,12 +376,18 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         except TransferError as e:
             self._forget_transfer(stream)
             call.cancel()
-            asyncio.ensure_future(peer.cancel(stream.request_id))
+            self._background(peer.cancel(stream.request_id))
             self.pool.mark_unhealthy(peer, f"KV transfer failed: {e}")
             raise _PrefillFailed(f"{peer.target}: KV transfer failed: {e}") from None
         finally:
             if not rpc.done():
                 rpc.cancel()
+
+    def _background(self, coro: Coroutine[object, object, None]) -> None:
+        """Fire-and-forget with a strong reference, so the task is not collected mid-flight."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _forget_transfer(self, stream: _Stream) -> None:
         if stream.transfer_id is not None:
@@ -452,7 +458,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.streams.pop(rid, None)
         self._forget_transfer(stream)
         if stream.peer is not None and not stream.prefill_done:
-            asyncio.ensure_future(stream.peer.cancel(rid))
+            self._background(stream.peer.cancel(rid))
         if self.engine is not None:
             with contextlib.suppress(RuntimeError):
                 await self.engine.call(lambda core: core.abort(rid))

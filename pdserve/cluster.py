@@ -92,9 +92,12 @@ class Cluster:
             spawn(
                 "decode",
                 [
-                    "--model", self.model,
-                    "--port", str(self.port + i if self.port else 0),
-                    "--prefill", targets,
+                    "--model",
+                    self.model,
+                    "--port",
+                    str(self.port + i if self.port else 0),
+                    "--prefill",
+                    targets,
                     *self.extra,
                 ],
                 echo,

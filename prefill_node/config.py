@@ -21,7 +21,9 @@ class PrefillNodeConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"prefill port must be in [0, 65535], got {self.port}")
         if self.metrics_port < -1 or self.metrics_port > 65535:
-            raise ValueError(f"metrics port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
+            raise ValueError(
+                f"metrics port must be -1 (off) or in [0, 65535], got {self.metrics_port}"
+            )
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
         if self.default_timeout <= 0:

@@ -61,7 +61,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.server: aio.Server | None = None
         self.port = 0
 
-    def _snapshot(self):  # noqa: ANN202 - EngineSnapshot
+    def _snapshot(self):
         assert self.engine is not None
         return self.engine.snapshot
 
@@ -85,21 +85,30 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         set_serving(self.health, [SERVICE], True)
         log.info("prefill node serving on %s:%d", self.config.host, self.port)
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def stop(self, grace: float = 5.0) -> bool:
+        """Stop admitting, finish or abort in-flight work within `grace`, release everything;
+        returns whether every seat and block was back in its pool."""
         set_serving(self.health, [SERVICE], False)
         if self.server is not None:
             await self.server.stop(grace)
         for state in self.pushes.values():
             state.cancelled = True
+        conserved = True
         if self.engine is not None:
             await self.engine.call(lambda core: core.shutdown())
+            try:
+                await self.engine.call(lambda core: core.check_conservation())
+            except AssertionError as e:
+                log.error("conservation check failed at shutdown: %s", e)
+                conserved = False
             self.engine.stop()
         await self.sender.close()
         if self.metrics_server is not None:
             await self.metrics_server.close()
+        return conserved
 
     # ---- engine thread side ---------------------------------------------------------------
-    def _layer_hook(self, scheduled: list[ScheduledRequest]):  # noqa: ANN202
+    def _layer_hook(self, scheduled: list[ScheduledRequest]):
         work = plan_push(
             scheduled, self.pushes, self.core.kv_manager.block_table, self.layout.block_size
         )
@@ -113,14 +122,14 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 pending.first_token.set_result(delta.token_ids[0])
 
     # ---- RPCs -----------------------------------------------------------------------------
-    async def GetModelInfo(self, request, context):  # noqa: N802, ANN001, ANN201
+    async def GetModelInfo(self, request, context):
         return model_info(self.core, generation_pb2.NODE_ROLE_PREFILL)
 
-    async def CancelPrefill(self, request, context):  # noqa: N802, ANN001, ANN201
+    async def CancelPrefill(self, request, context):
         found = await self._cancel(request.request_id)
         return prefill_pb2.CancelPrefillResponse(found=found)
 
-    async def Prefill(self, request, context):  # noqa: N802, ANN001, ANN201
+    async def Prefill(self, request, context):
         rid = request.request_id
         dest = request.destination
         if dest.layout_fingerprint != self.layout.fingerprint():

@@ -1,20 +1,22 @@
 """Batched paged attention over the KV pool (layout in `shared.kv_cache`).
 
-A `ForwardBatch` is built once per engine step and holds every index the model needs, as tensors,
-so each layer does a fixed number of tensor ops regardless of how many sequences are batched:
+A `ForwardBatch` is built once per engine step and holds every index the model needs, as tensors
+(moved to the device in one copy), so each layer does a fixed number of tensor ops however many
+sequences are batched:
 
 * `slot_mapping[t]`: where new token t's K/V goes in one layer's flat K (or V) plane.
-* Sequences are split into a few *groups* (see `_split_groups`): decode steps and prefill chunks
-  apart, and sequences of very different lengths apart, so padding never more than doubles the
-  attention work. A uniform decode batch is one group. Each group runs ONE
-  `scaled_dot_product_attention` over K/V gathered from the pool into a padded
-  `[G, Kmax, kv_heads, head_dim]` by one block-level `index_select` per K/V plane.
-* Inside a group a mask encodes causality (key position <= query position), which also hides the
-  padding; sliding-window layers add `key position > query position - window` on top.
-
-Attention always reads K/V back from the pool *after* this step's tokens are written, so a chunk
-that follows earlier chunks (or a prefix-cache hit, `num_computed > 0`) sees exactly the same
-keys as a single full pass.
+* Sequences are split into a few *groups* (see `_split_groups`): decode steps, fresh prefills and
+  continued prefill chunks apart, and sequences of very different lengths apart, so padding
+  stays bounded. A uniform decode batch is one group. Each group runs ONE
+  `scaled_dot_product_attention` call per layer.
+* A decode or continued-prefill group gathers its sequences' K/V from the pool into a padded
+  `[G, Kmax, kv_heads, head_dim]` with one block-level `index_select` per K/V plane, reading
+  back this step's tokens after they were written, so a chunk after earlier chunks (or after a
+  prefix-cache hit, `num_computed > 0`) sees exactly the keys a single full pass would. A mask
+  encodes causality (key position <= query position), which also hides the padding;
+  sliding-window layers add `key position > query position - window`.
+* A fresh-prefill group (nothing cached) attends over this step's K/V directly with SDPA's
+  causal mode, skipping the pool round trip and the masked half of the work.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Chained hashes of the full blocks of `token_ids`: block i's hash covers tokens [0, (i+1)*bs)."""
+    """Chained hashes of the full blocks of `token_ids`; block i's covers tokens [0, (i+1)*bs)."""
     return extend_block_hashes([], token_ids, block_size)
 
 
@@ -45,7 +45,9 @@ def extend_block_hashes(
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be positive: {num_blocks}, {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be positive: {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from shared.attention import ForwardBatch, SeqEntry
+from shared.block_manager import NoFreeBlocksError
 from shared.config import EngineConfig, resolve_device, resolve_dtype
 from shared.kv_cache import KvLayout, allocate_kv_pool, dtype_name
 from shared.model_loader import LoadedModel, load_model
 from shared.output_processor import OutputProcessor, TokenDelta
-from shared.block_manager import NoFreeBlocksError
 from shared.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
 from shared.resource_manager import (
     KVCacheManager,
@@ -118,8 +118,7 @@ class EngineCore:
         model_max = self.model_config.max_context_len
         if self.config.max_model_len and self.config.max_model_len > model_max:
             raise ValueError(
-                f"max_model_len {self.config.max_model_len} exceeds the model's context "
-                f"{model_max}"
+                f"max_model_len {self.config.max_model_len} exceeds the model's context {model_max}"
             )
         return self.config.max_model_len or model_max
 
@@ -234,7 +233,9 @@ class EngineCore:
         completes (`complete_context`), so nothing can evict or reuse them mid-send."""
         request.output_token_ids.append(token)
         self.scheduler.remove(request)
-        self.kv_manager.pin_blocks(request.request_id, self.kv_manager.block_table(request.request_id))
+        self.kv_manager.pin_blocks(
+            request.request_id, self.kv_manager.block_table(request.request_id)
+        )
         self.free_request_resources(request)
         request.transition(LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
         return TokenDelta(request.request_id, [token], "", None)
@@ -372,7 +373,7 @@ class Engine:
         self.core = EngineCore(config or EngineConfig(), loaded)
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - the loader's Tokenizer
+    def tokenizer(self):
         return self.core.tokenizer
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -423,9 +424,7 @@ class Engine:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"{len(sampling_params)} sampling params for {len(prompts)} prompts"
-            )
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         return list(sampling_params)
 
     def check_conservation(self) -> None:

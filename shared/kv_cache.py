@@ -30,7 +30,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+        raise ValueError(
+            f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}"
+        ) from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -83,9 +83,7 @@ def create_grpc_server(
 
 def set_serving(health_servicer: health.HealthServicer, services: Sequence[str], ok: bool) -> None:
     status = (
-        health_pb2.HealthCheckResponse.SERVING
-        if ok
-        else health_pb2.HealthCheckResponse.NOT_SERVING
+        health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
     )
     for name in ("", *services):
         health_servicer.set(name, status)
@@ -97,7 +95,9 @@ class NodeMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot]):
         self.registry = MetricsRegistry()
         r = self.registry
-        r.gauge("pdserve_seats_in_use", "Seats (seq slots) held", fn=lambda: snapshot().seats_in_use)
+        r.gauge(
+            "pdserve_seats_in_use", "Seats (seq slots) held", fn=lambda: snapshot().seats_in_use
+        )
         r.gauge("pdserve_seats_total", "Seat pool size", fn=lambda: snapshot().seats_total)
         r.gauge(
             "pdserve_kv_blocks_in_use",

@@ -59,9 +59,9 @@ class OutputProcessor:
         state.text += state.detokenizer.push([token])
         params = request.sampling_params
         reason: FinishReason | None = None
-        if state.stops and self._cut_at_stop(state):
-            reason = FinishReason.STOP
-        elif token in self.eos_token_ids and not params.ignore_eos:
+        if (state.stops and self._cut_at_stop(state)) or (
+            token in self.eos_token_ids and not params.ignore_eos
+        ):
             reason = FinishReason.STOP
         elif len(request.output_token_ids) >= params.max_tokens:
             reason = FinishReason.LENGTH

@@ -23,7 +23,9 @@ class LlmRequestState(enum.Enum):
     DISAGG_GENERATION_TRANS_IN_PROGRESS = "disagg_generation_trans_in_progress"
     DISAGG_GENERATION_TRANS_COMPLETE = "disagg_generation_trans_complete"  # seat at next prepare
     # prefill side of P/D
-    DISAGG_CONTEXT_TRANS_IN_PROGRESS = "disagg_context_trans_in_progress"  # seat gone, blocks pinned
+    DISAGG_CONTEXT_TRANS_IN_PROGRESS = (
+        "disagg_context_trans_in_progress"  # seat gone, blocks pinned
+    )
     DISAGG_CONTEXT_COMPLETE = "disagg_context_complete"
     DISAGG_TRANS_ERROR = "disagg_trans_error"
 

@@ -1,4 +1,4 @@
-"""Resource managers and the seat system (seat-system.md §2–§7).
+"""Resource managers and the seat system (seat-system.md §2-§7).
 
 "Seats say who, blocks say how much." A seat (`seq_slot`) is taken after blocks and returned
 after them. These classes are pure bookkeeping: no torch, no I/O.
@@ -306,10 +306,7 @@ def compute_max_num_sequences(
     overlap_headroom: bool = True,
 ) -> int:
     """The one formula for the seat pool size (seat-system.md §5)."""
-    if pp_size > 1:
-        factor = pp_size
-    else:
-        factor = 2 if (overlap_headroom and overlap_scheduler) else 1
+    factor = pp_size if pp_size > 1 else 2 if overlap_headroom and overlap_scheduler else 1
     return max_batch_size * factor
 
 

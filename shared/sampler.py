@@ -86,9 +86,7 @@ class Sampler:
     def seats_in_use(self) -> int:
         return sum(o is not None for o in self.owner)
 
-    def sample(
-        self, requests: Sequence[LlmRequest | None], logits: torch.Tensor
-    ) -> list[int]:
+    def sample(self, requests: Sequence[LlmRequest | None], logits: torch.Tensor) -> list[int]:
         """One call per step. `None` rows are padding: sampled into the scratch row, discarded."""
         rows = [self.dummy_slot_row if r is None else self._seat(r) for r in requests]
         logits = logits.float()

@@ -46,7 +46,7 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field; the gRPC layer maps it to INVALID_ARGUMENT."""
+        """Raise ValueError naming the offending field (the gRPC layer: INVALID_ARGUMENT)."""
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0.0:  # also rejects NaN

@@ -10,7 +10,13 @@ import torch
 
 
 def random_prompts(
-    n: int, vocab: int, *, min_len: int = 1, max_len: int = 300, seed: int = 0, prefix: list[int] | None = None
+    n: int,
+    vocab: int,
+    *,
+    min_len: int = 1,
+    max_len: int = 300,
+    seed: int = 0,
+    prefix: list[int] | None = None,
 ) -> list[list[int]]:
     rng = random.Random(seed)
     lo = 3  # keep clear of special tokens at the bottom of the vocab
@@ -27,7 +33,7 @@ def random_max_tokens(n: int, *, lo: int = 1, hi: int = 64, seed: int = 1) -> li
 
 
 @cache
-def _hf_model(path: str):  # noqa: ANN202
+def _hf_model(path: str):
     from tests.checkpoints import load_hf_model
 
     return load_hf_model(Path(path))

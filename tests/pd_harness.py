@@ -43,7 +43,8 @@ class PdCluster:
             busy = [
                 m
                 for m in samples
-                if m["pdserve_seats_in_use"] or m["pdserve_kv_blocks_pinned"]
+                if m["pdserve_seats_in_use"]
+                or m["pdserve_kv_blocks_pinned"]
                 or m["pdserve_kv_blocks_in_use"]
             ]
             if not busy:
@@ -75,7 +76,9 @@ async def pd_cluster(
     try:
         for _ in range(num_prefill):
             cfg = PrefillNodeConfig(engine=prefill_engine or base, port=0, metrics_port=0)
-            node = PrefillNode(cfg, EngineCore(cfg.engine, load_model(str(model)), context_only=True))
+            node = PrefillNode(
+                cfg, EngineCore(cfg.engine, load_model(str(model)), context_only=True)
+            )
             await node.start()
             prefills.append(node)
         targets = tuple(f"127.0.0.1:{p.port}" for p in prefills)

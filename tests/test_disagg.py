@@ -21,7 +21,7 @@ from tests.pd_harness import pd_cluster
 S = LlmRequestState
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 
@@ -54,8 +54,11 @@ def test_greedy_parity_lifecycle_and_chunked_prefill(checkpoint: Callable[..., P
 
 def check_decode_lifecycle(history: list[tuple[S, int | None]], single_token: bool) -> None:
     states = [s for s, _ in history]
-    head = [S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS,
-            S.DISAGG_GENERATION_TRANS_COMPLETE]
+    head = [
+        S.DISAGG_GENERATION_INIT,
+        S.DISAGG_GENERATION_TRANS_IN_PROGRESS,
+        S.DISAGG_GENERATION_TRANS_COMPLETE,
+    ]
     assert states[:3] == head
     # no seat until the KV has arrived
     assert all(seat is None for _, seat in history[:3])
@@ -81,7 +84,12 @@ def test_seeded_sampling_matches_colocated(checkpoint: Callable[..., Path]) -> N
             got = await asyncio.gather(
                 *(
                     generate(
-                        c.targets[0], p, max_tokens=20, temperature=0.9, top_p=0.95, top_k=40,
+                        c.targets[0],
+                        p,
+                        max_tokens=20,
+                        temperature=0.9,
+                        top_p=0.95,
+                        top_k=40,
                         seed=sp.seed,
                     )
                     for p, sp in zip(prompts, params, strict=True)

@@ -52,7 +52,7 @@ def test_prefix_cache_hits_shared_system_prompt(checkpoint: Callable[..., Path])
     system = random_prompts(1, 512, min_len=64, max_len=64, seed=5)[0]
     config = EngineConfig(model=str(path), num_kv_blocks=512, max_batch_size=8)
     engine = Engine(config, load_model(str(path)))
-    warm = engine.generate([system + [7, 8, 9]], SamplingParams(max_tokens=2))
+    warm = engine.generate([[*system, 7, 8, 9]], SamplingParams(max_tokens=2))
     assert warm[0].cached_tokens == 0
     prompts = random_prompts(8, 512, min_len=1, max_len=40, seed=6, prefix=system)
     max_tokens = random_max_tokens(8, hi=24, seed=7)

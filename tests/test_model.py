@@ -317,3 +317,14 @@ def test_bf16_weights_give_fp32_logits_close_to_fp32() -> None:
         results.append(loaded.model(batch, pool.tensor))
     assert results[1].dtype == torch.float32
     torch.testing.assert_close(results[1], results[0], atol=0.05, rtol=0)
+
+
+def test_batch_of_one_token_prompts(variant: Callable[[str], Path]) -> None:
+    # A whole batch of fresh one-token sequences takes the no-scatter fast path.
+    path = variant("llama")
+    loaded, hf = load_model(str(path)), load_hf_model(path)
+    pool = Pool(loaded, 4, num_blocks=8)
+    entries = [SeqEntry([t], 0, pool.blocks(1)) for t in (5, 77, 300)]
+    logits = loaded.model(ForwardBatch.build(entries, 4, "cpu"), pool.tensor)
+    expected = torch.cat([hf_logits(hf, [t]) for t in (5, 77, 300)])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)

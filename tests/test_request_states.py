@@ -20,11 +20,11 @@ def make(state: LlmRequestState) -> LlmRequest:
 
 def test_every_state_has_a_row() -> None:
     assert set(ALLOWED_TRANSITIONS) == set(LlmRequestState)
-    assert TERMINAL_STATES == {
+    assert {
         S.GENERATION_COMPLETE,
         S.DISAGG_CONTEXT_COMPLETE,
         S.DISAGG_TRANS_ERROR,
-    }
+    } == TERMINAL_STATES
 
 
 def test_decode_side_disagg_path() -> None:

@@ -39,8 +39,7 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
     alone = Sampler(8).sample([seated("x", 0, params, outputs=3)], logits[2:3])
     s = Sampler(8)
     others = [
-        seated(f"o{i}", i + 1, SamplingParams(temperature=1.0, seed=i), outputs=i)
-        for i in range(5)
+        seated(f"o{i}", i + 1, SamplingParams(temperature=1.0, seed=i), outputs=i) for i in range(5)
     ]
     batch = [*others[:2], seated("x", 6, params, outputs=3), *others[2:]]
     mixed = s.sample(batch, logits)
