@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from dataclasses import dataclass, field
 
 import grpc
@@ -56,21 +57,44 @@ class PrefillPeer:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-class PrefillPool:
-    def __init__(self, targets: tuple[str, ...], health_interval: float):
-        self.peers = [
-            PrefillPeer(
-                t,
-                ch := aio.insecure_channel(t, options=GRPC_SERVER_OPTIONS),
-                prefill_pb2_grpc.PrefillStub(ch),
+async def resolve_targets(targets: tuple[str, ...]) -> list[str]:
+    """Every address behind each HOST:PORT (a DNS name of a scaled service has several)."""
+    loop = asyncio.get_running_loop()
+    out: list[str] = []
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        try:
+            infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("cannot resolve prefill target %s: %s", target, e)
+            continue
+        for family, _, _, _, sockaddr in infos:
+            addr = (
+                f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
             )
-            for t in targets
-        ]
+            if addr not in out:
+                out.append(addr)
+    return out
+
+
+def connect_peer(target: str) -> PrefillPeer:
+    channel = aio.insecure_channel(target, options=GRPC_SERVER_OPTIONS)
+    return PrefillPeer(target, channel, prefill_pb2_grpc.PrefillStub(channel))
+
+
+class PrefillPool:
+    """The prefill nodes behind the configured targets, re-resolved on every health round so
+    replicas that come and go behind one DNS name are found and dropped."""
+
+    def __init__(self, targets: tuple[str, ...], health_interval: float):
+        self.targets = targets
+        self.peers: list[PrefillPeer] = []
         self.health_interval = health_interval
         self._task: asyncio.Task[None] | None = None
         self._next = 0
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        await self.refresh()
         self._task = asyncio.create_task(self._health_loop())
 
     async def close(self) -> None:
@@ -80,6 +104,20 @@ class PrefillPool:
                 await self._task
         for peer in self.peers:
             await peer.channel.close()
+
+    async def refresh(self) -> None:
+        addresses = await resolve_targets(self.targets)
+        known = {p.target for p in self.peers}
+        for addr in addresses:
+            if addr not in known:
+                log.info("prefill node %s discovered", addr)
+                self.peers.append(connect_peer(addr))
+        gone = [p for p in self.peers if p.target not in addresses and p.outstanding_tokens == 0]
+        if addresses:  # a failed lookup keeps the last known set rather than emptying it
+            for peer in gone:
+                log.info("prefill node %s left", peer.target)
+                self.peers.remove(peer)
+                await peer.channel.close()
 
     def pick(self, exclude: set[str]) -> PrefillPeer | None:
         """Least outstanding prefill tokens among healthy peers; ties rotate."""
@@ -100,7 +138,8 @@ class PrefillPool:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval)
-            for peer in self.peers:
+            await self.refresh()
+            for peer in list(self.peers):
                 ok = await peer.check_health()
                 if ok and not peer.healthy:
                     log.info("prefill node %s is healthy again", peer.target)

@@ -115,7 +115,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.engine = EngineLoop(self.core, loop, self._on_deltas, name="decode-engine")
         self.engine.start()
         await self.receiver.start()
-        self.pool.start()
+        await self.pool.start()
         self.server, self.health, self.port = create_grpc_server(
             [SERVICE],
             lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--max-inflight", type=int, default=256)
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
 
+    bench = sub.add_parser("bench", help="benchmarks: transfer, serve, ttft, engine")
+    bench.add_argument("name", choices=["transfer", "serve", "ttft", "engine"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+
     gen = sub.add_parser("generate", help="stream a completion from a decode node")
     gen.add_argument("prompt")
     gen.add_argument("--target", default="127.0.0.1:50051")
@@ -169,12 +173,30 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return 2
 
 
+BENCHMARKS = {
+    "transfer": "benchmarks.transfer",
+    "serve": "benchmarks.serve",
+    "ttft": "benchmarks.ttft",
+    "engine": "benchmarks.engine_throughput",
+}
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[a.name])
+    module.main(a.args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.command == "up":
         return cmd_up(a)
     if a.command == "generate":
         return cmd_generate(a)
+    if a.command == "bench":
+        return cmd_bench(a)
     from pdserve.nodes import run_decode, run_prefill, setup_logging
 
     setup_logging(a.log_level)

@@ -363,12 +363,13 @@ class KvReceiver:
         start = prefix.header_len
         raw = t.staging[start : start + prefix.payload_bytes]
         payload = raw.view(self._pool.dtype).view(2, len(ids), *self._pool.shape[3:])
-        index = torch.tensor(ids, dtype=torch.long).to(self._pool.device)
         if self._scatter_stream is None:
+            index = torch.tensor(ids, dtype=torch.long)
             self._pool[prefix.layer].index_copy_(1, index, payload)
             return
         # The staging buffer is reused for the next message: the copy must be done by then.
         with torch.cuda.stream(self._scatter_stream):
+            index = torch.tensor(ids, dtype=torch.long).to(self._pool.device)
             self._pool[prefix.layer].index_copy_(1, index, payload)
         self._scatter_stream.synchronize()
 
@@ -387,7 +388,6 @@ class KvReceiver:
         t.missing -= len(ids)
         if t.layer_missing[prefix.layer] == 0:
             stats.layer_completed_at[prefix.layer] = now
-            self._fire_layer_callbacks(t)
         if t.missing == 0:
             self._complete(t)
         elif prefix.last:
@@ -398,10 +398,17 @@ class KvReceiver:
                     f"{t.missing} (layer, block) pairs missing"
                 ),
             )
+            return
+        # Last, so that a callback that cancels its own transfer finds consistent state.
+        self._fire_layer_callbacks(t)
 
     def _fire_layer_callbacks(self, t: _Transfer) -> None:
         layers = self._layout.num_layers
-        while t.next_layer_callback < layers and t.layer_missing[t.next_layer_callback] == 0:
+        while (
+            t.state is not _State.FAILED
+            and t.next_layer_callback < layers
+            and t.layer_missing[t.next_layer_callback] == 0
+        ):
             layer = t.next_layer_callback
             t.next_layer_callback += 1
             if t.on_layer is None:

@@ -67,6 +67,7 @@ class KvSender:
         self._fingerprint_bytes = proto.fingerprint_bytes(self._fingerprint)
         self._send_timeout = send_timeout
         self._engine: UcxEngine | None = None
+        self._closed = False
         self._peers: dict[str, _Peer] = {}
         self._copy_streams: dict[torch.device, object] = {}  # torch.cuda.Stream per device
         self.bytes_sent_total = 0
@@ -133,6 +134,7 @@ class KvSender:
 
     async def close(self) -> None:
         """Close every endpoint (bounded wait), then the UCX worker."""
+        self._closed = True
         engine = self._engine
         if engine is None:
             return
@@ -167,6 +169,8 @@ class KvSender:
             raise ValueError("a KV message needs at least one block")
 
     def _ensure_engine(self, device: torch.device) -> UcxEngine:
+        if self._closed:
+            raise TransferError("KvSender is closed")
         if self._engine is None:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # UCX needs the CUDA context current here
