@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.config import EngineConfig
+from shared.tls import ClientTls, ServerTls
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class DecodeNodeConfig:
     prefill_retries: int = 1  # re-dispatches to another healthy prefill node after a failure
     health_check_interval: float = 2.0
     layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
+    tls: ServerTls | None = None  # the public endpoint; None: plaintext
+    prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
 
     def validate(self) -> None:
         self.engine.validate()
@@ -42,6 +45,9 @@ class DecodeNodeConfig:
         for name in ("kv_transfer_timeout", "prefill_timeout", "health_check_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for tls in (self.tls, self.prefill_tls):
+            if tls is not None:
+                tls.validate()
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.prefill_retries < 0:

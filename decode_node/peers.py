@@ -57,10 +57,11 @@ class PrefillPeer:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def resolve_targets(targets: tuple[str, ...]) -> list[str]:
-    """Every address behind each HOST:PORT (a DNS name of a scaled service has several)."""
+async def resolve_targets(targets: tuple[str, ...]) -> dict[str, str]:
+    """Every address behind each HOST:PORT (a DNS name of a scaled service has several), mapped
+    to the host name it came from (what a TLS certificate names)."""
     loop = asyncio.get_running_loop()
-    out: list[str] = []
+    out: dict[str, str] = {}
     for target in targets:
         host, _, port = target.rpartition(":")
         try:
@@ -72,13 +73,19 @@ async def resolve_targets(targets: tuple[str, ...]) -> list[str]:
             addr = (
                 f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
             )
-            if addr not in out:
-                out.append(addr)
+            out.setdefault(addr, host)
     return out
 
 
-def connect_peer(target: str) -> PrefillPeer:
-    channel = aio.insecure_channel(target, options=GRPC_SERVER_OPTIONS)
+def connect_peer(
+    target: str, host: str, credentials: grpc.ChannelCredentials | None = None
+) -> PrefillPeer:
+    if credentials is None:
+        channel = aio.insecure_channel(target, options=GRPC_SERVER_OPTIONS)
+    else:
+        # we dial the resolved address, but the certificate names the configured host
+        options = [*GRPC_SERVER_OPTIONS, ("grpc.ssl_target_name_override", host)]
+        channel = aio.secure_channel(target, credentials, options=options)
     return PrefillPeer(target, channel, prefill_pb2_grpc.PrefillStub(channel))
 
 
@@ -86,8 +93,14 @@ class PrefillPool:
     """The prefill nodes behind the configured targets, re-resolved on every health round so
     replicas that come and go behind one DNS name are found and dropped."""
 
-    def __init__(self, targets: tuple[str, ...], health_interval: float):
+    def __init__(
+        self,
+        targets: tuple[str, ...],
+        health_interval: float,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.targets = targets
+        self.credentials = credentials
         self.peers: list[PrefillPeer] = []
         self.health_interval = health_interval
         self._task: asyncio.Task[None] | None = None
@@ -108,10 +121,10 @@ class PrefillPool:
     async def refresh(self) -> None:
         addresses = await resolve_targets(self.targets)
         known = {p.target for p in self.peers}
-        for addr in addresses:
+        for addr, host in addresses.items():
             if addr not in known:
                 log.info("prefill node %s discovered", addr)
-                self.peers.append(connect_peer(addr))
+                self.peers.append(connect_peer(addr, host, self.credentials))
         gone = [p for p in self.peers if p.target not in addresses and p.outstanding_tokens == 0]
         if addresses:  # a failed lookup keeps the last known set rather than emptying it
             for peer in gone:

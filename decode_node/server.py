@@ -77,6 +77,11 @@ class _Stream:
     first_token_at: float | None = None
     cached_tokens: int = 0
     completion_tokens: int = 0
+    deadline: float | None = None  # monotonic; None: the client set none
+    failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
+
+    def deadline_passed(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 class DecodeNode(generation_pb2_grpc.GenerationServicer):
@@ -90,12 +95,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.receiver = KvReceiver(
             self.core.kv_pool, self.core.layout, config.ucx_host, config.ucx_port
         )
-        self.pool = PrefillPool(config.prefill_targets, config.health_check_interval)
-        self.metrics = NodeMetrics(lambda: self._snapshot())
-        self.metrics.registry.gauge(
-            "pdserve_kv_transfer_rejected_messages",
-            "KV messages dropped by validation since start (bad token, ids, sizes, late)",
-            fn=lambda: self.receiver.rejected_total,
+        self.pool = PrefillPool(
+            config.prefill_targets,
+            config.health_check_interval,
+            None if config.prefill_tls is None else config.prefill_tls.credentials(),
+        )
+        self.metrics = NodeMetrics(
+            lambda: self._snapshot(), rejected=lambda: self.receiver.rejected_total
         )
         self.metrics_server: MetricsServer | None = None
         self.server: aio.Server | None = None
@@ -121,6 +127,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),
             self.config.host,
             self.config.port,
+            None if self.config.tls is None else self.config.tls.credentials(),
         )
         await self.server.start()
         if self.config.metrics_port >= 0:
@@ -192,7 +199,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 f"decode node is at its admission limit ({self.config.max_inflight} requests "
                 "in flight); retry with backoff",
             )
-        stream = _Stream(rid, len(prompt))
+        stream = _Stream(rid, len(prompt), deadline=deadline)
         self.streams[rid] = stream
         try:
             first = await self._admit_and_transfer(stream, prompt, params, deadline)
@@ -201,6 +208,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             while delta.finish_reason is None:
                 delta = await self._next_delta(stream, deadline)
                 yield self._response(stream, delta)
+        except GenerateError:
+            stream.failed = True
+            raise
         finally:
             await asyncio.shield(self._release(stream))
 
@@ -359,19 +369,21 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             code = e.code()
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 raise GenerateError(code, f"prefill node {peer.target}: {e.details()}") from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and stream.deadline_passed():
                 raise GenerateError(
-                    code, f"prefill of {stream.request_id} on {peer.target} timed out"
+                    code, f"request {stream.request_id} exceeded its deadline during prefill"
                 ) from None
             self.pool.mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
             raise _PrefillFailed(f"{peer.target}: {code.name} {e.details()}") from None
         except TransferTimeout:
+            # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
             self._forget_transfer(stream)
             call.cancel()
             self._background(peer.cancel(stream.request_id))
-            raise GenerateError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"KV transfer for {stream.request_id} from {peer.target} timed out",
+            self.pool.mark_unhealthy(peer, "KV transfer timed out")
+            raise _PrefillFailed(
+                f"{peer.target}: KV transfer for {stream.request_id} timed out after "
+                f"{self.config.kv_transfer_timeout:.1f}s"
             ) from None
         except TransferError as e:
             self._forget_transfer(stream)
@@ -460,5 +472,6 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if stream.peer is not None and not stream.prefill_done:
             self._background(stream.peer.cancel(rid))
         if self.engine is not None:
+            release = EngineCore.fail_transfer if stream.failed else EngineCore.abort
             with contextlib.suppress(RuntimeError):
-                await self.engine.call(lambda core: core.abort(rid))
+                await self.engine.call(lambda core: release(core, rid))

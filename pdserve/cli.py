@@ -11,6 +11,7 @@ import time
 from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
 from shared.config import EngineConfig
+from shared.tls import ClientTls, ServerTls
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--log-level", default="info")
+
+
+def _server_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (gRPC)")
+    g.add_argument("--tls-cert", default="", help="server certificate (PEM); enables TLS")
+    g.add_argument("--tls-key", default="", help="server private key (PEM)")
+    g.add_argument("--tls-client-ca", default="", help="require client certs signed by this CA")
+
+
+def _server_tls(a: argparse.Namespace) -> ServerTls | None:
+    if not a.tls_cert and not a.tls_key:
+        return None
+    return ServerTls(a.tls_cert, a.tls_key, a.tls_client_ca)
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -60,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--host", default="127.0.0.1")
     pf.add_argument("--port", type=int, default=50061)
     pf.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
+    _server_tls_args(pf)
 
     dc = sub.add_parser("decode", help="run one decode node (the public front door)")
     _engine_args(dc)
@@ -74,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--prefill-retries", type=int, default=1)
     dc.add_argument("--max-inflight", type=int, default=256)
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
+    _server_tls_args(dc)
+    dc.add_argument("--prefill-tls-ca", default="", help="CA that signed the prefill nodes' certs")
+    dc.add_argument("--prefill-tls-cert", default="", help="client cert for mutual TLS")
+    dc.add_argument("--prefill-tls-key", default="", help="client key for mutual TLS")
 
     bench = sub.add_parser("bench", help="benchmarks: transfer, serve, ttft, engine")
     bench.add_argument("name", choices=["transfer", "serve", "ttft", "engine"])
@@ -90,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=120.0)
+    gen.add_argument("--tls-ca", default="", help="verify the server with this CA (enables TLS)")
+    gen.add_argument("--tls-cert", default="", help="client certificate (mutual TLS)")
+    gen.add_argument("--tls-key", default="", help="client key (mutual TLS)")
     return parser
 
 
@@ -132,6 +154,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from pdserve.client import finish_reason_name, generate_stream
 
     async def run() -> int:
+        channel = None
+        if a.tls_ca:
+            creds = ClientTls(a.tls_ca, a.tls_cert, a.tls_key)
+            creds.validate()
+            channel = grpc.aio.secure_channel(a.target, creds.credentials())
         finish = ""
         usage = timing = None
         async with contextlib.aclosing(
@@ -146,6 +173,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 stop=tuple(a.stop),
                 ignore_eos=a.ignore_eos,
                 timeout=a.timeout,
+                channel=channel,
             )
         ) as stream:
             async for chunk in stream:
@@ -204,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "prefill":
             return run_prefill(
                 PrefillNodeConfig(
-                    engine=_engine_config(a), host=a.host, port=a.port, metrics_port=a.metrics_port
+                    engine=_engine_config(a),
+                    host=a.host,
+                    port=a.port,
+                    metrics_port=a.metrics_port,
+                    tls=_server_tls(a),
                 )
             )
         return run_decode(
@@ -221,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
                 prefill_retries=a.prefill_retries,
                 max_inflight=a.max_inflight,
                 layerwise=not a.whole_request_push,
+                tls=_server_tls(a),
+                prefill_tls=(
+                    ClientTls(a.prefill_tls_ca, a.prefill_tls_cert, a.prefill_tls_key)
+                    if a.prefill_tls_ca
+                    else None
+                ),
             )
         )
     except ValueError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.config import EngineConfig
+from shared.tls import ServerTls
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class PrefillNodeConfig:
     metrics_port: int = -1  # -1: no metrics endpoint, 0: an ephemeral port
     max_pending: int = 256  # context-only requests queued or in flight before RESOURCE_EXHAUSTED
     default_timeout: float = 120.0  # when the caller sets no deadline
+    tls: ServerTls | None = None  # None: plaintext gRPC
 
     def validate(self) -> None:
         self.engine.validate()
@@ -26,5 +28,7 @@ class PrefillNodeConfig:
             )
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.tls is not None:
+            self.tls.validate()
         if self.default_timeout <= 0:
             raise ValueError(f"default_timeout must be positive, got {self.default_timeout}")

@@ -76,6 +76,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(self, s),
             self.config.host,
             self.config.port,
+            None if self.config.tls is None else self.config.tls.credentials(),
         )
         await self.server.start()
         if self.config.metrics_port >= 0:

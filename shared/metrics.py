@@ -361,6 +361,13 @@ class Gauge(_Family[_GaugeChild]):
             yield f"{self.name}{labels} {_format_value(value)}"
 
 
+class CallbackCounter(Gauge):
+    """A counter whose value is read at scrape time from a monotonic source the owner keeps
+    (e.g. the KV receiver's rejected-message count), so hot paths need no registry access."""
+
+    type_name = "counter"
+
+
 class Histogram(_Family[_HistogramChild]):
     type_name = "histogram"
 
@@ -430,6 +437,11 @@ class MetricsRegistry:
 
     def counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
         family = Counter(name, help, labelnames)
+        self._register(family)
+        return family
+
+    def callback_counter(self, name: str, help: str, fn: GaugeCallback) -> CallbackCounter:
+        family = CallbackCounter(name, help, (), fn)
         self._register(family)
         return family
 

@@ -92,7 +92,11 @@ def set_serving(health_servicer: health.HealthServicer, services: Sequence[str],
 class NodeMetrics:
     """The metrics every node exports; engine gauges read the engine loop's latest snapshot."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(
+        self,
+        snapshot: Callable[[], EngineSnapshot],
+        rejected: Callable[[], float] = lambda: 0.0,
+    ):
         self.registry = MetricsRegistry()
         r = self.registry
         r.gauge(
@@ -127,9 +131,10 @@ class NodeMetrics:
         self.kv_transfer_bytes = r.counter(
             "pdserve_kv_transfer_bytes_total", "KV bytes moved over UCX"
         )
-        self.kv_transfer_rejected = r.counter(
+        r.callback_counter(
             "pdserve_kv_transfer_rejected_total",
-            "KV messages dropped by validation (bad token, ids, sizes, late)",
+            "KV messages dropped by validation (bad token, ids, sizes, late), never written",
+            rejected,
         )
         self.ttft = r.histogram(
             "pdserve_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS

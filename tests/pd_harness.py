@@ -65,6 +65,7 @@ async def pd_cluster(
     prefill_engine: EngineConfig | None = None,
     decode_engine: EngineConfig | None = None,
     decode_overrides: dict[str, object] | None = None,
+    prefill_overrides: dict[str, object] | None = None,
 ) -> AsyncIterator[PdCluster]:
     from decode_node.server import DecodeNode
     from prefill_node.server import PrefillNode
@@ -76,6 +77,7 @@ async def pd_cluster(
     try:
         for _ in range(num_prefill):
             cfg = PrefillNodeConfig(engine=prefill_engine or base, port=0, metrics_port=0)
+            cfg = replace(cfg, **(prefill_overrides or {}))
             node = PrefillNode(
                 cfg, EngineCore(cfg.engine, load_model(str(model)), context_only=True)
             )
