@@ -103,6 +103,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.metrics = NodeMetrics(
             lambda: self._snapshot(), rejected=lambda: self.receiver.rejected_total
         )
+        self.metrics.registry.gauge(
+            "pdserve_prefill_peer_healthy",
+            "1 while a prefill node is routed to, 0 while it is skipped as unhealthy",
+            labelnames=("peer",),
+            fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.peers},
+        )
         self.metrics_server: MetricsServer | None = None
         self.server: aio.Server | None = None
         self.port = 0
@@ -276,7 +282,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         stream.cached_tokens = req.cached_tokens
         await self.engine.call(lambda core: core.start_transfer(rid))
         tried: set[str] = set()
-        last_error = "no prefill node configured"
+        last_error = "every prefill node is marked unhealthy (failing health checks)"
         for _ in range(1 + self.config.prefill_retries):
             peer = self.pool.pick(tried)
             if peer is None:
@@ -376,10 +382,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             self.pool.mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
             raise _PrefillFailed(f"{peer.target}: {code.name} {e.details()}") from None
         except TransferTimeout:
-            # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
             self._forget_transfer(stream)
             call.cancel()
             self._background(peer.cancel(stream.request_id))
+            if stream.deadline_passed():  # the client's deadline, not the node's fault
+                raise GenerateError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {stream.request_id} exceeded its deadline waiting for its KV",
+                ) from None
+            # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
             self.pool.mark_unhealthy(peer, "KV transfer timed out")
             raise _PrefillFailed(
                 f"{peer.target}: KV transfer for {stream.request_id} timed out after "

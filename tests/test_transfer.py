@@ -410,6 +410,50 @@ def test_sender_refuses_layout_mismatch(h: Harness) -> None:
     h.run(main())
 
 
+def test_same_process_under_uvloop() -> None:
+    """Both ends on one uvloop loop (the nodes run uvloop): a raising on_layer callback is
+    logged, not fatal; `last` with blocks missing fails at once; a closed sender refuses."""
+    import uvloop
+
+    from transfer.ucx import KvReceiver, KvSender
+
+    layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+    pool = allocate_kv_pool(layout, 8, "cpu")
+    source = allocate_kv_pool(layout, 8, "cpu")
+    source.copy_(torch.randn(source.shape))
+    seen: list[int] = []
+
+    def on_layer(layer: int) -> None:
+        seen.append(layer)
+        raise RuntimeError("a caller's bug")
+
+    async def main() -> None:
+        receiver, sender = KvReceiver(pool, layout), KvSender(layout)
+        await receiver.start()
+        try:
+            dest = receiver.expect("uv", [5, 1, 3], on_layer=on_layer)
+            landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 10))
+            for layer in range(2):
+                payload = KvSender.pack(source, layer, [0, 1, 2])
+                await sender.send(dest, layer, [5, 1, 3], payload, last=layer == 1)
+            stats = await landed
+            assert seen == [0, 1] and stats.messages == 2
+            assert torch.equal(pool[:, :, [5, 1, 3]], source[:, :, [0, 1, 2]])
+
+            dest = receiver.expect("uv-short", [6, 7])
+            landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 10))
+            await sender.send(dest, 0, [6, 7], KvSender.pack(source, 0, [0, 1]), last=True)
+            with pytest.raises(TransferError, match="last message"):
+                await landed
+        finally:
+            await sender.close()
+            await receiver.close()
+        with pytest.raises(TransferError, match="closed"):
+            await sender.send(dest, 0, [6], KvSender.pack(source, 0, [0]))
+
+    uvloop.run(main())
+
+
 # ---- helpers ----------------------------------------------------------------------------------
 async def _valid_transfer(h: Harness, dst: list[int]) -> None:
     src = list(range(len(dst)))

@@ -3,19 +3,28 @@
 Why not ucxx's async API and its progress modes
 -----------------------------------------------
 ucxx's `Endpoint.send/recv` await `UCXRequest.wait()`, which (without Python futures) is an
-`asyncio.sleep(0)` loop: every pending request burns a core, in every progress mode. Its modes
-measured here (`python -m transfer.measure`, two processes, one 16 MiB message at a time, 2-core
-VM shared with other jobs, so ±30%):
+`asyncio.sleep(0)` loop: every pending request burns a core, in every progress mode, and its
+`ep.recv` posts the receive before the message comes, so a waiting receiver spins (and a timed
+out one leaves an orphaned receive that swallows the next matching message). `python -m
+transfer.measure`
+(two processes, same host, sysv shared memory, 16 MiB messages sent back to back, per-message
+median and best; 2-core VM, two quiet runs, other jobs share the machine so expect +-30%):
 
-    ucxx async API mode         16 MiB GB/s   idle CPU, listener only   idle CPU, 1 recv posted
-    thread                      0.2-0.5       7-9 %                     ~100 %
-    thread + python futures     1.7           7 %                       2 %
-    polling                     0.2-0.7       30-60 % (always spins)    33-45 %
-    blocking                    1.8           0 %                       37 %
-    this engine ("adaptive")    7-11          <1 %                      <1 % (nothing is posted)
+    mode                                   GB/s median (best)        idle CPU, receive waiting
+    ucxx async, thread                     1.8 - 4.2  (4.4 - 10.5)   102 %
+    ucxx async, thread + python futures    6.6 - 7.2  (7.8 - 10.1)   2.6 - 3.1 %
+    ucxx async, polling                    8.2 - 8.4  (10.5 - 16.5)  99 % (spins even with
+                                                                       nothing posted: 30-60 %)
+    ucxx async, blocking                   0.3 - 8.4  (0.3 - 14.1)   52 - 99 %
+    this engine, raw tagged messages       13.1       (14.3 - 15.0)  0.5 - 0.8 %
+    this engine, KvSender -> KvReceiver    1.3 - 2.0  (2.1 - 3.1)    0.0 - 0.1 %
+      (pack + header + send + validate + scatter, one 16 MiB layer per transfer: bounded by
+       the two extra memcpys and first-touch page faults of CPU memory on this VM, ~2-4 ms
+       per 16 MiB each; on GPUs pack/scatter are device copies)
 
-(`measure` prints the current numbers; the ones above were recorded when this was written, see
-the end of this docstring for the run that chose the design.)
+An async API on the same event loop is faster than a progress thread here (the thread modes hand
+every completion across threads, and a 2-core machine has no core to spare for a polling thread),
+provided the loop polls only while a transfer moves and sleeps otherwise.
 
 So the transfer plane uses ucxx's low-level, synchronous Cython API (`ucxx._lib.libucxx`: the
 same one ucxx's async layer is built on and ucxx tests directly) and drives the worker itself,
@@ -48,9 +57,6 @@ given UCX_TLS allows them (the default does) and the loop thread has the device'
 current (`torch.cuda.set_device`, done by the receiver and sender). UCX does not order its copies
 with torch streams: senders wait for the pack's CUDA event before handing a buffer to UCX, and
 receivers synchronize their scatter stream before reusing a staging buffer.
-
-Measured choice, 2-core VM, same host, sysv shared memory (UCX_MM_ERROR_HANDLING=y):
-see `transfer/measure.py`'s output recorded in its docstring.
 """
 
 from __future__ import annotations

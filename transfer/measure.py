@@ -13,10 +13,9 @@ modes:
   thread, thread+future, polling, blocking
                  ucxx's async API (ep.send / ep.recv) in that progress mode
 
-Recorded on the 2-core CI-class VM (shared with other jobs, so +-30%), same host, sysv shm:
-
-    mode             GB/s    idle CPU (peer connected, receive expected)
-    kv               see the run's output; recorded numbers are in transfer/engine.py
+The numbers recorded when the progress design was chosen, and the choice, are in the
+docstring of transfer/engine.py. The machine must be otherwise idle: both peers poll while a
+message moves, so other jobs on the same cores distort the result by 10x or more.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 
 from shared.kv_cache import KvLayout
 from transfer import protocol as proto
-from transfer.engine import UcxEngine
+from transfer.engine import UcxEngine, UCXError
 from transfer.errors import ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from transfer.protocol import TransferDestination
 
@@ -133,7 +133,7 @@ class KvReceiver:
         engine = UcxEngine(self._loop)
         try:
             self._listener = engine.listen(self._port, self._on_endpoint)
-        except Exception as e:
+        except UCXError as e:
             engine.close()
             raise TransferError(f"cannot listen for KV on port {self._port}: {e}") from e
         self._engine = engine

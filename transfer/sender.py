@@ -105,8 +105,11 @@ class KvSender:
     ) -> int:
         """Push one layer's blocks into dest's blocks `dest_block_ids` (payload block i goes to
         dest_block_ids[i]). `last` marks the final message of the whole transfer. Returns the
-        bytes sent (header included). Raises TransferError if the decode node is gone, refuses,
-        or does not take the message within `timeout` (default: the sender's send_timeout)."""
+        bytes sent (header included). Raises TransferError if the layouts differ or the decode
+        node is gone, TransferTimeout if it does not take the message within `timeout`
+        (default: the sender's send_timeout), ValueError if the payload does not fit the
+        layout. A message for a transfer the decode node already dropped is drained and
+        counted there, and succeeds here: cancellation travels over gRPC, not this plane."""
         ids = tuple(int(b) for b in dest_block_ids)
         self._check(dest, layer, ids, payload)
         engine = self._ensure_engine(payload.device)

@@ -1,0 +1,36 @@
+"""Print pdserve's runtime requirements (pyproject.toml [project].dependencies), one per line.
+
+Used by docker/wheelhouse.sh on the host and by the Dockerfile in the build, so both install
+exactly what the package declares; `--torch SPEC` replaces the torch requirement (e.g. the CPU
+build `torch==2.13.0+cpu` for the offline wheelhouse). Needs Python >= 3.11 (tomllib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+
+def requirements(pyproject: Path, torch: str | None) -> list[str]:
+    deps: list[str] = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    out = []
+    for dep in deps:
+        name = re.split(r"[\s<>=!~;\[(]", dep, maxsplit=1)[0].lower()
+        out.append(torch if name == "torch" and torch else dep)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("pyproject", type=Path, nargs="?", default=Path("pyproject.toml"))
+    p.add_argument("--torch", default=None, help="replacement torch requirement")
+    a = p.parse_args(argv)
+    sys.stdout.write("".join(f"{r}\n" for r in requirements(a.pyproject, a.torch)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

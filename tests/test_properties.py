@@ -1,0 +1,514 @@
+"""Stateful property test of the seat system, the block manager and the scheduler.
+
+A hypothesis `RuleBasedStateMachine` drives two real `EngineCore`s through random interleavings of
+the request lifecycle (seat-system.md §3-§8):
+
+- `dec`, a colocated / decode-side engine: colocated requests, decode-side P/D requests
+  (`reserve_for_transfer` -> `start_transfer` -> `complete_transfer` / `fail_transfer`), aborts in
+  every state, steps with chunked prefill, prefix-cache hits and preemption (small pools);
+- `pre`, a prefill-side engine (`context_only=True`): prefill, `_finish_context` (pin + seat
+  back), `complete_context` (unpin) ok / failed, aborts in every state.
+
+Only the model is faked, and only its forward: it returns logits whose argmax is the token the
+machine chose for that row, and it "writes K/V" into a shadow of the pool through the batch's own
+`slot_mapping`: each slot records the token prefix whose K/V it holds. The decode-side transfer
+writes the shadow the same way into the blocks `reserve_for_transfer` returned. Every piece of
+bookkeeping (scheduler, KVCacheManager, BlockManager, SeqSlotManager, Sampler, OutputProcessor,
+state machine) is the real one, driven by the real `EngineCore` methods.
+
+After every rule the invariants are checked (`check_engine`); at teardown everything is aborted
+and full conservation is asserted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from shared.attention import ForwardBatch
+from shared.block_manager import compute_block_hashes
+from shared.config import EngineConfig
+from shared.engine import EngineCore, RequestRejected, ResourcesExhausted
+from shared.model_loader import LoadedModel, tiny_config
+from shared.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import ByteTokenizer
+from shared.utils import cdiv
+
+S = LlmRequestState
+EOS = 257
+VOCAB = 259
+# Three fixed "system prompts": requests start with a random-length slice of one of them, so the
+# prefix cache hits (whole blocks, partial blocks, and divergence mid-block).
+PREFIXES = (
+    [10 + i for i in range(24)],
+    [10 + i for i in range(8)] + [90 + i for i in range(16)],  # shares 8 tokens with the first
+    [200 + (i % 3) for i in range(24)],
+)
+# a live request in one of these states must not hold a seat (running CONTEXT_INIT may)
+NO_SEAT_STATES = frozenset(s for s in S if s not in (S.CONTEXT_INIT, S.GENERATION_IN_PROGRESS))
+
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,  # deterministic in CI
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+# ----------------------------------------------------------------------------- the fake model
+class ShadowModel:
+    """Forward only. Returns `[num_seqs, vocab]` logits whose argmax is the machine's choice for
+    that row, and records in `shadow[slot]` the token prefix whose K/V that slot now holds."""
+
+    def __init__(self) -> None:
+        self.shadow: dict[int, tuple[int, ...]] = {}
+        self.scheduled: list = []  # captured through the engine's layer_hook_factory
+        self.next_tokens: list[int] = []
+
+    def capture(self, scheduled):
+        self.scheduled = list(scheduled)
+        return None  # no per-layer hook
+
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor, layer_hook=None):
+        assert batch.num_seqs == len(self.scheduled)
+        ids = batch.input_ids.tolist()
+        pos = batch.positions.tolist()
+        slots = batch.slot_mapping.tolist()
+        t = 0
+        for s, qlen in zip(self.scheduled, batch.query_lens, strict=True):
+            r = s.request
+            tokens = r.all_token_ids
+            assert qlen == s.num_new_tokens
+            for j in range(qlen):
+                p = pos[t]
+                assert p == r.num_computed_tokens + j, (r.request_id, p)
+                assert ids[t] == tokens[p]
+                self.shadow[slots[t]] = tuple(tokens[: p + 1])
+                t += 1
+        logits = torch.zeros(batch.num_seqs, VOCAB)
+        for i in range(batch.num_seqs):
+            tok = self.next_tokens[i] if i < len(self.next_tokens) else 65
+            logits[i, tok] = 1.0
+        return logits
+
+
+def make_engine(bs: int, blocks: int, batch: int, budget: int, caching: bool, context_only: bool):
+    model = ShadowModel()
+    loaded = LoadedModel(
+        model=model,  # type: ignore[arg-type]
+        config=tiny_config(),
+        tokenizer=ByteTokenizer(),
+        name="shadow",
+        eos_token_ids=frozenset({EOS}),
+    )
+    config = EngineConfig(
+        model="shadow",
+        block_size=bs,
+        num_kv_blocks=blocks,
+        max_batch_size=batch,
+        max_num_tokens=budget,
+        enable_prefix_caching=caching,
+        device="cpu",
+        dtype="float32",
+    )
+    core = EngineCore(config, loaded, context_only=context_only)
+    core.layer_hook_factory = model.capture
+    return core, model
+
+
+# ----------------------------------------------------------------------------- the invariants
+def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest], pins: dict):
+    """Everything that must hold between two engine calls. `pins[rid]` is what the test expects
+    the request to have pinned (decode: the reserved blocks; prefill: the table at finish)."""
+    kv = core.kv_manager
+    bm = kv.blocks
+    bs = kv.block_size
+    seats = core.seq_slot_manager.slot_manager
+    sched = core.scheduler
+    live = core.requests
+    bm.check_integrity()
+
+    # -- requests and the scheduler
+    running, waiting = sched.running, list(sched.waiting)
+    assert len(set(map(id, running))) == len(running), "request twice in running"
+    assert len(set(map(id, waiting))) == len(waiting), "request twice in waiting"
+    assert not set(map(id, running)) & set(map(id, waiting)), "request both running and waiting"
+    assert len(running) <= sched.config.max_batch_size
+    in_sched = {r.request_id for r in running} | {r.request_id for r in waiting}
+    for r in running + waiting:
+        assert live.get(r.request_id) is r, f"{r.request_id} scheduled but not live"
+    for rid, r in live.items():
+        assert r.request_id == rid and not r.is_finished, (rid, r.state)
+        if r.state in (S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS):
+            assert rid not in in_sched, f"{rid} schedulable before its KV arrived"
+        elif r.state == S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            assert rid not in in_sched, f"{rid} still scheduled while its KV is pushed"
+        else:
+            assert rid in in_sched, f"{rid} ({r.state.name}) is live but lost by the scheduler"
+        assert len(r.output_token_ids) <= r.sampling_params.max_tokens
+
+    # -- seats: bijection between slot_mapping and requests holding seq_slot
+    holders = {rid: r.seq_slot for rid, r in live.items() if r.seq_slot is not None}
+    assert seats.slot_mapping == holders, (seats.slot_mapping, holders)
+    assert len(set(holders.values())) == len(holders), f"two requests share a seat: {holders}"
+    assert not set(holders.values()) & seats.free_slots, "a held seat is also free"
+    assert set(holders.values()) | seats.free_slots == set(range(seats.max_num_requests))
+    assert core.seq_slot_manager.num_in_use == len(holders)
+    for r in running:
+        assert r.seq_slot is not None, f"running {r.request_id} has no seat"
+    for r in waiting:
+        assert r.seq_slot is None, f"waiting {r.request_id} holds seat {r.seq_slot}"
+    for rid, r in live.items():
+        if r.state in NO_SEAT_STATES:
+            assert r.seq_slot is None, f"{rid} in {r.state.name} holds seat {r.seq_slot}"
+    for seat, owner in enumerate(core.sampler.owner):
+        if owner is not None:
+            assert holders.get(owner) == seat, f"sampler row {seat} owned by {owner}, not seated"
+    for r in tracked:
+        if r.request_id not in live:
+            assert r.seq_slot is None, f"ended {r.request_id} kept seat {r.seq_slot}"
+
+    # -- state machine: every recorded move is allowed; seats only in GENERATION_IN_PROGRESS
+    for r in tracked:
+        assert r.history[0][0] in (S.CONTEXT_INIT, S.DISAGG_GENERATION_INIT)
+        for (a, _), (b, _) in zip(r.history, r.history[1:], strict=False):
+            assert b in ALLOWED_TRANSITIONS[a], f"{r.request_id}: {a.name} -> {b.name}"
+        for state, seat in r.history:
+            if state == S.GENERATION_IN_PROGRESS:
+                assert seat is not None, f"{r.request_id} entered GENERATION without a seat"
+            else:
+                assert seat is None, f"{r.request_id} entered {state.name} holding seat {seat}"
+
+    # -- block tables, references, pins
+    assert set(kv.block_tables) <= set(live), f"tables of dead requests: {set(kv.block_tables)}"
+    assert set(kv.pinned) == set(pins), (sorted(kv.pinned), sorted(pins))
+    occurrences: Counter[int] = Counter()
+    where: dict[int, set[int]] = {}
+    for rid, table in kv.block_tables.items():
+        assert len(set(table)) == len(table), f"{rid}'s table repeats a block: {table}"
+        for i, b in enumerate(table):
+            occurrences[b] += 1
+            where.setdefault(b, set()).add(i)
+            assert bm.ref_count(b) >= 1, f"{rid} holds block {b} with ref 0"
+    for b in range(bm.num_blocks):
+        assert bm.ref_count(b) == occurrences[b], (
+            f"block {b}: ref {bm.ref_count(b)} but {occurrences[b]} tables hold it"
+        )
+        if occurrences[b] > 1:
+            assert b in bm._hash_of, f"block {b} shared by {occurrences[b]} tables but not cached"
+            assert len(where[b]) == 1, f"shared block {b} at different indices {where[b]}"
+    pin_count: Counter[int] = Counter()
+    for rid, blocks in kv.pinned.items():
+        assert blocks == pins[rid], (rid, blocks, pins[rid])
+        pin_count.update(blocks)
+    for b in range(bm.num_blocks):
+        assert bm._pins[b] == pin_count[b], f"block {b}: {bm._pins[b]} pins, {pin_count[b]} owners"
+        if pin_count[b]:
+            assert b not in bm._free and b not in bm._evictable, f"pinned block {b} is pooled"
+
+    # -- each live request's blocks cover its tokens, and hold the right K/V
+    for rid, r in live.items():
+        table = kv.block_tables.get(rid)
+        if r.state in (S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS):
+            assert table is not None and len(table) == cdiv(r.prompt_len, bs)
+            first = len(table) - len(pins[rid])
+            assert table[first:] == pins[rid], f"{rid}: pinned blocks are not its tail"
+            for b in pins[rid]:
+                assert occurrences[b] == 1 and b not in bm._hash_of, f"transfer block {b} shared"
+            assert_content(model, table, r.all_token_ids, first * bs, bs, rid)  # the prefix hit
+        elif r.state == S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            assert table is None, f"{rid} pushing its KV but still holds a table"
+            assert r.num_computed_tokens == r.prompt_len
+            assert len(pins[rid]) == cdiv(r.prompt_len, bs)
+            # nobody overwrote the blocks being sent
+            assert_content(model, pins[rid], r.all_token_ids, r.prompt_len, bs, rid)
+        elif any(r is w for w in waiting):
+            if r.state == S.DISAGG_GENERATION_TRANS_COMPLETE:
+                assert table is not None and len(table) == cdiv(r.prompt_len, bs)
+                assert r.num_computed_tokens == r.prompt_len
+                assert_content(model, table, r.all_token_ids, r.prompt_len, bs, rid)
+            else:
+                assert table is None, f"waiting {rid} ({r.state.name}) holds blocks {table}"
+                assert r.num_computed_tokens == 0
+        else:  # running
+            assert table is not None
+            assert len(table) == cdiv(r.num_computed_tokens, bs), (
+                f"{rid}: {len(table)} blocks for {r.num_computed_tokens} computed tokens"
+            )
+            assert r.num_computed_tokens <= r.num_tokens
+            assert_content(model, table, r.all_token_ids, r.num_computed_tokens, bs, rid)
+    # every block published in the prefix cache holds exactly the prefix its hash names
+    for b, h in bm._hash_of.items():
+        content = [model.shadow.get(b * bs + off) for off in range(bs)]
+        assert all(c is not None for c in content), f"cached block {b} was never written"
+        full = content[-1]
+        assert len(full) % bs == 0 and compute_block_hashes(list(full), bs)[-1] == h, (
+            f"cached block {b} holds K/V of another prefix"
+        )
+        for off, c in enumerate(content):
+            assert c == full[: len(full) - bs + off + 1], f"cached block {b} slot {off} torn"
+
+
+def assert_content(model, table, tokens, upto, bs, rid) -> None:
+    for p in range(upto):
+        got = model.shadow.get(table[p // bs] * bs + p % bs)
+        if got != tuple(tokens[: p + 1]):
+            raise AssertionError(
+                f"{rid}: position {p} in block {table[p // bs]} holds K/V of "
+                f"{None if got is None else got[-8:]}, expected {tuple(tokens[max(0, p - 7) : p + 1])}"
+            )
+
+
+# ----------------------------------------------------------------------------- the machine
+prompts = st.builds(
+    lambda which, n, tail: PREFIXES[which][:n] + tail,
+    st.integers(0, len(PREFIXES) - 1),
+    st.integers(0, 20),
+    st.lists(st.sampled_from([3, 4, 5]), max_size=6),
+).filter(bool)
+token_choices = st.lists(st.sampled_from([65, 65, 66, 67, EOS]), max_size=6)
+
+
+class PdMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dec: EngineCore | None = None
+        self.n = 0
+        self.tracked: dict[str, list[LlmRequest]] = {"dec": [], "pre": []}
+        self.dec_pins: dict[str, list[int]] = {}  # blocks reserved for each transfer
+        self.dec_first: dict[str, int] = {}
+        self.pre_pins: dict[str, list[int]] = {}  # table at finish of each pushed prefill
+
+    # -- set-up: a small pool so preemption, eviction and ResourcesExhausted all happen
+    @initialize(
+        bs=st.sampled_from([1, 2, 4]),
+        blocks=st.integers(4, 20),
+        batch=st.integers(1, 4),
+        budget=st.integers(1, 24),
+        caching=st.booleans(),
+    )
+    def setup(self, bs, blocks, batch, budget, caching) -> None:
+        blocks = max(blocks, batch)  # validate_seq_slot_pool_covers_admission
+        self.bs = bs
+        self.dec, self.dec_model = make_engine(bs, blocks, batch, budget, caching, False)
+        self.pre, self.pre_model = make_engine(bs, blocks, batch, budget, caching, True)
+
+    def _rid(self) -> str:
+        self.n += 1
+        return f"r{self.n}"
+
+    def _fits(self, core: EngineCore, prompt: list[int], max_tokens: int) -> bool:
+        return cdiv(len(prompt) + max_tokens - 1, self.bs) <= core.kv_manager.blocks.num_blocks
+
+    def _in(self, core: EngineCore, *states: LlmRequestState) -> list[str]:
+        return sorted(rid for rid, r in core.requests.items() if r.state in states)
+
+    # -- admission
+    @rule(prompt=prompts, max_tokens=st.integers(1, 8), ignore_eos=st.booleans())
+    def add_colocated(self, prompt, max_tokens, ignore_eos) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        if not self._fits(self.dec, prompt, max_tokens):
+            with pytest.raises(RequestRejected):
+                self.dec.add_request(prompt, params, self._rid())
+            return
+        self.tracked["dec"].append(self.dec.add_request(prompt, params, self._rid()))
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 8), ignore_eos=st.booleans())
+    def reserve_for_transfer(self, prompt, max_tokens, ignore_eos) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        rid = self._rid()
+        if not self._fits(self.dec, prompt, max_tokens):
+            with pytest.raises(RequestRejected):
+                self.dec.reserve_for_transfer(prompt, params, rid)
+            return
+        free_before = self.dec.kv_manager.num_free_blocks
+        try:
+            request, blocks, first = self.dec.reserve_for_transfer(prompt, params, rid)
+        except ResourcesExhausted:
+            event("reserve: ResourcesExhausted")
+            assert rid not in self.dec.requests and rid not in self.dec.kv_manager.block_tables
+            assert self.dec.kv_manager.num_free_blocks == free_before
+            return
+        assert request.state == S.DISAGG_GENERATION_INIT and request.seq_slot is None
+        event(f"reserve: prefix hit {bool(first)}")
+        assert request.cached_tokens == first * self.bs
+        assert self.dec.kv_manager.block_table(rid) [first:] == blocks
+        self.tracked["dec"].append(request)
+        self.dec_pins[rid] = list(blocks)
+        self.dec_first[rid] = first
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 8))
+    def add_prefill(self, prompt, max_tokens) -> None:
+        params = SamplingParams(max_tokens=max_tokens)
+        if not self._fits(self.pre, prompt, max_tokens):
+            with pytest.raises(RequestRejected):
+                self.pre.add_request(prompt, params, self._rid())
+            return
+        self.tracked["pre"].append(self.pre.add_request(prompt, params, self._rid()))
+
+    # -- the decode-side transfer
+    def _land(self, rid: str, fraction: float) -> None:
+        """The transfer writes (part of) the prompt's K/V into the reserved blocks."""
+        r = self.dec.requests[rid]
+        first, blocks = self.dec_first[rid], self.dec_pins[rid]
+        start = first * self.bs
+        end = start + int((r.prompt_len - start) * fraction)
+        for p in range(start, end):
+            slot = blocks[p // self.bs - first] * self.bs + p % self.bs
+            self.dec_model.shadow[slot] = tuple(r.prompt_token_ids[: p + 1])
+
+    @precondition(lambda self: self.dec and self._in(self.dec, S.DISAGG_GENERATION_INIT))
+    @rule(data=st.data())
+    def start_transfer(self, data) -> None:
+        rid = data.draw(st.sampled_from(self._in(self.dec, S.DISAGG_GENERATION_INIT)))
+        self.dec.start_transfer(rid)
+        self._land(rid, 0.5)
+
+    @precondition(
+        lambda self: self.dec and self._in(self.dec, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+    )
+    @rule(data=st.data(), first_token=st.sampled_from([65, 66, EOS]))
+    def complete_transfer(self, data, first_token) -> None:
+        rid = data.draw(st.sampled_from(self._in(self.dec, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)))
+        self._land(rid, 1.0)
+        request = self.dec.requests[rid]
+        del self.dec_pins[rid]
+        delta = self.dec.complete_transfer(rid, first_token)
+        assert request.output_token_ids == [first_token]
+        event(f"complete_transfer: finished at once {delta.finish_reason is not None}")
+        if delta.finish_reason is None:
+            assert request.state == S.DISAGG_GENERATION_TRANS_COMPLETE
+            assert request in self.dec.scheduler.waiting and request.seq_slot is None
+        else:
+            assert rid not in self.dec.requests
+
+    @precondition(
+        lambda self: self.dec
+        and self._in(self.dec, S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+    )
+    @rule(data=st.data(), landed=st.floats(0, 1))
+    def fail_transfer(self, data, landed) -> None:
+        rid = data.draw(
+            st.sampled_from(
+                self._in(self.dec, S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+            )
+        )
+        self._land(rid, landed)  # whatever arrived before the failure is garbage now
+        request = self.dec.requests[rid]
+        del self.dec_pins[rid]
+        self.dec.fail_transfer(rid)
+        assert request.state == S.DISAGG_TRANS_ERROR
+        assert request.finish_reason == FinishReason.ABORTED
+
+    # -- cancellation, in any state, on either side
+    @precondition(lambda self: self.dec is not None)
+    @rule(data=st.data(), on_prefill=st.booleans())
+    def abort(self, data, on_prefill) -> None:
+        core = self.pre if on_prefill else self.dec
+        ids = sorted(core.requests) + ["never-admitted"]
+        if self.tracked["pre" if on_prefill else "dec"]:  # sometimes an already ended one
+            ids.append(self.tracked["pre" if on_prefill else "dec"][0].request_id)
+        rid = data.draw(st.sampled_from(ids))
+        was_live = rid in core.requests
+        out = core.abort(rid)
+        assert (out is not None) == was_live
+        if out is not None:
+            event(f"abort: {core.requests.get(rid, out).history[-2][0].name}")
+            assert out.is_finished and out.finish_reason == FinishReason.ABORTED
+            assert out.seq_slot is None and rid not in core.kv_manager.block_tables
+        (self.pre_pins if on_prefill else self.dec_pins).pop(rid, None)
+
+    # -- steps
+    def _step(self, core: EngineCore, model: ShadowModel, tokens: list[int]) -> None:
+        before = dict(core.requests)
+        preemptions = {rid: r.num_preemptions for rid, r in before.items()}
+        model.next_tokens = tokens
+        deltas = core.step()
+        finished = {d.request_id for d in deltas if d.finish_reason is not None}
+        if any(r.num_preemptions > preemptions[rid] for rid, r in before.items()):
+            event(f"step: preemption (context_only={core.context_only})")
+        if any(r.cached_tokens for r in before.values()):
+            event(f"step: a live request had a prefix hit (context_only={core.context_only})")
+        for d in deltas:
+            assert len(d.token_ids) == 1
+        for rid, r in before.items():
+            if rid in finished:
+                assert rid not in core.requests and r.state == S.GENERATION_COMPLETE
+                if r.finish_reason == FinishReason.LENGTH:
+                    assert len(r.output_token_ids) == r.sampling_params.max_tokens
+                else:
+                    assert r.output_token_ids[-1] == EOS and not r.sampling_params.ignore_eos
+            else:
+                assert core.requests.get(rid) is r, f"{rid} vanished without finishing"
+
+    @precondition(lambda self: self.dec is not None)
+    @rule(tokens=token_choices)
+    def step_decode(self, tokens) -> None:
+        self._step(self.dec, self.dec_model, tokens)
+
+    @precondition(lambda self: self.dec is not None)
+    @rule(tokens=token_choices)
+    def step_prefill(self, tokens) -> None:
+        ctx = set(self._in(self.pre, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS))
+        self._step(self.pre, self.pre_model, tokens)
+        for rid in self._in(self.pre, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS):
+            if rid not in ctx:  # finished its context this step: seat gone, table pinned
+                r = self.pre.requests[rid]
+                assert r.seq_slot is None and len(r.output_token_ids) == 1
+                self.pre_pins[rid] = list(self.pre.kv_manager.pinned[rid])
+
+    @precondition(lambda self: self.dec and self.pre.requests)
+    @rule(data=st.data(), ok=st.booleans())
+    def complete_context(self, data, ok) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.pre.requests)))
+        request = self.pre.requests[rid]
+        pushing = request.state == S.DISAGG_CONTEXT_TRANS_IN_PROGRESS
+        self.pre.complete_context(rid, ok)
+        self.pre_pins.pop(rid, None)
+        assert rid not in self.pre.requests and request.seq_slot is None
+        event(f"complete_context: pushing={pushing} ok={ok}")
+        if pushing and ok:
+            assert request.state == S.DISAGG_CONTEXT_COMPLETE
+        else:
+            assert request.state == S.DISAGG_TRANS_ERROR
+
+    # -- invariants after every rule
+    @invariant()
+    def bookkeeping_is_consistent(self) -> None:
+        if self.dec is None:
+            return
+        check_engine(self.dec, self.dec_model, self.tracked["dec"], self.dec_pins)
+        check_engine(self.pre, self.pre_model, self.tracked["pre"], self.pre_pins)
+
+    def teardown(self) -> None:
+        if self.dec is None:
+            return
+        for core, pins in ((self.dec, self.dec_pins), (self.pre, self.pre_pins)):
+            for rid in sorted(core.requests):
+                core.abort(rid)
+                pins.pop(rid, None)
+        self.bookkeeping_is_consistent()
+        for core in (self.dec, self.pre):
+            core.seq_slot_manager.slot_manager.check_conservation()
+            core.kv_manager.check_conservation()
+            core.check_conservation()
+            assert core.kv_manager.blocks.num_pinned_blocks == 0
+            assert not core.scheduler.has_work
+
+
+PdMachine.TestCase.settings = SETTINGS
+TestPdLifecycle = PdMachine.TestCase

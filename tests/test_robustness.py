@@ -1,0 +1,214 @@
+"""Cancellation in every state, deadlines, overload, forged KV messages, malformed gRPC.
+
+In-process nodes (real gRPC, real UCX); after each scenario both sides hold nothing and a fresh
+request is served correctly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.client import generate, generate_stream
+from shared.config import EngineConfig
+from shared.request import LlmRequestState
+from tests.engine_helpers import hf_greedy, random_prompts
+from tests.pd_harness import PdCluster, pd_cluster
+
+S = LlmRequestState
+
+
+def slow(path: Path) -> EngineConfig:
+    return EngineConfig(model=str(path), num_kv_blocks=1024, max_num_tokens=32)
+
+
+async def fresh_request_ok(c: PdCluster, path: Path) -> None:
+    r = await generate(c.targets[0], [11, 12, 13, 14], max_tokens=5, timeout=30)
+    assert r.token_ids == hf_greedy(path, [11, 12, 13, 14], 5)
+    await c.assert_idle_and_conserved()
+
+
+async def wait_for_state(c: PdCluster, state: LlmRequestState, timeout: float = 20) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not c.decodes[0].engine.snapshot.requests_by_state.get(state.name):
+        assert loop.time() < deadline, f"never saw a request in {state.name}"
+        await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize(
+    "cancel_at",
+    ["immediately", "DISAGG_GENERATION_TRANS_IN_PROGRESS", "first_token", "decoding"],
+)
+def test_client_cancel_in_every_state(cancel_at: str, checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+    prompt = random_prompts(1, 512, min_len=600, max_len=600, seed=61)[0]
+
+    async def body() -> None:
+        async with pd_cluster(path, prefill_engine=slow(path)) as c:
+            stream = generate_stream(c.targets[0], prompt, max_tokens=200, ignore_eos=True)
+            task = asyncio.ensure_future(_consume(stream, cancel_at))
+            if cancel_at == "immediately":
+                await asyncio.sleep(0)
+                task.cancel()
+            elif cancel_at == "DISAGG_GENERATION_TRANS_IN_PROGRESS":
+                await wait_for_state(c, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            await fresh_request_ok(c, path)
+            # late KV messages of the cancelled transfer were dropped, never written
+            assert c.prefills[0].engine.snapshot.blocks_pinned == 0
+
+    asyncio.run(body())
+
+
+async def _consume(stream, cancel_at: str) -> None:
+    n = 0
+    async for chunk in stream:
+        n += len(chunk.token_ids)
+        if cancel_at == "first_token" and n >= 1:
+            return
+        if cancel_at == "decoding" and n >= 20:
+            return
+
+
+def test_client_deadline_during_prefill(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+    prompt = random_prompts(1, 512, min_len=900, max_len=900, seed=62)[0]
+
+    async def body() -> None:
+        async with pd_cluster(path, prefill_engine=slow(path)) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(c.targets[0], prompt, max_tokens=4, timeout=0.05)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await fresh_request_ok(c, path)
+
+    asyncio.run(body())
+
+
+def test_kv_transfer_timeout_fails_with_clear_status(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+    prompt = random_prompts(1, 512, min_len=900, max_len=900, seed=63)[0]
+
+    async def body() -> None:
+        overrides = {"kv_transfer_timeout": 0.05, "prefill_retries": 0}
+        async with pd_cluster(path, prefill_engine=slow(path), decode_overrides=overrides) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(c.targets[0], prompt, max_tokens=4, timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "timed out" in err.value.details()
+            states = [s for _, h in c.decodes[0].core.recent_history for s, _ in h]
+            assert S.DISAGG_TRANS_ERROR in states
+            await c.assert_idle_and_conserved()
+
+    asyncio.run(body())
+
+
+def test_overload_is_resource_exhausted_at_once(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+    prompts = random_prompts(8, 512, min_len=200, max_len=300, seed=64)
+
+    async def body() -> None:
+        async with pd_cluster(path, decode_overrides={"max_inflight": 2}) as c:
+            results = await asyncio.gather(
+                *(generate(c.targets[0], p, max_tokens=30, timeout=60) for p in prompts),
+                return_exceptions=True,
+            )
+            refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+            served = [r for r in results if not isinstance(r, BaseException)]
+            assert refused and served
+            assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+            assert "admission limit" in refused[0].details()
+            await fresh_request_ok(c, path)
+
+    asyncio.run(body())
+
+
+def test_duplicate_request_id_in_flight(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+
+    async def body() -> None:
+        async with pd_cluster(path) as c:
+            first = asyncio.ensure_future(
+                generate(c.targets[0], [5] * 50, max_tokens=100, request_id="dup", ignore_eos=True)
+            )
+            await wait_for_state(c, S.GENERATION_IN_PROGRESS)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(c.targets[0], [5, 6], max_tokens=2, request_id="dup")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "dup" in err.value.details()
+            assert (await first).request_id == "dup"
+            await fresh_request_ok(c, path)
+
+    asyncio.run(body())
+
+
+def test_malformed_and_oversized_grpc_requests(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+
+    async def body() -> None:
+        async with pd_cluster(path) as c:
+            async with grpc.aio.insecure_channel(c.targets[0]) as ch:
+                raw = ch.unary_stream("/pdserve.v1.Generation/Generate")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in raw(b"\xff\xff\xff\x0f garbage"):
+                        pass
+                assert err.value.code() in (
+                    grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                )
+            big = "x" * (65 * 2**20)  # over the 64 MiB message limit
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(c.targets[0], big, max_tokens=1, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await fresh_request_ok(c, path)
+
+    asyncio.run(body())
+
+
+def test_forged_kv_messages_are_dropped_and_counted(checkpoint: Callable[..., Path]) -> None:
+    from tests.test_transfer import Peer
+
+    path = checkpoint("llama")
+
+    async def body() -> None:
+        async with pd_cluster(path) as c:
+            node = c.decodes[0]
+            peer = await Peer.spawn("sender")
+            try:
+                before = (await asyncio.to_thread(c.metrics))[-1][
+                    "pdserve_kv_transfer_rejected_total"
+                ]
+                for data in (os.urandom(300), os.urandom(70_000), b"tiny"):
+                    await peer.call(
+                        op="raw",
+                        address=node.receiver.address,
+                        tag=secrets.randbits(64),
+                        data=data.hex(),
+                    )
+                await asyncio.sleep(0.3)
+                after = (await asyncio.to_thread(c.metrics))[-1][
+                    "pdserve_kv_transfer_rejected_total"
+                ]
+                assert after >= before + 3
+            finally:
+                await peer.stop()
+            await fresh_request_ok(c, path)
+
+    asyncio.run(body())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
