@@ -178,6 +178,11 @@ def test_malformed_and_oversized_grpc_requests(checkpoint: Callable[..., Path]) 
     asyncio.run(body())
 
 
+async def rejected_total(c: PdCluster) -> float:
+    samples = await asyncio.to_thread(c.metrics)  # the servers share this event loop
+    return samples[-1]["pdserve_kv_transfer_rejected_total"]
+
+
 def test_forged_kv_messages_are_dropped_and_counted(checkpoint: Callable[..., Path]) -> None:
     from tests.test_transfer import Peer
 
