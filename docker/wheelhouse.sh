@@ -18,9 +18,12 @@ DEST="$ROOT/docker/wheelhouse"
 PY="${PYTHON:-python3}"
 TORCH_SPEC="${PDSERVE_TORCH_SPEC:-torch==2.13.0+cpu}"
 TORCH_INDEX_URL="${PDSERVE_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-# glibc 2.36 (bookworm); pip expands this to every older manylinux tag as well.
-PLATFORM=(--platform manylinux_2_36_x86_64 --python-version 3.11 --implementation cp
-  --abi cp311 --only-binary=:all:)
+# glibc 2.36 (bookworm) and every older manylinux tag (pip does not expand them itself).
+PLATFORM=(--python-version 3.11 --implementation cp --abi cp311 --only-binary=:all:)
+for minor in $(seq 36 -1 5); do PLATFORM+=(--platform "manylinux_2_${minor}_x86_64"); done
+for legacy in manylinux2014 manylinux2010 manylinux1; do
+  PLATFORM+=(--platform "${legacy}_x86_64")
+done
 RECIPE=1
 
 log() { echo "wheelhouse: $*" >&2; }

@@ -60,7 +60,7 @@ PREFIXES = (
 NO_SEAT_STATES = frozenset(s for s in S if s not in (S.CONTEXT_INIT, S.GENERATION_IN_PROGRESS))
 
 SETTINGS = settings(
-    max_examples=150,
+    max_examples=1500,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,  # deterministic in CI
@@ -275,11 +275,11 @@ def assert_content(model, table, tokens, upto, bs, rid) -> None:
 
 # ----------------------------------------------------------------------------- the machine
 prompts = st.builds(
-    lambda which, n, tail: PREFIXES[which][:n] + tail,
+    lambda which, n, tail: (PREFIXES[which][:n] + tail) or [3],
     st.integers(0, len(PREFIXES) - 1),
     st.integers(0, 20),
     st.lists(st.sampled_from([3, 4, 5]), max_size=6),
-).filter(bool)
+)
 token_choices = st.lists(st.sampled_from([65, 65, 66, 67, EOS]), max_size=6)
 
 
@@ -470,6 +470,23 @@ class PdMachine(RuleBasedStateMachine):
                 r = self.pre.requests[rid]
                 assert r.seq_slot is None and len(r.output_token_ids) == 1
                 self.pre_pins[rid] = list(self.pre.kv_manager.pinned[rid])
+
+    @precondition(lambda self: self.dec is not None)
+    @rule(tokens=token_choices)
+    def drain_decode(self, tokens) -> None:
+        """Liveness: with no transfer in flight (nothing pinned), stepping finishes everything."""
+        for _ in range(3000):
+            if not self.dec.has_work:
+                break
+            self._step(self.dec, self.dec_model, tokens)
+        waiting_for_kv = self._in(
+            self.dec, S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS
+        )
+        if not waiting_for_kv:
+            assert not self.dec.has_work, (
+                f"decode engine stuck: running={[r.request_id for r in self.dec.scheduler.running]}"
+                f" waiting={[(r.request_id, r.state.name) for r in self.dec.scheduler.waiting]}"
+            )
 
     @precondition(lambda self: self.dec and self.pre.requests)
     @rule(data=st.data(), ok=st.booleans())

@@ -3,8 +3,9 @@
 Flow of one message: the engine's progress hook probes the worker for any tagged message; its tag
 is a transfer id. Messages for no live transfer, or with an impossible size, are drained and
 counted without being read. The others queue on their transfer and are received, one at a time,
-into that transfer's own staging buffer (allocated on first use, sized for the largest message
-the transfer can get: all of its blocks in one message). Only then is the header checked: magic
+into that transfer's own staging buffer (on the pool's device, allocated on first use, sized for
+the largest message the transfer can get: all of its blocks in one message, never shared with
+another transfer). Only then is the header checked: magic
 and version, transfer id, token (constant-time), then layout, layer, block ids (inside the
 reservation, not landed yet for that layer) and sizes, and only a message that passes all of
 that is scattered into `kv_pool[layer][:, ids]`.
