@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument("--port", type=int, default=50051, help="first decode node's gRPC port")
+    up.add_argument(
+        "--run",
+        metavar="PROMPT",
+        default=None,
+        help="start, stream one greedy completion of PROMPT, then stop (the newcomer's demo)",
+    )
+    up.add_argument("--max-tokens", type=int, default=32, help="with --run")
 
     pf = sub.add_parser("prefill", help="run one prefill node")
     _engine_args(pf)
@@ -132,6 +139,10 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}")
         others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
         print(f"endpoint: {endpoints[0]}{others}")
+        if a.run is not None:
+            code = _stream_to_stdout(endpoints[0], a.run, max_tokens=a.max_tokens)
+            print("stopping...", flush=True)
+            return max(code, cluster.stop())
         print(f'try: pdserve generate "Hello" --target {endpoints[0]}   (Ctrl-C stops)', flush=True)
         while not stop and all(n.proc.poll() is None for n in cluster.nodes):
             time.sleep(0.5)
@@ -148,6 +159,26 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    tls = ClientTls(a.tls_ca, a.tls_cert, a.tls_key) if a.tls_ca else None
+    return _stream_to_stdout(
+        a.target,
+        a.prompt,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        stop=tuple(a.stop),
+        ignore_eos=a.ignore_eos,
+        timeout=a.timeout,
+        tls=tls,
+    )
+
+
+def _stream_to_stdout(
+    target: str, prompt: str, *, tls: ClientTls | None = None, **sampling: object
+) -> int:
+    """Stream a completion's text as it arrives; a summary line goes to stderr."""
     import contextlib
 
     import grpc
@@ -156,26 +187,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     async def run() -> int:
         channel = None
-        if a.tls_ca:
-            creds = ClientTls(a.tls_ca, a.tls_cert, a.tls_key)
-            creds.validate()
-            channel = grpc.aio.secure_channel(a.target, creds.credentials())
+        if tls is not None:
+            tls.validate()
+            channel = grpc.aio.secure_channel(target, tls.credentials())
         finish = ""
         usage = timing = None
         async with contextlib.aclosing(
-            generate_stream(
-                a.target,
-                a.prompt,
-                max_tokens=a.max_tokens,
-                temperature=a.temperature,
-                top_p=a.top_p,
-                top_k=a.top_k,
-                seed=a.seed,
-                stop=tuple(a.stop),
-                ignore_eos=a.ignore_eos,
-                timeout=a.timeout,
-                channel=channel,
-            )
+            generate_stream(target, prompt, channel=channel, **sampling)  # type: ignore[arg-type]
         ) as stream:
             async for chunk in stream:
                 sys.stdout.write(chunk.text)
@@ -183,7 +201,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 if chunk.finish_reason:
                     finish = finish_reason_name(chunk.finish_reason)
                     usage, timing = chunk.usage, chunk.timing
-        print()
+        print(flush=True)
         if usage is None or timing is None:
             print("error: the stream ended without a final message", file=sys.stderr)
             return 2
@@ -192,6 +210,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             f"{usage.completion_tokens} cached_tokens={usage.cached_tokens} "
             f"ttft={timing.time_to_first_token_seconds * 1e3:.1f}ms]",
             file=sys.stderr,
+            flush=True,
         )
         return 0
 

@@ -1,0 +1,86 @@
+# pdserve: one image for every role. The command picks it:
+#   docker run IMAGE prefill [options]     a prefill node  (gRPC 50061, /metrics 9100)
+#   docker run IMAGE decode --prefill prefill:50061 [options]   a decode node (gRPC 50051)
+#   docker run IMAGE proxy --backend decode:50051 [options]     the public gRPC proxy (50051)
+#   docker run IMAGE pdserve generate "Hello" --target HOST:PORT
+# See docs/deployment.md.
+#
+# Build arguments:
+#   BASE_IMAGE       any Debian/Ubuntu-like image with Python 3.11 and its venv module
+#                    (default: the official slim Python 3.11 image). The offline CI build passes
+#                    an image made with debootstrap (docker/build-base-image.sh).
+#   PYTHON           the base image's Python 3.11 interpreter (default: python3)
+#   TORCH_SPEC       the torch requirement (default: torch==2.13.0, the version pdserve pins)
+#   TORCH_INDEX_URL  where torch comes from (default: the PyTorch CPU index: CPU-only torch).
+#                    CUDA: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+#                    (CUDA torch wheels carry the CUDA runtime, so the slim base works on a host
+#                    with the NVIDIA container toolkit; or pass a CUDA base image with Python
+#                    3.11 as BASE_IMAGE, e.g. one built FROM nvidia/cuda:12.8.1-runtime-*).
+# Offline: if docker/wheelhouse/ holds wheels (docker/wheelhouse.sh), everything is installed
+# from there with `pip install --no-index --find-links` and the build needs no network.
+
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------------------------- build
+FROM ${BASE_IMAGE} AS build
+ARG PYTHON=python3
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
+
+# Dependencies first: this layer is reused as long as pyproject.toml and the wheels are.
+COPY pyproject.toml docker/requirements.py /build/
+COPY docker/wheelhouse/ /wheels/
+RUN set -eu; \
+    "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version'; \
+    "$PYTHON" -m venv /opt/pdserve; \
+    "$PYTHON" /build/requirements.py /build/pyproject.toml --torch "$TORCH_SPEC" \
+        > /build/requirements.txt; \
+    if ls /wheels/*.whl >/dev/null 2>&1; then \
+        echo "installing offline from the wheelhouse"; \
+        set -- --no-index --find-links /wheels; \
+    else \
+        echo "installing from the package index (+ $TORCH_INDEX_URL for torch)"; \
+        set -- --extra-index-url "$TORCH_INDEX_URL"; \
+    fi; \
+    /opt/pdserve/bin/pip install -q "$@" --upgrade pip "setuptools>=68" wheel; \
+    /opt/pdserve/bin/pip install -q "$@" -r /build/requirements.txt
+
+COPY pyproject.toml /src/
+COPY pdserve /src/pdserve
+COPY shared /src/shared
+COPY transfer /src/transfer
+COPY proto /src/proto
+COPY prefill_node /src/prefill_node
+COPY decode_node /src/decode_node
+COPY benchmarks /src/benchmarks
+RUN /opt/pdserve/bin/pip install -q --no-deps --no-build-isolation --no-index /src \
+    && /opt/pdserve/bin/python -m compileall -q /opt/pdserve/lib \
+    && /opt/pdserve/bin/pip check
+
+# -------------------------------------------------------------------------------- runtime
+FROM ${BASE_IMAGE}
+RUN groupadd --system --gid 10001 pdserve \
+    && useradd --system --uid 10001 --gid pdserve --home-dir /home/pdserve --create-home \
+        --shell /usr/sbin/nologin pdserve
+COPY --from=build /opt/pdserve /opt/pdserve
+COPY docker/entrypoint.py docker/healthcheck.py /opt/pdserve/docker/
+
+# UCX: across containers only the tcp transport reaches the peer; keep the node's other
+# defaults (transfer/env.py). Override at run time for other fabrics (e.g. tcp,cuda_copy).
+ENV PATH=/opt/pdserve/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    UCX_TLS=tcp \
+    UCX_WARN_UNUSED_ENV_VARS=n \
+    PDSERVE_HOST=0.0.0.0 \
+    PDSERVE_METRICS_PORT=9100
+
+USER pdserve
+WORKDIR /home/pdserve
+# 50051 decode/proxy gRPC, 50061 prefill gRPC, 9100 /metrics
+EXPOSE 50051 50061 9100
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["/opt/pdserve/bin/python", "/opt/pdserve/docker/healthcheck.py"]
+ENTRYPOINT ["/opt/pdserve/bin/python", "/opt/pdserve/docker/entrypoint.py"]
+CMD ["decode", "--prefill", "prefill:50061"]
