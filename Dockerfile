@@ -21,14 +21,15 @@
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-# ---------------------------------------------------------------------------------- build
-FROM ${BASE_IMAGE} AS build
+# ----------------------------------------------------------------------------------- deps
+FROM ${BASE_IMAGE} AS deps
 ARG PYTHON=python3
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
 
-# Dependencies first: this layer is reused as long as pyproject.toml and the wheels are.
+# The dependencies, in a venv at /opt/pdserve: rebuilt only when pyproject.toml or the wheels
+# change, so a source change reuses this stage and the runtime layer copied from it.
 COPY pyproject.toml docker/requirements.py /build/
 COPY docker/wheelhouse/ /wheels/
 RUN set -eu; \
@@ -46,6 +47,10 @@ RUN set -eu; \
     /opt/pdserve/bin/pip install -q "$@" --upgrade pip "setuptools>=68" wheel; \
     /opt/pdserve/bin/pip install -q "$@" -r /build/requirements.txt
 
+# ---------------------------------------------------------------------------------- build
+# pdserve itself, installed under /pkg (lib/python3.11/site-packages + bin/pdserve) to be laid
+# over the venv in the runtime stage.
+FROM deps AS build
 COPY pyproject.toml /src/
 COPY pdserve /src/pdserve
 COPY shared /src/shared
@@ -54,16 +59,15 @@ COPY proto /src/proto
 COPY prefill_node /src/prefill_node
 COPY decode_node /src/decode_node
 COPY benchmarks /src/benchmarks
-RUN /opt/pdserve/bin/pip install -q --no-deps --no-build-isolation --no-index /src \
-    && /opt/pdserve/bin/python -m compileall -q /opt/pdserve/lib \
-    && /opt/pdserve/bin/pip check
+RUN /opt/pdserve/bin/pip install -q --no-deps --no-build-isolation --no-index --prefix /pkg /src
 
 # -------------------------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE}
 RUN groupadd --system --gid 10001 pdserve \
     && useradd --system --uid 10001 --gid pdserve --home-dir /home/pdserve --create-home \
         --shell /usr/sbin/nologin pdserve
-COPY --from=build /opt/pdserve /opt/pdserve
+COPY --from=deps /opt/pdserve /opt/pdserve
+COPY --from=build /pkg/ /opt/pdserve/
 COPY docker/entrypoint.py docker/healthcheck.py /opt/pdserve/docker/
 
 # UCX: across containers only the tcp transport reaches the peer; keep the node's other

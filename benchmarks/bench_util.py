@@ -138,7 +138,8 @@ class PeerProcess:
             self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
-            raise PeerError(f"{self.name} exited ({self.proc.poll()}); see {self.log_path}")
+            msg = f"{self.name} exited ({self.proc.poll()}); see {self.log_path}"
+            raise PeerError(msg) from None
         try:
             reply = self._replies.get(timeout=timeout)
         except queue.Empty:
@@ -178,7 +179,7 @@ def peer_main_loop(handle: Any) -> None:
         while (line := await lines.get()) is not None:
             cmd = json.loads(line)
             try:
-                reply = {"ok": True, **(await handle(cmd) or {})}
+                reply = {"ok": True, **(await handle(dict(cmd)) or {})}
             except Exception as e:  # reported to the driver, which decides
                 traceback.print_exc()
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -21,7 +21,13 @@ from shared.config import EngineConfig, resolve_device, resolve_dtype
 from shared.kv_cache import KvLayout, allocate_kv_pool, dtype_name
 from shared.model_loader import LoadedModel, load_model
 from shared.output_processor import OutputProcessor, TokenDelta
-from shared.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
+from shared.request import (
+    ALLOWED_TRANSITIONS,
+    FinishReason,
+    IllegalStateTransition,
+    LlmRequest,
+    LlmRequestState,
+)
 from shared.resource_manager import (
     KVCacheManager,
     ResourceManager,
@@ -326,19 +332,26 @@ class EngineCore:
         self.free_request_resources(request)
         request.finish_reason = reason
         request.finish_time = time.monotonic()
-        if request.state != state and state in ALLOWED_TRANSITIONS[request.state]:
-            request.transition(state)
-        elif request.state != state and not request.is_finished:
-            request.transition(self._abort_state(request))
+        if not request.is_finished:
+            request.transition(self._terminal_state(request, state))
         self.requests.pop(request.request_id, None)
         self.outputs.forget(request.request_id)
         self.recent_history.append((request.request_id, list(request.history)))
 
     @staticmethod
-    def _abort_state(request: LlmRequest) -> LlmRequestState:
-        if LlmRequestState.GENERATION_COMPLETE in ALLOWED_TRANSITIONS[request.state]:
-            return LlmRequestState.GENERATION_COMPLETE
-        return LlmRequestState.DISAGG_TRANS_ERROR
+    def _terminal_state(request: LlmRequest, wanted: LlmRequestState) -> LlmRequestState:
+        """`wanted` where the transition table allows it from here, else where an abort ends."""
+        allowed = ALLOWED_TRANSITIONS[request.state]
+        for state in (
+            wanted,
+            LlmRequestState.GENERATION_COMPLETE,
+            LlmRequestState.DISAGG_TRANS_ERROR,
+        ):
+            if state in allowed:
+                return state
+        raise IllegalStateTransition(
+            f"request {request.request_id} cannot end from {request.state}"
+        )
 
     def abort(self, request_id: str) -> LlmRequest | None:
         request = self.requests.get(request_id)

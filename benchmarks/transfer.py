@@ -1,0 +1,523 @@
+"""KV transfer latency and bandwidth: pdserve's push against its ceilings and peers, same run.
+
+The KV of an N-token prompt (N = 16 .. 32k; the built-in `tiny` model's layout and a
+Llama-3-8B-shaped one: 32 layers, 8 KV heads, head dim 128, bf16) goes from a 'prefill' process
+to a 'decode' process through:
+
+    pdserve_layerwise  KvSender -> KvReceiver, one message per layer, the pack of layer i+1
+                       overlapping the send of layer i (how the prefill node pushes)
+    pdserve_whole      the same, every layer packed first, then sent (whole-request push)
+    ucx_perftest       raw UCX ceiling: `ucx_perftest -t tag_bw -e` from the libucx wheel
+    ucxx_contiguous    one contiguous ucxx message of the same bytes, no packing, no scatter
+    nixl               NIXL (UCX backend) WRITE of the same per-block descriptors (skipped with
+                       the reason when nixl cannot be imported)
+    grpc               the naive baseline: the same blocks streamed over gRPC (4 MiB messages)
+    memcpy             the physical ceiling: one copy of the same bytes in one process
+
+p50/p99 latency and GB/s per size, and pdserve's ratio to each. Latency runs from the sender's
+first action to the moment the receiver has the bytes in place (for pdserve: validated and
+scattered into the reserved blocks); NIXL's end is the initiator seeing its WRITE complete.
+
+    python -m benchmarks.transfer [--quick] [--netns] [--out bench_out]
+    pdserve bench transfer [--netns] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from benchmarks.bench_net import NetPlan, loopback, netns_pair, netns_supported, perftest
+from benchmarks.bench_peer import GRPC_CHUNK
+from benchmarks.bench_util import (
+    PeerError,
+    PeerProcess,
+    child_env,
+    figure,
+    human_bytes,
+    mem_available_bytes,
+    ratio,
+    summarize,
+)
+from benchmarks.common import environment, write_json
+from shared.kv_cache import KvLayout
+from shared.utils import cdiv
+
+SHAPES: dict[str, KvLayout] = {
+    # the built-in tiny model as a CPU node holds it (float32)
+    "tiny": KvLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32"),
+    "llama3-8b": KvLayout(
+        num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"
+    ),
+}
+FULL_TOKENS = [16, 64, 256, 1024, 4096, 16384, 32768]
+QUICK_TOKENS = [16, 256]
+METHODS = [
+    "pdserve_layerwise",
+    "pdserve_whole",
+    "ucx_perftest",
+    "ucxx_contiguous",
+    "nixl",
+    "grpc",
+    "memcpy",
+]
+HEADLINE = "pdserve_layerwise"
+TARGET_BYTES = 16 << 20  # the targets apply to payloads at least this large
+PERFTEST_MAX_MESSAGE = 256 << 20
+# sender pool + receiver pool + a whole-request push's packed copy live at once: keep them
+# inside this share of the memory available at start
+MEMORY_SHARE = 0.6
+COPIES = 3
+
+
+# ---- plan ---------------------------------------------------------------------------------------
+def payload_bytes(layout: KvLayout, tokens: int) -> int:
+    return cdiv(tokens, layout.block_size) * layout.num_layers * layout.block_bytes_per_layer
+
+
+def iterations(nbytes: int, quick: bool) -> int:
+    """Enough repeats for a p99 on small payloads, at least 5 on the largest (p99 of 5 is
+    their max; the JSON says how many)."""
+    if quick:
+        return 3
+    return int(min(50, max(5, (1 << 30) // max(1, nbytes))))
+
+
+def nixl_status() -> str | None:
+    """None when nixl imports (checked in a child: its UCX must not load in this process)."""
+    if importlib.util.find_spec("nixl") is None:
+        return "nixl is not installed (pip install nixl, beside the pinned CPU torch)"
+    check = subprocess.run(
+        [sys.executable, "-c", "import nixl._api"], capture_output=True, text=True, timeout=120
+    )
+    if check.returncode != 0:
+        return f"nixl does not import: {check.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+# ---- methods ------------------------------------------------------------------------------------
+def _result(nbytes: int, latencies: list[float], correct: bool | None) -> dict[str, Any]:
+    stats = summarize(latencies)
+    return {
+        "latency_s": stats,
+        "gbps_p50": nbytes / stats["p50"] / 1e9,
+        "gbps_p99": nbytes / stats["p99"] / 1e9,
+        "correct": correct,
+    }
+
+
+class SizeRun:
+    """Every method for one (shape, prompt length). The timed iterations go round-robin over
+    the methods, so a neighbour's load on this shared machine hits all of them alike and the
+    ratios stay fair; each method's first transfer is a warm-up (connection set-up, page
+    faults) after which the receiver checks that every block landed where it belongs."""
+
+    def __init__(
+        self,
+        plan: NetPlan,
+        recv: PeerProcess,
+        send: PeerProcess,
+        layout: KvLayout,
+        tokens: int,
+        iters: int,
+        nixl_skip: str | None,
+    ):
+        self.plan, self.recv, self.send = plan, recv, send
+        self.layout, self.tokens, self.iters = layout, tokens, iters
+        self.blocks = cdiv(tokens, layout.block_size)
+        self.nbytes = payload_bytes(layout, tokens)
+        self.src = list(range(self.blocks))
+        # the decode node's reserved blocks lie scattered in its pool: a fixed shuffle
+        self.dst = [int(b) for b in np.random.default_rng(tokens).permutation(self.blocks)]
+        self.nixl_skip = nixl_skip
+        self._keys = iter(range(1 << 62))
+        self.extras: dict[str, dict[str, Any]] = {
+            "pdserve_layerwise": {"messages_per_transfer": layout.num_layers},
+            "pdserve_whole": {"messages_per_transfer": layout.num_layers},
+            "ucxx_contiguous": {"messages_per_transfer": 1},
+            "grpc": {"messages_per_transfer": cdiv(self.nbytes, GRPC_CHUNK)},
+        }
+
+    def run(self, methods: list[str], progress: Callable[[str], None]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if "ucx_perftest" in methods:  # its own processes, before the peers hold two pools
+            progress("ucx_perftest")
+            out["ucx_perftest"] = self._guard("ucx_perftest", self.ucx_perftest)
+        self.recv.call("setup", layout=asdict(self.layout), num_blocks=self.blocks)
+        self.send.call("setup", layout=asdict(self.layout), num_blocks=self.blocks)
+        try:
+            timed: dict[str, Callable[[], float]] = {}
+            for name in methods:
+                if name in out:
+                    continue
+                progress(f"{name} warm-up")
+                prepared = self._guard(name, getattr(self, "prepare_" + name))
+                if callable(prepared):
+                    timed[name] = prepared
+                else:
+                    out[name] = prepared
+            progress(f"{len(timed)} methods x {self.iters}")
+            samples = self._round_robin(timed, out)
+        finally:
+            self.recv.call("free")
+            self.send.call("free")
+        for name, latencies in samples.items():
+            verified = None if name == "memcpy" else True  # _warm raised otherwise
+            out[name] = {**_result(self.nbytes, latencies, verified), **self.extras.get(name, {})}
+        return out
+
+    def _round_robin(
+        self, timed: dict[str, Callable[[], float]], out: dict[str, Any]
+    ) -> dict[str, list[float]]:
+        samples: dict[str, list[float]] = {name: [] for name in timed}
+        for _ in range(self.iters):
+            for name, once in list(timed.items()):
+                try:
+                    samples[name].append(once())
+                except (PeerError, RuntimeError) as e:
+                    tqdm.write(f"  {name} failed: {e}")
+                    out[name] = {"error": str(e)}
+                    del timed[name], samples[name]
+        return samples
+
+    def _guard(self, name: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (PeerError, RuntimeError, subprocess.TimeoutExpired) as e:
+            tqdm.write(f"  {name} failed: {e}")
+            return {"error": str(e)}
+
+    def _warm(self, once: Callable[[], float], identity: bool = False) -> Callable[[], float]:
+        """Zero the receiver's pool, run one transfer, check where every block landed."""
+        self.recv.call("zero")
+        once()
+        dst = self.src if identity else self.dst
+        if not self.recv.call("verify", src_ids=self.src, dst_ids=dst)["correct"]:
+            raise RuntimeError("blocks did not land where they belong")
+        return once
+
+    # -- the ceiling that runs in its own processes
+    def ucx_perftest(self) -> dict[str, Any]:
+        message = min(self.nbytes, PERFTEST_MAX_MESSAGE)
+        per_payload = cdiv(self.nbytes, message)
+        iters = max(self.iters * per_payload, 20)
+        r = perftest(self.plan, message, iters, timeout=120 + self.nbytes * iters / 2e8)
+        seconds = r["message_seconds"] * per_payload
+        return {
+            "latency_s": summarize([seconds]),
+            "gbps_p50": r["gbps"],
+            "gbps_p99": r["gbps"],
+            "message_bytes": message,
+            "messages": iters,
+            "note": "one overall bandwidth per run (a window of outstanding sends); its "
+            "latency is payload / bandwidth",
+            "correct": None,
+        }
+
+    # -- methods timed round-robin: prepare_X returns the function that times one transfer
+    def prepare_memcpy(self) -> Callable[[], float]:
+        src = torch.ones(self.nbytes, dtype=torch.uint8)
+        dst = torch.zeros(self.nbytes, dtype=torch.uint8)  # both touched: no page faults timed
+
+        def once() -> float:
+            prev = torch.get_num_threads()
+            torch.set_num_threads(1)  # one core, like each side of a transfer
+            try:
+                started = time.perf_counter()
+                dst.copy_(src)
+                return time.perf_counter() - started
+            finally:
+                torch.set_num_threads(prev)
+
+        once()
+        return once
+
+    def _prepare_pdserve(self, mode: str) -> Callable[[], float]:
+        def once() -> float:
+            dest = self.recv.call("expect", block_ids=self.dst)["dest"]
+            sent = self.send.call("send_kv", dest=dest, src_ids=self.src, mode=mode)
+            landed = self.recv.call("result", transfer_id=dest["transfer_id"])
+            return landed["end"] - sent["start"]
+
+        return self._warm(once)
+
+    def prepare_pdserve_layerwise(self) -> Callable[[], float]:
+        return self._prepare_pdserve("layerwise")
+
+    def prepare_pdserve_whole(self) -> Callable[[], float]:
+        return self._prepare_pdserve("whole")
+
+    def prepare_ucxx_contiguous(self) -> Callable[[], float]:
+        port = self.recv.call("raw_start")["port"]
+
+        def once() -> float:
+            key = next(self._keys)
+            self.recv.call("raw_expect", key=key)
+            sent = self.send.call("send_raw", host=self.plan.receiver_host, port=port)
+            return self.recv.call("raw_result", key=key)["end"] - sent["start"]
+
+        return self._warm(once, identity=True)  # the pool as one message: block b lands in b
+
+    def prepare_grpc(self) -> Callable[[], float]:
+        address = f"{self.plan.receiver_host}:{self.recv.call('grpc_start')['port']}"
+
+        def once() -> float:
+            r = self.send.call("send_grpc", address=address, src_ids=self.src, dst_ids=self.dst)
+            return r["end"] - r["start"]
+
+        return self._warm(once)
+
+    def prepare_nixl(self) -> Callable[[], float] | dict[str, Any]:
+        if self.nixl_skip:
+            return {"skipped": self.nixl_skip}
+        info = self.recv.call("nixl_start")
+        self.extras["nixl"] = self.send.call(
+            "nixl_prepare",
+            metadata=info["metadata"],
+            base=info["base"],
+            src_ids=self.src,
+            dst_ids=self.dst,
+        )
+        self.extras["nixl"].pop("ok", None)
+
+        def once() -> float:
+            tag = f"x{next(self._keys)}"
+            self.recv.call("nixl_expect", tag=tag)
+            r = self.send.call("nixl_send", tag=tag)
+            self.recv.call("nixl_result", tag=tag)  # its notification arrived too
+            return r["end"] - r["start"]
+
+        return self._warm(once)
+
+
+# ---- idle CPU -----------------------------------------------------------------------------------
+def measure_idle(recv: PeerProcess, send: PeerProcess, seconds: float) -> dict[str, float]:
+    """A started receiver with a connected sender and nothing in flight, then with one transfer
+    registered and waited for that never comes (a decode node waiting on a prefill)."""
+    layout = SHAPES["tiny"]
+    recv.call("setup", layout=asdict(layout), num_blocks=4)
+    send.call("setup", layout=asdict(layout), num_blocks=4)
+    try:
+        dest = recv.call("expect", block_ids=[0, 1])["dest"]
+        send.call("send_kv", dest=dest, src_ids=[0, 1], mode="layerwise")
+        recv.call("result", transfer_id=dest["transfer_id"])
+        idle = recv.call("idle", seconds=seconds, expect=False)["cpu_percent"]
+        waiting = recv.call("idle", seconds=seconds, expect=True)["cpu_percent"]
+    finally:
+        recv.call("free")
+        send.call("free")
+    return {
+        "seconds": seconds,
+        "receiver_idle_cpu_percent": idle,
+        "receiver_waiting_cpu_percent": waiting,
+    }
+
+
+# ---- driver -------------------------------------------------------------------------------------
+def start_peers(plan: NetPlan, out: Path) -> tuple[PeerProcess, PeerProcess]:
+    python = [sys.executable, "-m", "benchmarks.bench_peer"]
+    recv = PeerProcess(
+        "receiver",
+        [*plan.receiver_prefix, *python, "--role", "receiver", "--host", plan.receiver_host],
+        child_env(**plan.receiver_env),
+        out / "logs" / f"transfer_{plan.name}_receiver.log",
+    )
+    try:
+        send = PeerProcess(
+            "sender",
+            [*plan.sender_prefix, *python, "--role", "sender"],
+            child_env(**plan.sender_env),
+            out / "logs" / f"transfer_{plan.name}_sender.log",
+        )
+    except BaseException:
+        recv.close()
+        raise
+    return recv, send
+
+
+def headline_ratios(methods: dict[str, Any]) -> dict[str, float | None]:
+    ours = methods.get(HEADLINE, {}).get("gbps_p50", 0.0)
+    return {
+        f"vs_{name}": ratio(ours, methods.get(name, {}).get("gbps_p50", 0.0))
+        for name in METHODS
+        if name != HEADLINE
+    }
+
+
+def targets(rows: list[dict[str, Any]], idle: dict[str, float]) -> dict[str, Any]:
+    big = [r for r in rows if r["bytes"] >= TARGET_BYTES and "methods" in r]
+
+    def worst(key: str) -> float | None:
+        values = [r["ratios"][key] for r in big if r["ratios"].get(key) is not None]
+        return min(values) if values else None
+
+    checks = {
+        "ge_80pct_of_ucx_perftest": (worst("vs_ucx_perftest"), 0.8),
+        "ge_1_5x_nixl": (worst("vs_nixl"), 1.5),
+        "ge_5x_grpc": (worst("vs_grpc"), 5.0),
+    }
+    out: dict[str, Any] = {
+        name: {"worst_ratio": v, "target": goal, "met": None if v is None else v >= goal}
+        for name, (v, goal) in checks.items()
+    }
+    out["applies_to"] = f"payloads >= {human_bytes(TARGET_BYTES)} ({len(big)} sizes)"
+    busiest = max(idle["receiver_idle_cpu_percent"], idle["receiver_waiting_cpu_percent"])
+    out["idle_lt_5pct_core"] = {"cpu_percent": busiest, "target": 5.0, "met": busiest < 5.0}
+    return out
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    name = result["network"]["name"]
+    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
+    with figure(out / f"transfer_{name}.png", ncols=max(1, len(shapes)), width=6.5) as (_, axes):
+        for ax, shape in zip(axes, shapes, strict=False):
+            rows = [r for r in result["rows"] if r["shape"] == shape and "methods" in r]
+            for method in METHODS:
+                pts = [
+                    (r["bytes"], r["methods"][method]["gbps_p50"])
+                    for r in rows
+                    if r["methods"].get(method, {}).get("gbps_p50")
+                ]
+                if pts:
+                    xs, ys = zip(*pts, strict=True)
+                    style = "-o" if method.startswith("pdserve") else "--."
+                    ax.plot(xs, ys, style, label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("KV payload (bytes)")
+            ax.set_ylabel("GB/s (p50)")
+            ax.set_title(f"{shape} KV, {name}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke test)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument(
+        "--netns", action="store_true", help="two network namespaces + veth (root; real TCP)"
+    )
+    parser.add_argument("--shapes", default=None, help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--tokens", default=None, help="comma list of prompt lengths")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--max-payload-mib", type=float, default=0, help="0: from the memory available"
+    )
+    parser.add_argument("--idle-seconds", type=float, default=0)
+    a = parser.parse_args(argv)
+    shapes = a.shapes.split(",") if a.shapes else (["tiny"] if a.quick else list(SHAPES))
+    default_tokens = QUICK_TOKENS if a.quick else FULL_TOKENS
+    tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else default_tokens
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS) | set(shapes) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown method/shape {unknown}")
+    if a.netns and (why := netns_supported()):
+        parser.error(f"--netns needs root and iproute2: {why}")
+    available = mem_available_bytes()
+    cap = int(a.max_payload_mib * 2**20) or int(available * MEMORY_SHARE / COPIES)
+    nixl_skip = nixl_status() if "nixl" in methods else "not requested"
+    if nixl_skip and "nixl" in methods:
+        tqdm.write(f"NIXL skipped: {nixl_skip}")
+    idle_seconds = a.idle_seconds or (1.0 if a.quick else 3.0)
+    net = netns_pair() if a.netns else loopback()
+    rows: list[dict[str, Any]] = []
+    with net as plan:
+        recv, send = start_peers(plan, a.out)
+        try:
+            idle = measure_idle(recv, send, idle_seconds)
+            tqdm.write(
+                f"idle receiver: {idle['receiver_idle_cpu_percent']:.2f}% of a core, "
+                f"{idle['receiver_waiting_cpu_percent']:.2f}% with a transfer pending"
+            )
+            cases = [(s, t) for s in shapes for t in tokens]
+            bar = tqdm(cases, desc=f"transfer ({plan.name})", unit="size")
+            for shape, n in bar:
+                case = run_case(plan, recv, send, shape, n, a.quick, cap, methods, nixl_skip, bar)
+                rows.append(case)
+        finally:
+            send.close()
+            recv.close()
+    result = {
+        "benchmark": "transfer",
+        "network": {"name": plan.name, "description": plan.description},
+        "environment": environment(),
+        "memory": {
+            "available_bytes_at_start": available,
+            "payload_cap_bytes": cap,
+            "rule": f"payload <= {MEMORY_SHARE:.0%} of available memory / {COPIES} (sender "
+            "pool, receiver pool, a whole-request push's packed copy)",
+        },
+        "nixl": nixl_skip or "measured",
+        "latency_definition": "sender's first action -> bytes in place on the receiver "
+        "(pdserve: validated and scattered into the reserved blocks); NIXL: initiator sees "
+        "its WRITE complete",
+        "idle": idle,
+        "rows": rows,
+    }
+    result["targets"] = targets(rows, idle)
+    write_json(a.out / f"transfer_{plan.name}.json", result)
+    plot(result, a.out)
+    print_summary(result)
+    return result
+
+
+def run_case(
+    plan: NetPlan,
+    recv: PeerProcess,
+    send: PeerProcess,
+    shape: str,
+    tokens: int,
+    quick: bool,
+    cap: int,
+    methods: list[str],
+    nixl_skip: str | None,
+    bar: Any,
+) -> dict[str, Any]:
+    layout = SHAPES[shape]
+    nbytes = payload_bytes(layout, tokens)
+    row: dict[str, Any] = {"shape": shape, "tokens": tokens, "bytes": nbytes}
+    if nbytes > cap:
+        row["skipped"] = f"{human_bytes(nbytes)} exceeds the memory cap {human_bytes(cap)}"
+        tqdm.write(f"{shape} {tokens} tokens: {row['skipped']}")
+        return row
+    iters = iterations(nbytes, quick)
+    run = SizeRun(plan, recv, send, layout, tokens, iters, nixl_skip)
+
+    def progress(method: str) -> None:
+        bar.set_postfix_str(f"{shape} {tokens} tok {human_bytes(nbytes)}: {method}")
+
+    row.update(blocks=run.blocks, iterations=iters, methods=run.run(methods, progress))
+    row["ratios"] = headline_ratios(row["methods"])
+    ours = row["methods"].get(HEADLINE, {}).get("gbps_p50", 0)
+    tqdm.write(
+        f"{shape:>9} {tokens:>6} tok {human_bytes(nbytes):>9}: pdserve {ours:6.2f} GB/s  "
+        + "  ".join(f"{k[3:]} {v:.2f}x" for k, v in row["ratios"].items() if v is not None)
+    )
+    return row
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    t = result["targets"]
+    print(f"targets ({t['applies_to']}):")
+    for name, check in t.items():
+        if isinstance(check, dict):
+            value = check.get("worst_ratio", check.get("cpu_percent"))
+            shown = "n/a" if value is None else f"{value:.2f}"
+            print(f"  {name}: {shown} (target {check['target']}) met={check['met']}")
+
+
+if __name__ == "__main__":
+    main()

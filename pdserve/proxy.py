@@ -1,0 +1,452 @@
+"""`pdserve proxy`: the public gRPC endpoint in front of the decode tier.
+
+A gRPC-aware (HTTP/2, per-call) proxy: every call that reaches it — whatever the service, so
+Generate, GetModelInfo and server reflection alike — is forwarded as raw bytes to one decode
+node, chosen per call (least calls in flight among the healthy ones; ties rotate). A TCP (L4)
+balancer would pin each client connection, and with it all of that client's calls, to one
+replica; this one spreads calls from a single long-lived client channel over every replica.
+
+Backends are given as HOST:PORT; a DNS name stands for every address behind it and is
+re-resolved every health round (`--health-interval`), so the replicas of a scaled compose
+service (`--backend decode:50051`) are found as they come and dropped as they go. Each round
+also asks every backend `grpc.health.v1.Health/Check`; unhealthy ones get no new calls.
+
+A call whose backend fails with UNAVAILABLE before answering anything (connection refused, the
+node is draining) is retried on another backend, up to `--max-attempts` backends in all; once a
+backend has answered, its status and trailers are passed through unchanged. The client's
+deadline, metadata and cancellation are propagated. The proxy answers `grpc.health.v1` itself:
+SERVING while at least one backend is healthy. /metrics (optional) counts calls per backend.
+
+    python -m pdserve.proxy --backend decode:50051 --host 0.0.0.0 --port 50051
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared.metrics import MetricsRegistry, MetricsServer, serve_metrics
+
+log = logging.getLogger("pdserve.proxy")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+# Set by gRPC itself on every hop: forwarding them would duplicate or contradict the new hop's.
+HOP_HEADERS = frozenset(
+    {
+        "user-agent",
+        "te",
+        "content-type",
+        "host",
+        "grpc-timeout",
+        "grpc-encoding",
+        "grpc-accept-encoding",
+        "grpc-status",
+        "grpc-message",
+    }
+)
+# Requests of one call kept for a retry; a longer client stream is not retried.
+MAX_REPLAY_MESSAGES = 64
+
+
+def forwardable(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, object]]:
+    return [(k, v) for k, v in (metadata or ()) if k not in HOP_HEADERS and not k.startswith(":")]
+
+
+async def resolve(targets: Sequence[str]) -> list[str] | None:
+    """Every address behind each HOST:PORT; None when no name resolved at all (a DNS hiccup
+    must not empty the pool)."""
+    loop = asyncio.get_running_loop()
+    out: list[str] = []
+    resolved_any = False
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        try:
+            infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("cannot resolve backend %s: %s", target, e)
+            continue
+        resolved_any = True
+        for family, _, _, _, sockaddr in infos:
+            addr = (
+                f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
+            )
+            if addr not in out:
+                out.append(addr)
+    return out if resolved_any else None
+
+
+@dataclass
+class Backend:
+    target: str
+    channel: aio.Channel
+    healthy: bool = False
+    inflight: int = 0
+
+    async def check_health(self, timeout: float) -> bool:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except (TimeoutError, grpc.RpcError):
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class BackendPool:
+    def __init__(self, targets: Sequence[str], health_interval: float):
+        self.targets = tuple(targets)
+        self.health_interval = health_interval
+        self.backends: list[Backend] = []
+        self._next = 0
+
+    async def refresh(self) -> None:
+        """Re-resolve the targets, add and drop backends, health-check all of them."""
+        addresses = await resolve(self.targets)
+        if addresses is not None:
+            known = {b.target for b in self.backends}
+            for addr in addresses:
+                if addr not in known:
+                    log.info("backend %s discovered", addr)
+                    channel = aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+                    self.backends.append(Backend(addr, channel))
+            for b in [b for b in self.backends if b.target not in addresses and not b.inflight]:
+                log.info("backend %s left", b.target)
+                self.backends.remove(b)
+                await b.channel.close()
+        timeout = max(0.2, min(1.0, self.health_interval / 2))
+        results = await asyncio.gather(*(b.check_health(timeout) for b in self.backends))
+        for backend, ok in zip(list(self.backends), results, strict=True):
+            if ok != backend.healthy:
+                log.info("backend %s is %s", backend.target, "healthy" if ok else "unhealthy")
+            backend.healthy = ok
+
+    def pick(self, exclude: set[str]) -> Backend | None:
+        """Least calls in flight among the healthy backends not tried yet (ties rotate); when
+        none is known healthy, any backend not tried yet (the health view may be stale)."""
+        fresh = [b for b in self.backends if b.target not in exclude]
+        candidates = [b for b in fresh if b.healthy] or fresh
+        if not candidates:
+            return None
+        self._next += 1
+        n = len(candidates)
+        rotated = [candidates[(i + self._next) % n] for i in range(n)]
+        return min(rotated, key=lambda b: b.inflight)
+
+    def any_healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    async def close(self) -> None:
+        for b in self.backends:
+            await b.channel.close()
+        self.backends.clear()
+
+
+class _Requests:
+    """The client's request stream, read once: each attempt replays what was read so far and
+    then follows the live stream. Replay stops being possible once a backend has answered
+    (`commit`) or the stream grew past MAX_REPLAY_MESSAGES."""
+
+    def __init__(self, request_iterator: AsyncIterator[bytes]):
+        self.history: list[bytes] | None = []
+        self.ended = False
+        self._queue: asyncio.Queue[bytes | None] | None = None
+        self._task = asyncio.create_task(self._read(request_iterator))
+
+    @property
+    def replayable(self) -> bool:
+        return self.history is not None
+
+    def commit(self) -> None:
+        self.history = None
+
+    async def _read(self, request_iterator: AsyncIterator[bytes]) -> None:
+        try:
+            async for msg in request_iterator:
+                if self.history is not None:
+                    self.history.append(msg)
+                    if len(self.history) > MAX_REPLAY_MESSAGES:
+                        self.history = None
+                if self._queue is not None:
+                    self._queue.put_nowait(msg)
+        finally:
+            self.ended = True
+            if self._queue is not None:
+                self._queue.put_nowait(None)
+
+    async def feed(self, call: aio.StreamStreamCall) -> None:
+        """Write this call's requests (replay + live), then half-close."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        for msg in self.history or ():
+            queue.put_nowait(msg)
+        if self.ended:
+            queue.put_nowait(None)
+        self._queue = queue
+        with contextlib.suppress(Exception):  # the call ended (error or cancel): stop writing
+            while (msg := await queue.get()) is not None:
+                await call.write(msg)
+            await call.done_writing()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+
+class Proxy:
+    def __init__(
+        self,
+        backends: Sequence[str],
+        *,
+        health_interval: float = 2.0,
+        max_attempts: int = 3,
+    ):
+        if not backends:
+            raise ValueError("the proxy needs at least one --backend")
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        self.pool = BackendPool(backends, health_interval)
+        self.max_attempts = max_attempts
+        self.server: aio.Server | None = None
+        self.health = health.HealthServicer()
+        self.metrics_server: MetricsServer | None = None
+        self.port = 0
+        self._health_task: asyncio.Task[None] | None = None
+        self.registry = MetricsRegistry()
+        r = self.registry
+        self.calls = r.counter(
+            "pdserve_proxy_calls_total",
+            "Calls finished through the proxy, by backend and gRPC status",
+            labelnames=("backend", "code"),
+        )
+        self.retries = r.counter(
+            "pdserve_proxy_retries_total", "Calls moved to another backend before any answer"
+        )
+        r.gauge(
+            "pdserve_proxy_backend_healthy",
+            "1 while a backend gets new calls, 0 while it is skipped as unhealthy",
+            labelnames=("backend",),
+            fn=lambda: {(b.target,): float(b.healthy) for b in self.pool.backends},
+        )
+        r.gauge(
+            "pdserve_proxy_backend_inflight",
+            "Calls in flight per backend",
+            labelnames=("backend",),
+            fn=lambda: {(b.target,): float(b.inflight) for b in self.pool.backends},
+        )
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self, host: str, port: int, metrics_port: int = -1) -> None:
+        await self.pool.refresh()
+        self._set_serving(self.pool.any_healthy())
+        self._health_task = asyncio.create_task(self._health_loop())
+        self.server = aio.server(options=SERVER_OPTIONS)
+        # the health service is answered here; every other method goes to a backend
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_generic_rpc_handlers([_ForwardHandler(self)])
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind the proxy to {host}:{port}")
+        await self.server.start()
+        if metrics_port >= 0:
+            self.metrics_server = await serve_metrics(self.registry, host, metrics_port)
+        log.info(
+            "proxy serving on %s:%d, backends %s", host, self.port, ",".join(self.pool.targets)
+        )
+
+    async def stop(self, grace: float = 30.0) -> None:
+        """Stop accepting calls, let in-flight ones finish within `grace`, release everything."""
+        self._set_serving(False)
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.server is not None:
+            await self.server.stop(grace)
+        await self.pool.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+
+    def _set_serving(self, ok: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ok
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.health.set("", status)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.pool.health_interval)
+            try:
+                await self.pool.refresh()
+            except Exception:  # keep the loop alive whatever one round hits
+                log.exception("backend refresh failed")
+            self._set_serving(self.pool.any_healthy())
+
+    # ---- forwarding -----------------------------------------------------------------------
+    async def forward(
+        self, method: str, request_iterator: AsyncIterator[bytes], context: aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        metadata = forwardable(context.invocation_metadata())
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        requests = _Requests(request_iterator)
+        tried: set[str] = set()
+        last_error = "no decode node is known"
+        try:
+            for attempt in range(self.max_attempts):
+                backend = self.pool.pick(tried)
+                if backend is None:
+                    break
+                tried.add(backend.target)
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                call = backend.channel.stream_stream(method)(
+                    metadata=metadata or None, timeout=timeout
+                )
+                backend.inflight += 1
+                writer = asyncio.create_task(requests.feed(call))
+                answered = False
+                code = grpc.StatusCode.UNKNOWN
+                try:
+                    async for response in call:
+                        if not answered:
+                            answered = True
+                            requests.commit()
+                            with contextlib.suppress(Exception):
+                                await context.send_initial_metadata(
+                                    forwardable(await call.initial_metadata())
+                                )
+                        yield response
+                    code = grpc.StatusCode.OK
+                    context.set_trailing_metadata(
+                        tuple(forwardable(await call.trailing_metadata()))  # type: ignore[arg-type]
+                    )
+                    return
+                except aio.AioRpcError as e:
+                    code = e.code()
+                    retry = (
+                        code == grpc.StatusCode.UNAVAILABLE
+                        and not answered
+                        and requests.replayable
+                        and attempt + 1 < self.max_attempts
+                    )
+                    if not retry:
+                        await context.abort(
+                            code,
+                            e.details() or "",
+                            tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
+                        )
+                    last_error = f"{backend.target}: {e.details()}"
+                    backend.healthy = False  # until the next health round says otherwise
+                    log.info("%s on %s: UNAVAILABLE, retrying elsewhere", method, backend.target)
+                    self.retries.inc()
+                except (asyncio.CancelledError, GeneratorExit):
+                    code = grpc.StatusCode.CANCELLED  # the client went away
+                    raise
+                finally:
+                    backend.inflight -= 1
+                    self.calls.labels(backend.target, code.name).inc()
+                    writer.cancel()
+                    call.cancel()
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"no decode node could take the call ({last_error})"
+            )
+        finally:
+            await requests.close()
+
+
+class _ForwardHandler(grpc.GenericRpcHandler):
+    def __init__(self, proxy: Proxy):
+        self.proxy = proxy
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        proxy = self.proxy
+
+        async def forward(
+            request_iterator: AsyncIterator[bytes], context: aio.ServicerContext
+        ) -> AsyncIterator[bytes]:
+            async for response in proxy.forward(method, request_iterator, context):
+                yield response
+
+        # no (de)serializers: messages pass through as bytes, whatever the service
+        return grpc.stream_stream_rpc_method_handler(forward)
+
+
+# -------------------------------------------------------------------------------- entry point
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        required=True,
+        help="HOST:PORT[,HOST:PORT...] of decode nodes; a DNS name stands for all its addresses",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=-1, help="-1 disables /metrics")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds")
+    p.add_argument("--max-attempts", type=int, default=3, help="backends tried per call")
+    p.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM, seconds")
+    p.add_argument("--log-level", default="info")
+
+
+def run(a: argparse.Namespace) -> int:
+    import uvloop
+
+    logging.basicConfig(
+        level=getattr(logging, a.log_level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    backends = [t.strip() for t in a.backend.split(",") if t.strip()]
+    for t in backends:
+        host, sep, port = t.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            print(f"pdserve proxy: invalid backend {t!r} (want HOST:PORT)", file=sys.stderr)
+            return 2
+
+    async def main() -> int:
+        proxy = Proxy(backends, health_interval=a.health_interval, max_attempts=a.max_attempts)
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await proxy.start(a.host, a.port, a.metrics_port)
+        info = {
+            "role": "proxy",
+            "port": proxy.port,
+            "metrics_port": proxy.metrics_server.port if proxy.metrics_server else None,
+        }
+        print("PDSERVE_READY " + json.dumps(info), flush=True)
+        await stopping.wait()
+        log.info("shutting down")
+        await proxy.stop(a.grace)
+        return 0
+
+    return uvloop.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve proxy", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
