@@ -45,7 +45,8 @@ class OutputProcessor:
 
     def add(self, request: LlmRequest) -> None:
         self._states[request.request_id] = OutputState(
-            IncrementalDetokenizer(self.tokenizer), request.sampling_params.stop
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            request.sampling_params.stop,
         )
 
     def forget(self, request_id: str) -> None:

@@ -123,7 +123,7 @@ def test_tls_public_endpoint_and_mutual_tls_to_prefill(
 
 
 def test_tls_config_errors_name_the_file(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="missing.pem"):
+    with pytest.raises(ValueError, match=r"missing\.pem"):
         ServerTls(str(tmp_path / "missing.pem"), str(tmp_path / "k")).validate()
     (tmp_path / "ca.pem").write_text("x")
     with pytest.raises(ValueError, match="both cert and key"):
