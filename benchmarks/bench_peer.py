@@ -104,8 +104,23 @@ class Receiver:
         self.layout = KvLayout(**layout)
         self.pool = allocate_kv_pool(self.layout, num_blocks, "cpu")  # zeroed: pages touched
         self.kv = KvReceiver(self.pool, self.layout, self.host, 0)
+        self._time_scatter(self.kv)
         await self.kv.start()
         return {"address": self.kv.address}
+
+    def _time_scatter(self, kv: Any) -> None:
+        """Where the receiver's time goes: wrap this instance's scatter step with a timer
+        (diagnosis only; the receiver's code path is unchanged)."""
+        self.scatter_s: dict[int, float] = {}
+        scatter = kv._scatter
+
+        def timed(t: Any, prefix: Any, ids: Any) -> None:
+            started = time.perf_counter()
+            scatter(t, prefix, ids)
+            spent = time.perf_counter() - started
+            self.scatter_s[t.transfer_id] = self.scatter_s.get(t.transfer_id, 0.0) + spent
+
+        kv._scatter = timed
 
     async def cmd_free(self) -> None:
         for task in [*self.waits.values(), *self.raw_waits.values(), *self.nixl_waits.values()]:
@@ -136,7 +151,13 @@ class Receiver:
 
     async def cmd_result(self, transfer_id: int) -> dict[str, Any]:
         stats = await self.waits.pop(transfer_id)
-        return {"end": stats.completed_at, "bytes": stats.bytes, "messages": stats.messages}
+        return {
+            "end": stats.completed_at,
+            "first_landed": stats.first_message_at,
+            "bytes": stats.bytes,
+            "messages": stats.messages,
+            "scatter_s": self.scatter_s.pop(transfer_id, 0.0),
+        }
 
     async def cmd_zero(self) -> None:
         self.pool.zero_()
@@ -331,22 +352,33 @@ class Sender:
         loop = asyncio.get_running_loop()
         layers = self.layout.num_layers
         dst = target.block_ids
-        pack = self.kv_class.pack
+        packing = [0.0]
+
+        def pack(layer: int) -> torch.Tensor:
+            started = time.perf_counter()
+            payload = self.kv_class.pack(self.pool, layer, src_ids)
+            packing[0] += time.perf_counter() - started
+            return payload
+
+        sending = 0.0
         t0 = time.monotonic()
         if mode == "whole":
             payloads = await loop.run_in_executor(
-                self.packer, lambda: [pack(self.pool, i, src_ids) for i in range(layers)]
+                self.packer, lambda: [pack(i) for i in range(layers)]
             )
-            for layer, payload in enumerate(payloads):
-                await self.kv.send(target, layer, dst, payload, last=layer == layers - 1)
         else:
-            pending = loop.run_in_executor(self.packer, pack, self.pool, 0, src_ids)
-            for layer in range(layers):
+            pending = loop.run_in_executor(self.packer, pack, 0)
+        for layer in range(layers):
+            if mode == "whole":
+                payload = payloads[layer]
+            else:
                 payload = await pending
                 if layer + 1 < layers:
-                    pending = loop.run_in_executor(self.packer, pack, self.pool, layer + 1, src_ids)
-                await self.kv.send(target, layer, dst, payload, last=layer == layers - 1)
-        return {"start": t0, "sent": time.monotonic()}
+                    pending = loop.run_in_executor(self.packer, pack, layer + 1)
+            started = time.perf_counter()
+            await self.kv.send(target, layer, dst, payload, last=layer == layers - 1)
+            sending += time.perf_counter() - started
+        return {"start": t0, "sent": time.monotonic(), "pack_s": packing[0], "send_s": sending}
 
     # -- one contiguous ucxx message of the whole payload
     async def cmd_send_raw(self, host: str, port: int) -> dict[str, Any]:

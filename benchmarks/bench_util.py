@@ -52,6 +52,12 @@ def mem_available_bytes() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def load_average() -> list[float]:
+    """1, 5 and 15 minute load averages: these 2-core machines are shared, so every result
+    records how busy the machine was while it was measured."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def process_cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of every thread of `pid` (from /proc/PID/stat)."""
     with open(f"/proc/{pid}/stat") as f:

@@ -46,6 +46,7 @@ from benchmarks.bench_util import (
     child_env,
     figure,
     human_bytes,
+    load_average,
     mem_available_bytes,
     ratio,
     summarize,
@@ -73,8 +74,11 @@ METHODS = [
     "memcpy",
 ]
 HEADLINE = "pdserve_layerwise"
+# where a pdserve transfer spends its time (medians; the warm-up is left out)
+PDSERVE_PARTS = ["sender_pack", "sender_awaiting_sends", "receiver_scatter", "after_last_send"]
 TARGET_BYTES = 16 << 20  # the targets apply to payloads at least this large
 PERFTEST_MAX_MESSAGE = 256 << 20
+PERFTEST_RUNS = 3
 # sender pool + receiver pool + a whole-request push's packed copy live at once: keep them
 # inside this share of the memory available at start
 MEMORY_SHARE = 0.6
@@ -132,6 +136,7 @@ class SizeRun:
         tokens: int,
         iters: int,
         nixl_skip: str | None,
+        perftest_runs: int = PERFTEST_RUNS,
     ):
         self.plan, self.recv, self.send = plan, recv, send
         self.layout, self.tokens, self.iters = layout, tokens, iters
@@ -142,6 +147,7 @@ class SizeRun:
         self.dst = [int(b) for b in np.random.default_rng(tokens).permutation(self.blocks)]
         self.nixl_skip = nixl_skip
         self._keys = iter(range(1 << 62))
+        self.runs = perftest_runs
         self.extras: dict[str, dict[str, Any]] = {
             "pdserve_layerwise": {"messages_per_transfer": layout.num_layers},
             "pdserve_whole": {"messages_per_transfer": layout.num_layers},
@@ -172,6 +178,10 @@ class SizeRun:
         finally:
             self.recv.call("free")
             self.send.call("free")
+        for extra in self.extras.values():
+            if "breakdown_p50_s" in extra:  # lists of samples, the warm-up first
+                parts = extra["breakdown_p50_s"].items()
+                extra["breakdown_p50_s"] = {k: float(np.median(v[1:] or v)) for k, v in parts if v}
         for name, latencies in samples.items():
             verified = None if name == "memcpy" else True  # _warm raised otherwise
             out[name] = {**_result(self.nbytes, latencies, verified), **self.extras.get(name, {})}
@@ -209,19 +219,23 @@ class SizeRun:
 
     # -- the ceiling that runs in its own processes
     def ucx_perftest(self) -> dict[str, Any]:
+        """`perftest_runs` runs of ucx_perftest (each a separate pair of processes, so they
+        cannot join the round-robin); the median run's bandwidth is the ceiling."""
         message = min(self.nbytes, PERFTEST_MAX_MESSAGE)
         per_payload = cdiv(self.nbytes, message)
         iters = max(self.iters * per_payload, 20)
-        r = perftest(self.plan, message, iters, timeout=120 + self.nbytes * iters / 2e8)
-        seconds = r["message_seconds"] * per_payload
+        timeout = 120 + self.nbytes * iters / 2e8
+        runs = [perftest(self.plan, message, iters, timeout)["gbps"] for _ in range(self.runs)]
+        gbps = float(np.median(runs))
         return {
-            "latency_s": summarize([seconds]),
-            "gbps_p50": r["gbps"],
-            "gbps_p99": r["gbps"],
+            "latency_s": summarize([self.nbytes / (g * 1e9) for g in runs]),
+            "gbps_p50": gbps,
+            "gbps_p99": min(runs),
+            "gbps_runs": runs,
             "message_bytes": message,
-            "messages": iters,
-            "note": "one overall bandwidth per run (a window of outstanding sends); its "
-            "latency is payload / bandwidth",
+            "messages_per_run": iters,
+            "note": "bandwidth of whole runs (a window of outstanding sends), median of "
+            f"{len(runs)} runs; latency is payload / bandwidth",
             "correct": None,
         }
 
@@ -243,20 +257,27 @@ class SizeRun:
         once()
         return once
 
-    def _prepare_pdserve(self, mode: str) -> Callable[[], float]:
+    def _prepare_pdserve(self, name: str, mode: str) -> Callable[[], float]:
+        parts: dict[str, list[float]] = {k: [] for k in PDSERVE_PARTS}
+        self.extras[name]["breakdown_p50_s"] = parts  # medians replace the lists at the end
+
         def once() -> float:
             dest = self.recv.call("expect", block_ids=self.dst)["dest"]
             sent = self.send.call("send_kv", dest=dest, src_ids=self.src, mode=mode)
             landed = self.recv.call("result", transfer_id=dest["transfer_id"])
+            parts["sender_pack"].append(sent["pack_s"])
+            parts["sender_awaiting_sends"].append(sent["send_s"])
+            parts["receiver_scatter"].append(landed["scatter_s"])
+            parts["after_last_send"].append(landed["end"] - sent["sent"])
             return landed["end"] - sent["start"]
 
         return self._warm(once)
 
     def prepare_pdserve_layerwise(self) -> Callable[[], float]:
-        return self._prepare_pdserve("layerwise")
+        return self._prepare_pdserve("pdserve_layerwise", "layerwise")
 
     def prepare_pdserve_whole(self) -> Callable[[], float]:
-        return self._prepare_pdserve("whole")
+        return self._prepare_pdserve("pdserve_whole", "whole")
 
     def prepare_ucxx_contiguous(self) -> Callable[[], float]:
         port = self.recv.call("raw_start")["port"]
@@ -426,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown method/shape {unknown}")
     if a.netns and (why := netns_supported()):
         parser.error(f"--netns needs root and iproute2: {why}")
+    load_at_start = load_average()
     available = mem_available_bytes()
     cap = int(a.max_payload_mib * 2**20) or int(available * MEMORY_SHARE / COPIES)
     nixl_skip = nixl_status() if "nixl" in methods else "not requested"
@@ -454,6 +476,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "transfer",
         "network": {"name": plan.name, "description": plan.description},
         "environment": environment(),
+        "load_average": {"start": load_at_start, "end": load_average()},
         "memory": {
             "available_bytes_at_start": available,
             "payload_cap_bytes": cap,
@@ -494,7 +517,7 @@ def run_case(
         tqdm.write(f"{shape} {tokens} tokens: {row['skipped']}")
         return row
     iters = iterations(nbytes, quick)
-    run = SizeRun(plan, recv, send, layout, tokens, iters, nixl_skip)
+    run = SizeRun(plan, recv, send, layout, tokens, iters, nixl_skip, 1 if quick else PERFTEST_RUNS)
 
     def progress(method: str) -> None:
         bar.set_postfix_str(f"{shape} {tokens} tok {human_bytes(nbytes)}: {method}")

@@ -43,11 +43,21 @@ from shared.metrics import MetricsRegistry, MetricsServer, serve_metrics
 log = logging.getLogger("pdserve.proxy")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
+_MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [*_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+# A backend that vanished with its address (a removed container) answers a connection attempt
+# with nothing at all; gRPC's default 20 s connect timeout would hold every call sent there
+# that long before it could be retried elsewhere. Backends sit on the same network: 2 s is ample.
+CONNECT_TIMEOUT_MS = 2000
+CHANNEL_OPTIONS = [
+    *_MESSAGE_OPTIONS,
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
 # Set by gRPC itself on every hop: forwarding them would duplicate or contradict the new hop's.
 HOP_HEADERS = frozenset(
     {
@@ -100,6 +110,10 @@ class Backend:
     healthy: bool = False
     inflight: int = 0
 
+    @property
+    def connected(self) -> bool:
+        return self.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+
     async def check_health(self, timeout: float) -> bool:
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
@@ -126,10 +140,12 @@ class BackendPool:
                     log.info("backend %s discovered", addr)
                     channel = aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
                     self.backends.append(Backend(addr, channel))
-            for b in [b for b in self.backends if b.target not in addresses and not b.inflight]:
-                log.info("backend %s left", b.target)
-                self.backends.remove(b)
-                await b.channel.close()
+            for b in [b for b in self.backends if b.target not in addresses]:
+                b.healthy = False  # gone from DNS: no new calls, whatever its last check said
+                if not b.inflight:
+                    log.info("backend %s left", b.target)
+                    self.backends.remove(b)
+                    await b.channel.close()
         timeout = max(0.2, min(1.0, self.health_interval / 2))
         results = await asyncio.gather(*(b.check_health(timeout) for b in self.backends))
         for backend, ok in zip(list(self.backends), results, strict=True):
@@ -138,10 +154,12 @@ class BackendPool:
             backend.healthy = ok
 
     def pick(self, exclude: set[str]) -> Backend | None:
-        """Least calls in flight among the healthy backends not tried yet (ties rotate); when
-        none is known healthy, any backend not tried yet (the health view may be stale)."""
+        """Least calls in flight among the backends not tried yet (ties rotate), preferring
+        healthy ones with a live connection, then healthy ones (a dropped connection is seen
+        before the next health round), then any (the health view may be stale)."""
         fresh = [b for b in self.backends if b.target not in exclude]
-        candidates = [b for b in fresh if b.healthy] or fresh
+        healthy = [b for b in fresh if b.healthy]
+        candidates = [b for b in healthy if b.connected] or healthy or fresh
         if not candidates:
             return None
         self._next += 1

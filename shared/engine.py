@@ -292,8 +292,9 @@ class EngineCore:
         """All KV landed: the request becomes schedulable (its seat comes at the next prepare);
         the first token, sampled on the prefill node, is processed at once."""
         request = self._live(request_id)
-        self.kv_manager.unpin_request(request_id)
+        # transition first: an illegal call must not drop the pins of a transfer in flight
         request.transition(LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE)
+        self.kv_manager.unpin_request(request_id)
         request.num_computed_tokens = request.prompt_len
         self.kv_manager.cache_computed_blocks(request)
         request.first_token_time = time.monotonic()

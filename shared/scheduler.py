@@ -2,9 +2,11 @@
 
 Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
 the next chunk), then waiting requests FCFS while a seat, batch room, token budget and blocks
-remain. When running requests need more blocks than are free, the newest running request is
-preempted by full release and re-queued at the front (recompute), never by pausing alone: a
-paused request keeping its seat would be double-seated when it resumes.
+remain; a fresh request is admitted only if the blocks it needs to completion
+(`get_needed_resource_to_completion`) are free at that moment. When running requests need more
+blocks than are free, the newest running request is preempted by full release and re-queued at
+the front (recompute), never by pausing alone: a paused request keeping its seat would be
+double-seated when it resumes.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class Scheduler:
         budget, reserved = self._schedule_running(out, budget, reserved)
         if not out.preempted:
             self._schedule_waiting(out, budget, reserved)
+            self._unwedge(out)
         self.kv.scheduled_tokens = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
         return out
 
@@ -115,12 +118,20 @@ class Scheduler:
         return budget, reserved
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, reserved: int) -> None:
+        """FCFS among requests that still need blocks; a request that already holds its blocks
+        (its KV arrived from a prefill node) may pass a fresh one that does not fit, since
+        running it frees blocks and holding it back could leave nothing runnable."""
         seats_left = self.seats.num_free
-        while self.waiting and budget > 0 and seats_left > 0:
+        fresh_blocked = False
+        i = 0
+        while i < len(self.waiting) and budget > 0 and seats_left > 0:
             if len(self.running) >= self.config.max_batch_size:
                 return
-            request = self.waiting[0]
+            request = self.waiting[i]
             fresh = request.request_id not in self.kv.block_tables
+            if fresh and fresh_blocked:
+                i += 1
+                continue
             if fresh:
                 cached = self.kv.acquire_prefix(request)
                 request.num_computed_tokens = cached
@@ -128,20 +139,42 @@ class Scheduler:
                     request.cached_tokens = cached
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.kv.blocks_to_allocate(request, num_new)
-            if need > self.kv.num_free_blocks - reserved:
+            # a fresh request starts only if it could run to completion in what is free now;
+            # otherwise it would grow into blocks that requests waiting behind it hold, be
+            # preempted, restart, and never finish
+            admit_need = self.kv.get_needed_resource_to_completion(request) if fresh else need
+            if max(need, admit_need) > self.kv.num_free_blocks - reserved:
                 if fresh:  # give the prefix back; it is matched again next step
                     self.kv.free_resources(request)
                     request.num_computed_tokens = 0
-                return
-            self.waiting.popleft()
+                    fresh_blocked = True
+                i += 1
+                continue
+            del self.waiting[i]
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             reserved += need
             seats_left -= 1
 
+    def _unwedge(self, out: SchedulerOutput) -> None:
+        """Nothing runs and nothing could be scheduled while waiting requests sit on blocks (all
+        waiting for one more block each, say): release the newest of them for recompute, so
+        the next step can make progress."""
+        if out.scheduled or self.running:
+            return
+        holder = next(
+            (r for r in reversed(self.waiting) if r.request_id in self.kv.block_tables), None
+        )
+        if holder is None:
+            return
+        self.waiting.remove(holder)
+        self._preempt(holder)
+        out.preempted.append(holder)
+
     def _preempt(self, request: LlmRequest) -> None:
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
         self._release(request)
         if request.state != LlmRequestState.CONTEXT_INIT:
             request.transition(LlmRequestState.CONTEXT_INIT)

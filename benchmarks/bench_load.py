@@ -1,0 +1,213 @@
+"""Load generation and serving metrics, modelled on `vllm bench serve`.
+
+Arrivals: a gamma process with mean rate `request_rate` (burstiness 1 is Poisson; lower is
+burstier, higher more regular; an infinite rate sends everything at once), at most
+`max_concurrency` requests in flight. Each request is streamed through pdserve's async client
+and timed at the client: TTFT (send -> first token), ITL (gaps between streamed chunks), TPOT
+((E2E - TTFT) / (output tokens - 1)), E2E. Goodput counts the requests that meet every SLO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from benchmarks.bench_util import summarize
+
+
+@dataclass
+class RequestSpec:
+    prompt: list[int]
+    max_tokens: int
+    arrival: float = 0.0  # seconds after the start of the run
+    group: str = "main"  # which population the request belongs to (e.g. "decode", "long")
+
+
+@dataclass
+class RequestRecord:
+    spec: RequestSpec
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    end: float = 0.0
+    error: str | None = None
+    timing: dict[str, float] = field(default_factory=dict)  # the server's Timing message
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunk_times)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.output_tokens
+        return (self.e2e - self.ttft) / (n - 1) if n > 1 else None
+
+
+# ---- workload -----------------------------------------------------------------------------------
+def arrival_offsets(
+    n: int, rate: float, burstiness: float, rng: np.random.Generator
+) -> list[float]:
+    """Start offsets of n requests: gamma inter-arrival times with mean 1/rate and shape
+    `burstiness` (vllm's definition); rate inf sends all at t=0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    gaps[0] = 0.0
+    return [float(x) for x in np.cumsum(gaps)]
+
+
+def random_prompts(
+    n: int, length: int, vocab: int, rng: np.random.Generator, prefix_len: int = 0
+) -> list[list[int]]:
+    """n prompts of `length` random token ids; the first `prefix_len` are shared by all (the
+    shared-prefix mode: a common system prompt), the rest differ per prompt."""
+    prefix = rng.integers(0, vocab, size=min(prefix_len, length)).tolist()
+    return [prefix + rng.integers(0, vocab, size=length - len(prefix)).tolist() for _ in range(n)]
+
+
+# ---- driver -------------------------------------------------------------------------------------
+async def run_requests(
+    target: str,
+    specs: Sequence[RequestSpec],
+    max_concurrency: int | None = None,
+    timeout: float = 600.0,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
+    """Send every spec at its arrival offset; returns the records (spec order) and the run's
+    wall time (first send to last completion)."""
+    from pdserve.client import create_channel
+
+    channel = create_channel(target)
+    limit = asyncio.Semaphore(max_concurrency or len(specs) or 1)
+    started = time.perf_counter()
+
+    async def one(spec: RequestSpec) -> RequestRecord:
+        await asyncio.sleep(max(0.0, started + spec.arrival - time.perf_counter()))
+        async with limit:
+            record = await stream_request(channel, spec, timeout)
+        if on_done is not None:
+            on_done(record)
+        return record
+
+    try:
+        records = await asyncio.gather(*(one(s) for s in specs))
+    finally:
+        await channel.close()
+    ends = [r.end for r in records if r.end]
+    return list(records), (max(ends) if ends else time.perf_counter()) - started
+
+
+async def stream_request(channel: Any, spec: RequestSpec, timeout: float) -> RequestRecord:
+    """One request over an open channel, timed at the client."""
+    import grpc
+
+    from pdserve.client import generate_stream
+
+    record = RequestRecord(spec, start=time.perf_counter())
+    stream = generate_stream(
+        "",
+        spec.prompt,
+        max_tokens=spec.max_tokens,
+        ignore_eos=True,
+        timeout=timeout,
+        channel=channel,
+    )
+    try:
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    record.chunk_times.append(now)
+                    record.chunk_tokens.append(len(chunk.token_ids))
+                if chunk.finish_reason:
+                    t = chunk.timing
+                    record.timing = {
+                        "queue": t.queue_seconds,
+                        "prefill": t.prefill_seconds,
+                        "kv_transfer": t.kv_transfer_seconds,
+                        "ttft": t.time_to_first_token_seconds,
+                        "e2e": t.e2e_seconds,
+                    }
+    except grpc.RpcError as e:
+        record.error = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    record.end = time.perf_counter()
+    return record
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+def parse_goodput(items: Sequence[str]) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] -> {'ttft': 0.5, 'tpot': 0.05} (SLOs in ms, like vllm)."""
+    slos: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"goodput SLO {item!r}: expected ttft:MS, tpot:MS or e2el:MS")
+        slos[key] = float(value) / 1e3
+    return slos
+
+
+def _meets(record: RequestRecord, slos: dict[str, float]) -> bool:
+    values = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2el": record.e2e}
+    return all(values[key] <= limit for key, limit in slos.items())
+
+
+def _ms(samples: list[float]) -> dict[str, float]:
+    s = summarize(samples)
+    return {
+        "mean_ms": s["mean"] * 1e3,
+        "median_ms": s["p50"] * 1e3,
+        "p99_ms": s["p99"] * 1e3,
+        "n": s["n"],
+    }
+
+
+def serving_metrics(
+    records: Sequence[RequestRecord], duration: float, slos: dict[str, float] | None = None
+) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(len(r.spec.prompt) for r in ok)
+    metrics: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
+        "ttft": _ms([r.ttft for r in ok]),
+        "tpot": _ms([t for r in ok if (t := r.tpot) is not None]),
+        "itl": _ms([gap for r in ok for gap in r.itls]),
+        "e2el": _ms([r.e2e for r in ok]),
+    }
+    if slos:
+        good = sum(1 for r in ok if _meets(r, slos))
+        metrics["goodput"] = {
+            "slos_ms": {k: v * 1e3 for k, v in slos.items()},
+            "requests_meeting_slos": good,
+            "request_goodput": good / duration if duration else 0.0,
+        }
+    return metrics
