@@ -28,13 +28,11 @@ from decode_node.peers import LayoutMismatch, PrefillPeer, PrefillPool
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
 from shared.engine import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine_loop import EngineLoop
-from shared.metrics import MetricsServer, serve_metrics
 from shared.node_common import (
     NodeMetrics,
-    create_grpc_server,
+    NodeServing,
     layout_info,
     model_info,
-    set_serving,
 )
 from shared.output_processor import TokenDelta
 from shared.request import FinishReason
@@ -109,8 +107,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             labelnames=("peer",),
             fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.peers},
         )
-        self.metrics_server: MetricsServer | None = None
-        self.server: aio.Server | None = None
+        self.serving: NodeServing | None = None
         self.port = 0
         self.accepting = True
         self._tasks: set[asyncio.Future[None]] = set()
@@ -128,19 +125,16 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.engine.start()
         await self.receiver.start()
         await self.pool.start()
-        self.server, self.health, self.port = create_grpc_server(
+        self.serving = await NodeServing.start(
             [SERVICE],
             lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),
             self.config.host,
             self.config.port,
-            None if self.config.tls is None else self.config.tls.credentials(),
+            self.config.tls,
+            self.metrics.registry,
+            self.config.metrics_port,
         )
-        await self.server.start()
-        if self.config.metrics_port >= 0:
-            self.metrics_server = await serve_metrics(
-                self.metrics.registry, self.config.host, self.config.metrics_port
-            )
-        set_serving(self.health, [SERVICE], True)
+        self.port = self.serving.port
         log.info(
             "decode node serving on %s:%d (KV listener %s)",
             self.config.host,
@@ -152,22 +146,16 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         """Stop admitting, let in-flight work finish within `grace`, abort the rest, release
         everything and return whether seats and blocks were all conserved."""
         self.accepting = False
-        set_serving(self.health, [SERVICE], False)
-        if self.server is not None:
-            await self.server.stop(grace)
         conserved = True
+        if self.serving is not None:
+            await self.serving.stop_admitting(grace)
         if self.engine is not None:
-            await self.engine.call(lambda core: core.shutdown())
-            try:
-                await self.engine.call(lambda core: core.check_conservation())
-            except AssertionError as e:
-                log.error("conservation check failed at shutdown: %s", e)
-                conserved = False
+            conserved = await self.engine.call(lambda core: core.shutdown())
             self.engine.stop()
         await self.pool.close()
         await self.receiver.close()
-        if self.metrics_server is not None:
-            await self.metrics_server.close()
+        if self.serving is not None:
+            await self.serving.close_metrics()
         return conserved
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:

@@ -49,7 +49,7 @@ def run_prefill(config: PrefillNodeConfig) -> int:
             announce(
                 "prefill",
                 port=node.port,
-                metrics_port=node.metrics_server.port if node.metrics_server else None,
+                metrics_port=node.serving.metrics_port if node.serving else None,
             )
 
         return await _serve_until_signal(start, node.stop)
@@ -70,7 +70,7 @@ def run_decode(config: DecodeNodeConfig) -> int:
                 "decode",
                 port=node.port,
                 ucx_address=node.receiver.address,
-                metrics_port=node.metrics_server.port if node.metrics_server else None,
+                metrics_port=node.serving.metrics_port if node.serving else None,
             )
 
         return await _serve_until_signal(start, node.stop)

@@ -14,15 +14,13 @@ import logging
 import time
 
 import grpc
-from grpc import aio
 
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.push import FINAL, PushState, make_layer_hook, plan_push
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine import EngineCore, RequestRejected
 from shared.engine_loop import EngineLoop
-from shared.metrics import MetricsServer, serve_metrics
-from shared.node_common import NodeMetrics, create_grpc_server, model_info, set_serving
+from shared.node_common import NodeMetrics, NodeServing, model_info
 from shared.output_processor import TokenDelta
 from shared.request import LlmRequestState
 from shared.sampling_params import SamplingParams
@@ -57,8 +55,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.sender = KvSender(self.layout)
         self.engine: EngineLoop | None = None
         self.metrics = NodeMetrics(lambda: self._snapshot())
-        self.metrics_server: MetricsServer | None = None
-        self.server: aio.Server | None = None
+        self.serving: NodeServing | None = None
         self.port = 0
 
     def _snapshot(self):
@@ -71,41 +68,32 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.engine = EngineLoop(self.core, loop, self._on_deltas, name="prefill-engine")
         self.core.layer_hook_factory = self._layer_hook
         self.engine.start()
-        self.server, self.health, self.port = create_grpc_server(
+        self.serving = await NodeServing.start(
             [SERVICE],
             lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(self, s),
             self.config.host,
             self.config.port,
-            None if self.config.tls is None else self.config.tls.credentials(),
+            self.config.tls,
+            self.metrics.registry,
+            self.config.metrics_port,
         )
-        await self.server.start()
-        if self.config.metrics_port >= 0:
-            self.metrics_server = await serve_metrics(
-                self.metrics.registry, self.config.host, self.config.metrics_port
-            )
-        set_serving(self.health, [SERVICE], True)
+        self.port = self.serving.port
         log.info("prefill node serving on %s:%d", self.config.host, self.port)
 
     async def stop(self, grace: float = 5.0) -> bool:
         """Stop admitting, finish or abort in-flight work within `grace`, release everything;
         returns whether every seat and block was back in its pool."""
-        set_serving(self.health, [SERVICE], False)
-        if self.server is not None:
-            await self.server.stop(grace)
+        if self.serving is not None:
+            await self.serving.stop_admitting(grace)
         for state in self.pushes.values():
             state.cancelled = True
         conserved = True
         if self.engine is not None:
-            await self.engine.call(lambda core: core.shutdown())
-            try:
-                await self.engine.call(lambda core: core.check_conservation())
-            except AssertionError as e:
-                log.error("conservation check failed at shutdown: %s", e)
-                conserved = False
+            conserved = await self.engine.call(lambda core: core.shutdown())
             self.engine.stop()
         await self.sender.close()
-        if self.metrics_server is not None:
-            await self.metrics_server.close()
+        if self.serving is not None:
+            await self.serving.close_metrics()
         return conserved
 
     # ---- engine thread side ---------------------------------------------------------------

@@ -7,6 +7,8 @@ processing and release of finished requests in the seat-system order (sampler, K
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import uuid
 from collections import deque
@@ -40,6 +42,8 @@ from shared.sampler import Sampler
 from shared.sampling_params import SamplingParams
 from shared.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from shared.utils import cdiv
+
+log = logging.getLogger(__name__)
 
 # Called with the step's scheduled requests (before their counters advance); returns a hook that
 # the model calls after each layer's K/V are written, or None.
@@ -373,10 +377,21 @@ class EngineCore:
         assert self.sampler.seats_in_use() == 0, "sampler rows still owned"
         self.kv_manager.check_conservation()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Abort what is left through the normal release path, then check conservation (before
+        anything is force-freed, so a leak shows). Returns whether every seat and block was
+        back in its pool."""
         for request_id in list(self.requests):
             self.abort(request_id)
-        self.resource_manager.shutdown()
+        try:
+            self.check_conservation()
+            conserved = True
+        except AssertionError as e:
+            log.error("conservation check failed at shutdown: %s", e)
+            conserved = False
+        with contextlib.suppress(AssertionError):  # already reported; now force-free the rest
+            self.resource_manager.shutdown()
+        return conserved
 
 
 class Engine:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 from grpc import aio
@@ -14,7 +15,8 @@ from proto.pdserve.v1 import generation_pb2
 from shared.engine import EngineCore
 from shared.engine_loop import EngineSnapshot
 from shared.kv_cache import KvLayout
-from shared.metrics import LATENCY_BUCKETS, MetricsRegistry
+from shared.metrics import LATENCY_BUCKETS, MetricsRegistry, MetricsServer, serve_metrics
+from shared.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,52 @@ def set_serving(health_servicer: health.HealthServicer, services: Sequence[str],
     )
     for name in ("", *services):
         health_servicer.set(name, status)
+
+
+@dataclass
+class NodeServing:
+    """A node's public face: gRPC server (with health and reflection) and /metrics."""
+
+    server: aio.Server
+    health: health.HealthServicer
+    port: int
+    services: list[str]
+    metrics_server: MetricsServer | None
+
+    @classmethod
+    async def start(
+        cls,
+        services: list[str],
+        add_servicers: Callable[[aio.Server], None],
+        host: str,
+        port: int,
+        tls: ServerTls | None,
+        registry: MetricsRegistry,
+        metrics_port: int,
+    ) -> NodeServing:
+        credentials = None if tls is None else tls.credentials()
+        server, health_servicer, bound = create_grpc_server(
+            services, add_servicers, host, port, credentials
+        )
+        await server.start()
+        metrics_server = None
+        if metrics_port >= 0:
+            metrics_server = await serve_metrics(registry, host, metrics_port)
+        set_serving(health_servicer, services, True)
+        return cls(server, health_servicer, bound, services, metrics_server)
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_server is None else self.metrics_server.port
+
+    async def stop_admitting(self, grace: float) -> None:
+        """Health says NOT_SERVING at once; in-flight RPCs get `grace` seconds to finish."""
+        set_serving(self.health, self.services, False)
+        await self.server.stop(grace)
+
+    async def close_metrics(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
 
 
 class NodeMetrics:

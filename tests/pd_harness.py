@@ -29,7 +29,7 @@ class PdCluster:
     def metrics(self) -> list[dict[str, float]]:
         out = []
         for node in [*self.prefills, *self.decodes]:
-            url = f"http://127.0.0.1:{node.metrics_server.port}/metrics"
+            url = f"http://127.0.0.1:{node.serving.metrics_port}/metrics"
             with urllib.request.urlopen(url, timeout=5) as resp:
                 out.append(parse_prometheus_text(resp.read().decode()))
         return out

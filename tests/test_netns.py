@@ -5,7 +5,8 @@ a veth pair, so the KV push crosses a real TCP stack between two addresses.
                                                                 KV listener 10.213.1.2 (--ucx-host)
 
 The nodes are real processes (`python -m pdserve.cli ...` under `ip netns exec`); the client runs
-in netns P too, so requests, the prefill RPC and the KV bytes all cross the veth. Greedy outputs
+in netns P too, so requests, the prefill RPC and the KV bytes all cross the veth; every other
+request goes through the gRPC proxy (`python -m pdserve.proxy`, also in netns P). Greedy outputs
 must equal the colocated engine's, and the decode side's veth must have received at least as
 many bytes as the decode node counts as KV transferred (UCX_TLS=tcp: no shared memory shortcut).
 Skipped, with the reason, where network namespaces cannot be created (not root, no `ip`).
@@ -100,22 +101,25 @@ def _node_env() -> dict[str, str]:
 
 
 def _spawn_in(ns: str, role: str, args: list[str]) -> NodeProcess:
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve.cli", role, *args]
+    entry = ["pdserve.proxy"] if role == "proxy" else ["pdserve.cli", role]
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", *entry, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_node_env())
     node = NodeProcess(role, proc)
     threading.Thread(target=node.pump, args=(False,), daemon=True).start()
     return node
 
 
-# Runs inside the prefill namespace: every request, then the decode node's KV byte counter.
+# Runs inside the prefill namespace: the requests, alternately straight to the decode node and
+# through the proxy, then the decode node's KV byte counter.
 CLIENT = r"""
 import asyncio, json, sys, urllib.request
 from pdserve.client import generate
 job = json.load(sys.stdin)
 async def main():
     out = []
-    for prompt, max_tokens in zip(job["prompts"], job["max_tokens"]):
-        r = await generate(job["target"], prompt, max_tokens=max_tokens, timeout=60)
+    for i, (prompt, max_tokens) in enumerate(zip(job["prompts"], job["max_tokens"])):
+        target = job["targets"][i % len(job["targets"])]
+        r = await generate(target, prompt, max_tokens=max_tokens, timeout=60)
         out.append(r.token_ids)
     return out
 tokens = asyncio.run(main())
@@ -176,10 +180,18 @@ def test_kv_crosses_a_veth_between_two_namespaces_and_greedy_matches() -> None:
             nodes.append(decode)
             wait_ready([decode], timeout=60)
             assert str(decode.info["ucx_address"]).startswith(DECODE_ADDR + ":")
+            # the public gRPC proxy (pdserve/proxy.py) on the prefill host, in front of decode
+            proxy = _spawn_in(
+                hosts.prefill_ns,
+                "proxy",
+                ["--backend", f"{DECODE_ADDR}:50051", "--port", "50052"],
+            )
+            nodes.append(proxy)
+            wait_ready([proxy], timeout=60)
 
             rx_before = _rx_bytes(hosts.decode_ns, hosts.decode_if)
             job = {
-                "target": f"{DECODE_ADDR}:50051",
+                "targets": [f"{DECODE_ADDR}:50051", "127.0.0.1:50052"],
                 "prompts": prompts,
                 "max_tokens": max_tokens,
                 "metrics": f"http://{DECODE_ADDR}:9100/metrics",
