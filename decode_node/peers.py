@@ -80,11 +80,14 @@ async def resolve_targets(targets: tuple[str, ...]) -> dict[str, str]:
 def connect_peer(
     target: str, host: str, credentials: grpc.ChannelCredentials | None = None
 ) -> PrefillPeer:
+    # a vanished replica (container removed: packets dropped, no RST) would otherwise hold a
+    # dial for gRPC's 20 s minimum connect timeout before the retry goes elsewhere
+    options = [*GRPC_SERVER_OPTIONS, ("grpc.min_reconnect_backoff_ms", 2000)]
     if credentials is None:
-        channel = aio.insecure_channel(target, options=GRPC_SERVER_OPTIONS)
+        channel = aio.insecure_channel(target, options=options)
     else:
         # we dial the resolved address, but the certificate names the configured host
-        options = [*GRPC_SERVER_OPTIONS, ("grpc.ssl_target_name_override", host)]
+        options.append(("grpc.ssl_target_name_override", host))
         channel = aio.secure_channel(target, credentials, options=options)
     return PrefillPeer(target, channel, prefill_pb2_grpc.PrefillStub(channel))
 
@@ -124,19 +127,30 @@ class PrefillPool:
         for addr, host in addresses.items():
             if addr not in known:
                 log.info("prefill node %s discovered", addr)
-                self.peers.append(connect_peer(addr, host, self.credentials))
-        gone = [p for p in self.peers if p.target not in addresses and p.outstanding_tokens == 0]
-        if addresses:  # a failed lookup keeps the last known set rather than emptying it
-            for peer in gone:
-                log.info("prefill node %s left", peer.target)
-                self.peers.remove(peer)
-                await peer.channel.close()
+                peer = connect_peer(addr, host, self.credentials)
+                peer.channel.get_state(try_to_connect=True)  # dial now: `pick` prefers READY
+                self.peers.append(peer)
+        if not addresses:  # a failed lookup keeps the last known set rather than emptying it
+            return
+        for peer in [p for p in self.peers if p.target not in addresses]:
+            if peer.outstanding_tokens:  # requests still in flight there: just stop routing
+                self.mark_unhealthy(peer, "no longer in DNS")
+                continue
+            log.info("prefill node %s left", peer.target)
+            self.peers.remove(peer)
+            await peer.channel.close()
 
     def pick(self, exclude: set[str]) -> PrefillPeer | None:
         """Least outstanding prefill tokens among healthy peers; ties rotate."""
         candidates = [p for p in self.peers if p.healthy and p.target not in exclude]
         if not candidates:
             return None
+        ready = [
+            p
+            for p in candidates
+            if p.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+        ]
+        candidates = ready or candidates  # a live connection beats one that may have to dial
         self._next += 1
         n = len(candidates)
         rotated = [candidates[(i + self._next) % n] for i in range(n)]

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--prefill-tls-cert", default="", help="client cert for mutual TLS")
     dc.add_argument("--prefill-tls-key", default="", help="client key for mutual TLS")
 
+    from pdserve.proxy import add_arguments as add_proxy_arguments
+
+    add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
+
     bench = sub.add_parser("bench", help="benchmarks: transfer, serve, ttft, engine")
     bench.add_argument("name", choices=["transfer", "serve", "ttft", "engine"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
@@ -245,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(a)
     if a.command == "bench":
         return cmd_bench(a)
+    if a.command == "proxy":
+        from pdserve.proxy import run as run_proxy
+
+        return run_proxy(a)
     from pdserve.nodes import run_decode, run_prefill, setup_logging
 
     setup_logging(a.log_level)

@@ -92,6 +92,8 @@ def test_32_concurrent_requests_match_colocated_and_transformers(
         if i % 7 == 0:  # transformers is slow: spot-check a quarter against it
             assert r.token_ids == hf_greedy(path, p, m)
     assert any(r.usage.cached_tokens >= 48 for r in results[16:])
+    pushed = [m["pdserve_kv_transfer_bytes_total"] for m in node_metrics(cluster)[:2]]
+    assert all(b > 0 for b in pushed), f"routing used one prefill node only: {pushed}"
     assert_all_released(cluster)
 
 
