@@ -75,6 +75,13 @@ def idle_cpu_percent(pids: Sequence[int], seconds: float) -> dict[int, float]:
     return {pid: 100 * (process_cpu_seconds(pid) - before[pid]) / wall for pid in pids}
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so that `finally` blocks run: helper processes are stopped
+    and network namespaces deleted even when the benchmark itself is terminated."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """This environment plus the repo on PYTHONPATH (helpers run as `python -m benchmarks...`)."""
     env = os.environ.copy()

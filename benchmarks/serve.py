@@ -41,7 +41,7 @@ from benchmarks.bench_load import (
     serving_metrics,
 )
 from benchmarks.bench_models import BenchModel, resolve
-from benchmarks.bench_util import figure, load_average, ratio, summarize
+from benchmarks.bench_util import exit_on_sigterm, figure, load_average, ratio, summarize
 from benchmarks.common import environment, write_json
 
 SETUPS = ["pd", "colocated", "colocated_2core"]
@@ -94,11 +94,13 @@ def decode_streams(a: argparse.Namespace, model: BenchModel, seed: int) -> list[
 def long_prompts(
     a: argparse.Namespace, model: BenchModel, window: float, seed: int
 ) -> list[RequestSpec]:
-    """`--long-prompts` prompts arriving (Poisson) inside the decode streams' lifetime."""
+    """`--long-prompts` prompts arriving at random inside the first 60% of the decode streams'
+    quiet lifetime, so that their prefills (and, for P/D, their KV pushes) land while the
+    streams still decode."""
     rng = np.random.default_rng(seed)
     n = a.long_prompts
     prompts = random_prompts(n, a.long_input_len, model.prompt_vocab, rng)
-    offsets = sorted(rng.uniform(0.1 * window, 0.8 * window, size=n))
+    offsets = sorted(rng.uniform(0.05 * window, 0.6 * window, size=n))
     return [RequestSpec(p, 4, float(t), "long") for p, t in zip(prompts, offsets, strict=True)]
 
 
@@ -303,7 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "output_len": 8 if quick else 64,
         "goodput": ["ttft:1000", "tpot:50"],
         "decode_streams": 2 if quick else 8,
-        "decode_output_len": 24 if quick else 256,
+        "decode_output_len": 24 if quick else 512,
         "long_prompts": 2 if quick else 8,
         "long_input_len": 256 if quick else 2048,
     }
@@ -319,6 +321,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    exit_on_sigterm()
     slos = parse_goodput(a.goodput)
     model = resolve(a.model, a.out / "models")
     load_at_start = load_average()

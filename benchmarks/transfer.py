@@ -42,6 +42,7 @@ from benchmarks.bench_util import (
     PeerError,
     PeerProcess,
     child_env,
+    exit_on_sigterm,
     figure,
     human_bytes,
     load_average,
@@ -427,6 +428,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--idle-seconds", type=float, default=0)
     a = parser.parse_args(argv)
+    exit_on_sigterm()
     shapes = a.shapes.split(",") if a.shapes else (["tiny"] if a.quick else list(SHAPES))
     default_tokens = QUICK_TOKENS if a.quick else FULL_TOKENS
     tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else default_tokens

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from benchmarks import bench_nodes
 from benchmarks.bench_load import RequestRecord, RequestSpec, random_prompts, stream_request
 from benchmarks.bench_models import BenchModel, resolve
-from benchmarks.bench_util import figure, load_average, ratio
+from benchmarks.bench_util import exit_on_sigterm, figure, load_average, ratio
 from benchmarks.common import environment, write_json
 
 MODES = {"pd_layerwise": "decode", "pd_whole": "decode-whole", "colocated": "colocated"}
@@ -41,6 +41,12 @@ TAIL_TARGET = 0.10  # tail <= 10% of prefill compute ...
 TAIL_TARGET_MIN_LEN = 1024  # ... for prompts of at least this many tokens
 TTFT_TARGET = 1.10  # P/D TTFT <= 1.1x colocated
 COMPONENTS = ["queue", "prefill", "tail", "other"]
+TAIL_NOTE = (
+    "tail is the prefill node's transfer_tail_seconds: from the layer hook of the last layer "
+    "(fired when that layer's K/V are written, before its attention, MLP and the LM head run) "
+    "to the last KV byte sent; it therefore includes that remaining compute, and prefill "
+    "(to the first token) overlaps it, which is why 'other' goes negative"
+)
 
 
 def lengths_for(model: BenchModel, wanted: list[int]) -> tuple[list[int], str | None]:
@@ -186,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lengths", default=None, help="comma list of prompt lengths")
     parser.add_argument("--reps", type=int, default=0, help="0: 1 quick, 3 full")
     a = parser.parse_args(argv)
+    exit_on_sigterm()
     models = (a.models or ("tiny" if a.quick else "tiny,medium")).split(",")
     wanted = [int(n) for n in a.lengths.split(",")] if a.lengths else None
     wanted = wanted or (QUICK_LENGTHS if a.quick else FULL_LENGTHS)
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "node (core 1); colocated node on core 0; one torch thread each; requests one at a "
         f"time, {OUTPUT_TOKENS} output tokens, medians of {reps} repeats",
         "models": {m.name: {"spec": m.spec, "max_context": m.max_context} for m in resolved},
-        "notes": notes,
+        "notes": [*notes, TAIL_NOTE],
         "idle_cpu_percent": idle,
         "rows": rows,
         "samples": samples,

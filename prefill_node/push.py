@@ -8,7 +8,6 @@ what is sent) and queued to the event loop, which sends them while layer i+1 com
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,7 +43,6 @@ class PushState:
     cancelled: bool = False
     completed: bool = False  # every message sent and the first token known
     first_message_at: float | None = None  # wall clock, for the TTFT breakdown
-    last_layer_computed_at: float | None = None
 
     def put(self, item: LayerMessage | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -113,7 +111,6 @@ def make_layer_hook(
                 _queue_whole_request(w, kv_pool, num_layers)
             w.state.sent_upto = max(w.state.sent_upto, w.upto)
             if w.final:
-                w.state.last_layer_computed_at = time.time()
                 w.state.put(FINAL)
 
     return hook

@@ -22,7 +22,7 @@ from shared.engine import EngineCore, RequestRejected
 from shared.engine_loop import EngineLoop
 from shared.node_common import NodeMetrics, NodeServing, model_info
 from shared.output_processor import TokenDelta
-from shared.request import LlmRequestState
+from shared.request import LlmRequest, LlmRequestState
 from shared.sampling_params import SamplingParams
 from shared.scheduler import ScheduledRequest
 from transfer.protocol import TransferDestination
@@ -38,7 +38,6 @@ class _Pending:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.first_token: asyncio.Future[int] = loop.create_future()
         self.admitted_at = time.monotonic()
-        self.context_done_at: float | None = None
 
 
 class PrefillNode(prefill_pb2_grpc.PrefillServicer):
@@ -107,7 +106,6 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         for delta in deltas:
             pending = self.pending.get(delta.request_id)
             if pending is not None and not pending.first_token.done():
-                pending.context_done_at = time.monotonic()
                 pending.first_token.set_result(delta.token_ids[0])
 
     # ---- RPCs -----------------------------------------------------------------------------
@@ -188,7 +186,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         sent_bytes, messages = await self._drain(state)
         first_token = await pending.first_token
         state.completed = True
-        stats = self._stats(pending, state, sent_bytes, messages, req.first_scheduled_time)
+        stats = self._stats(pending, state, sent_bytes, messages, req)
         return prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token_id=first_token,
@@ -228,20 +226,21 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         state: PushState,
         sent: int,
         messages: int,
-        first_scheduled: float | None,
+        request: LlmRequest,
     ) -> prefill_pb2.TransferStats:
-        now_wall = time.time()
-        scheduled = first_scheduled or pending.admitted_at
-        context_done = pending.context_done_at or time.monotonic()
-        last_computed = state.last_layer_computed_at or now_wall
+        now_wall, now = time.time(), time.monotonic()
+        scheduled = request.first_scheduled_time or pending.admitted_at
+        # stamped on the engine thread when the last chunk's forward and sample finished: the
+        # end of prefill compute (the layer hook fires before the last layer's attention/MLP)
+        computed = request.first_token_time or now
         return prefill_pb2.TransferStats(
             bytes_sent=sent,
             messages=messages,
             queue_seconds=max(0.0, scheduled - pending.admitted_at),
-            prefill_seconds=max(0.0, context_done - scheduled),
-            transfer_tail_seconds=max(0.0, now_wall - last_computed),
+            prefill_seconds=max(0.0, computed - scheduled),
+            transfer_tail_seconds=max(0.0, now - computed),
             first_layer_sent_unix=state.first_message_at or 0.0,
-            last_layer_computed_unix=last_computed,
+            last_layer_computed_unix=now_wall - (now - computed),
             last_byte_sent_unix=now_wall,
         )
 
