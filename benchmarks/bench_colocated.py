@@ -29,10 +29,9 @@ from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.config import EngineConfig
 from shared.engine import EngineCore, RequestRejected
 from shared.engine_loop import EngineLoop
-from shared.node_common import create_grpc_server, model_info, set_serving
+from shared.node_common import create_grpc_server, model_info, sampling_from_proto, set_serving
 from shared.output_processor import TokenDelta
 from shared.request import FinishReason, LlmRequest
-from shared.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.colocated")
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -92,16 +91,7 @@ class ColocatedNode(generation_pb2_grpc.GenerationServicer):
             if request.WhichOneof("prompt") == "text"
             else list(request.token_ids.ids)
         )
-        s = request.sampling
-        params = SamplingParams.from_wire(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-            stop=tuple(s.stop),
-            ignore_eos=s.ignore_eos,
-        )
+        params = sampling_from_proto(request.sampling)
         if rid in self.streams:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rid!r} already in flight")
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()

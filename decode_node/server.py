@@ -33,6 +33,8 @@ from shared.node_common import (
     NodeServing,
     layout_info,
     model_info,
+    sampling_from_proto,
+    sampling_to_proto,
 )
 from shared.output_processor import TokenDelta
 from shared.request import FinishReason
@@ -233,16 +235,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
             )
-        s = request.sampling
-        params = SamplingParams.from_wire(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-            stop=tuple(s.stop),
-            ignore_eos=s.ignore_eos,
-        )
+        params = sampling_from_proto(request.sampling)
         try:
             self.core.validate_request(prompt, params)
         except RequestRejected as e:
@@ -416,14 +409,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         return prefill_pb2.PrefillRequest(
             request_id=stream.request_id,
             prompt_token_ids=prompt,
-            sampling=generation_pb2.SamplingParams(
-                max_tokens=params.max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                stop=list(params.stop),
-                ignore_eos=params.ignore_eos,
-            ),
+            sampling=sampling_to_proto(params),
             seed=params.seed or 0,
             destination=prefill_pb2.KvDestination(
                 ucx_address=dest.address,

@@ -16,6 +16,7 @@ from shared.engine import EngineCore
 from shared.engine_loop import EngineSnapshot
 from shared.kv_cache import KvLayout
 from shared.metrics import LATENCY_BUCKETS, MetricsRegistry, MetricsServer, serve_metrics
+from shared.sampling_params import SamplingParams
 from shared.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,37 @@ def model_info(core: EngineCore, role: int) -> generation_pb2.ModelInfo:
         node_role=role,
         kv_layout=layout_info(core.layout),
     )
+
+
+def sampling_from_proto(
+    s: generation_pb2.SamplingParams, seed: int | None = None
+) -> SamplingParams:
+    """The wire's sampling fields (top_p 0 = off); `seed` overrides the message's own."""
+    if seed is None and s.HasField("seed"):
+        seed = s.seed
+    return SamplingParams.from_wire(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=seed,
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
+    msg = generation_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
 
 
 def create_grpc_server(
