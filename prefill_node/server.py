@@ -20,10 +20,9 @@ from prefill_node.push import FINAL, PushState, make_layer_hook, plan_push
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine import EngineCore, RequestRejected
 from shared.engine_loop import EngineLoop
-from shared.node_common import NodeMetrics, NodeServing, model_info
+from shared.node_common import NodeMetrics, NodeServing, model_info, sampling_from_proto
 from shared.output_processor import TokenDelta
 from shared.request import LlmRequest, LlmRequestState
-from shared.sampling_params import SamplingParams
 from shared.scheduler import ScheduledRequest
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvSender, TransferError
@@ -158,16 +157,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         assert self.engine is not None
         rid = request.request_id
         loop = asyncio.get_running_loop()
-        s = request.sampling
-        params = SamplingParams.from_wire(
-            max_tokens=max(1, s.max_tokens),
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=request.seed,
-            stop=tuple(s.stop),
-            ignore_eos=s.ignore_eos,
-        )
+        params = sampling_from_proto(request.sampling, seed=request.seed)
         d = request.destination
         destination = TransferDestination(
             address=d.ucx_address,
