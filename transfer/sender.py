@@ -1,10 +1,15 @@
 """Prefill side of the KV push: packs a layer's blocks and sends them as one UCX message.
 
 `pack` runs on the compute thread right after a layer is computed. It copies the layer's blocks
-into a fresh buffer that has room for the message header in front of the payload, so that `send`
+into a buffer that has room for the message header in front of the payload, so that `send`
 (on the event loop) writes the header in place and hands ONE contiguous buffer to UCX: one copy
 on this side, one message per (chunk, layer). A payload that did not come from `pack` (or one
 already in flight to another destination) is copied into a new message buffer instead.
+
+CPU pack buffers are recycled (a few per size): a buffer goes back to the free list only once the
+caller has dropped every reference to the payload AND no send is reading it; a buffer whose send
+failed is never reused (UCX may still read it). Fresh CPU memory costs page faults on first touch,
+several times the copy itself; device memory is already recycled by torch's caching allocator.
 
 Endpoints: one per decode node address, connected on first use, cached, and discarded after any
 error (the next send reconnects). A dead decode node fails pending and later sends with
@@ -20,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,11 +50,50 @@ class _Packed:
     header_room: int
     ready: object | None  # torch.cuda.Event recorded after the copy, for CUDA pools
     in_flight: bool = False
+    dropped: bool = False  # the caller's payload is gone
+    poisoned: bool = False  # a send of it failed: UCX may still read it, never reuse it
 
 
 # payload tensor returned by pack -> its message buffer; weak so that dropped payloads go away
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _packed_lock = threading.Lock()  # pack runs on the compute thread, send on the loop
+# free CPU pack buffers by size in bytes (guarded by _packed_lock)
+_free_buffers: dict[int, list[torch.Tensor]] = {}
+_FREE_PER_SIZE = 4
+_FREE_MAX_BYTES = 512 << 20  # all sizes together
+_free_bytes = 0
+
+
+def _take_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    global _free_bytes
+    if device.type == "cpu":
+        with _packed_lock:
+            free = _free_buffers.get(nbytes)
+            if free:
+                _free_bytes -= nbytes
+                return free.pop()
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _recycle_locked(packed: _Packed) -> None:
+    """Return packed's buffer if nobody can read it any more; call with _packed_lock held."""
+    global _free_bytes
+    buffer = packed.buffer
+    if buffer is None or not packed.dropped or packed.in_flight or packed.poisoned:
+        return
+    packed.buffer = None
+    if buffer.device.type != "cpu":
+        return
+    free = _free_buffers.setdefault(buffer.numel(), [])
+    if len(free) < _FREE_PER_SIZE and _free_bytes + buffer.numel() <= _FREE_MAX_BYTES:
+        free.append(buffer)
+        _free_bytes += buffer.numel()
+
+
+def _on_payload_dropped(packed: _Packed) -> None:
+    with _packed_lock:
+        packed.dropped = True
+        _recycle_locked(packed)
 
 
 @dataclass(eq=False)
@@ -77,12 +122,14 @@ class KvSender:
     @staticmethod
     def pack(kv_pool: torch.Tensor, layer: int, src_block_ids: Sequence[int]) -> torch.Tensor:
         """A contiguous copy of kv_pool[layer][:, src_block_ids], shape (2, n, block_size,
-        kv_heads, head_dim), taken now so later compute cannot change what is sent."""
+        kv_heads, head_dim), taken now so later compute cannot change what is sent. Its memory
+        is recycled for later packs once it is dropped and no send reads it: keep the returned
+        tensor itself (not only views of it) for as long as you read it."""
         n = len(src_block_ids)
         room = proto.header_size(n)
         layer_kv = kv_pool[layer]
         payload_bytes = layer_kv[:, :1].numel() * n * kv_pool.element_size()
-        buffer = torch.empty(room + payload_bytes, dtype=torch.uint8, device=kv_pool.device)
+        buffer = _take_buffer(room + payload_bytes, kv_pool.device)
         out = buffer[room:].view(kv_pool.dtype).view(2, n, *kv_pool.shape[3:])
         index = torch.tensor(list(src_block_ids), dtype=torch.long).to(kv_pool.device)
         torch.index_select(layer_kv, 1, index, out=out)
@@ -90,8 +137,10 @@ class KvSender:
         if kv_pool.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(kv_pool.device))
+        packed = _Packed(buffer, room, ready)
         with _packed_lock:
-            _packed[out] = _Packed(buffer, room, ready)
+            _packed[out] = packed
+        weakref.finalize(out, _on_payload_dropped, packed)
         return out
 
     async def send(
@@ -125,12 +174,21 @@ class KvSender:
         message, packed = self._message_buffer(payload, header)
         await self._wait_ready(packed)
         self._write_header(message, header)
-        peer = self._peer(engine, dest.address)
-        await self._send_message(engine, peer, dest, message, timeout)
-        # Only now may the buffer's header be rewritten: after a failure UCX may still read it,
-        # so a retry of the same payload gets a copy instead.
+        try:
+            peer = self._peer(engine, dest.address)
+            await self._send_message(engine, peer, dest, message, timeout)
+        except BaseException:
+            # After a failure UCX may still read the buffer: a retry of the same payload gets
+            # a copy instead, and the buffer is never recycled.
+            if packed is not None:
+                with _packed_lock:
+                    packed.poisoned = True
+            raise
+        # Only now may the buffer's header be rewritten (or the buffer be recycled).
         if packed is not None:
-            packed.in_flight = False
+            with _packed_lock:
+                packed.in_flight = False
+                _recycle_locked(packed)
         self.bytes_sent_total += message.numel()
         self.messages_total += 1
         return message.numel()
