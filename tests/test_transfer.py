@@ -11,7 +11,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -258,6 +258,11 @@ def test_noise_is_dropped_and_the_transfer_goes_on(h: Harness) -> None:
     assert h.receiver.rejected_total == total + 7
 
 
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
@@ -275,7 +280,10 @@ def test_bad_data_from_the_sender_fails_the_transfer(h: Harness, case: str, reas
         dest = h.receiver.expect(f"req-{case}", [6, 7])
         landed = asyncio.ensure_future(h.receiver.wait(dest.transfer_id, 20))
         if case == "duplicate_block":
+            received = h.receiver.bytes_received_total
             assert (await h.send(dest, [[0, [3], [6]]]))["ok"]
+            # the scatter runs on its own thread: a completed send is not yet a landed block
+            await asyncio.wait_for(_until(lambda: h.receiver.bytes_received_total > received), 10)
         before = snapshot(h.pool)
         counts = dict(h.receiver.rejected_by_reason)
         message = {
