@@ -17,11 +17,11 @@ from collections import Counter
 import grpc
 
 from pdserve.client import generate, generate_stream
-from pdserve.cluster import NodeProcess, spawn, stop_all, wait_ready
+from pdserve.cluster import NodeProcess, stop_all
 from shared.config import EngineConfig
 from shared.engine import Engine
 from shared.sampling_params import SamplingParams
-from tests.test_faults import metrics, target, wait_released
+from tests.test_faults import Nodes, metrics, target, wait_released
 
 SECONDS = min(180.0, float(os.environ.get("PDSERVE_SOAK_SECONDS", "40")))
 CLEAR_STATUSES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -30,59 +30,39 @@ CLEAR_STATUSES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
 def test_soak_mixed_traffic_cancels_and_prefill_restart() -> None:
     rng = random.Random(7)
     reference = Engine(EngineConfig(model="tiny", num_kv_blocks=2048))
-    prefills = [spawn("prefill", ["--port", "0"], echo=False) for _ in range(2)]
-    nodes = list(prefills)
+    nodes = Nodes()
     try:
-        wait_ready(prefills, 120)
-        targets = ",".join(f"127.0.0.1:{p.info['port']}" for p in prefills)
-        decode = spawn(
-            "decode",
-            [
-                "--port",
-                "0",
-                "--prefill",
-                targets,
-                "--health-check-interval",
-                "0.5",
-                "--kv-transfer-timeout",
-                "5",
-            ],
-            echo=False,
-        )
-        nodes.append(decode)
-        wait_ready([decode], 120)
-        outcomes = asyncio.run(_traffic(rng, reference, target(decode), prefills, nodes))
+        prefills = [nodes.prefill(), nodes.prefill()]
+        decode = nodes.decode(prefills, "--kv-transfer-timeout", "5")
+        outcomes = asyncio.run(_traffic(rng, reference, target(decode), prefills[0], nodes))
         assert outcomes["ok"] > 20, outcomes
         assert outcomes["cancelled"] > 0, outcomes
-        live = [n for n in nodes if n.proc.poll() is None]
+        live = [n for n in nodes.all if n.proc.poll() is None]
         wait_released(*live)
         assert metrics(decode)["pdserve_seats_in_use"] == 0
         decode.proc.send_signal(signal.SIGTERM)
         assert decode.proc.wait(30) == 0
     finally:
-        stop_all(nodes, grace=10)
+        stop_all(nodes.all, grace=10)
 
 
 async def _traffic(
     rng: random.Random,
     reference: Engine,
     endpoint: str,
-    prefills: list[NodeProcess],
-    nodes: list[NodeProcess],
+    victim: NodeProcess,
+    nodes: Nodes,
 ) -> Counter[str]:
     outcomes: Counter[str] = Counter()
     start = time.monotonic()
     restarted = False
-    victim = prefills[0]
     in_flight: set[asyncio.Future[None]] = set()
     while time.monotonic() - start < SECONDS:
         elapsed = time.monotonic() - start
         if victim.proc.poll() is None and elapsed > SECONDS * 0.3 and not restarted:
             victim.proc.kill()
         if victim.proc.poll() is not None and elapsed > SECONDS * 0.5 and not restarted:
-            replacement = spawn("prefill", ["--port", str(victim.info["port"])], echo=False)
-            nodes.append(replacement)
-            await asyncio.to_thread(wait_ready, [replacement], 120)
+            await asyncio.to_thread(nodes.prefill, port=int(victim.info["port"]))
             restarted = True
         prompt = [rng.randrange(3, 256) for _ in range(rng.randint(1, 400))]
         max_tokens = rng.randint(1, 24)
