@@ -104,23 +104,8 @@ class Receiver:
         self.layout = KvLayout(**layout)
         self.pool = allocate_kv_pool(self.layout, num_blocks, "cpu")  # zeroed: pages touched
         self.kv = KvReceiver(self.pool, self.layout, self.host, 0)
-        self._time_scatter(self.kv)
         await self.kv.start()
         return {"address": self.kv.address}
-
-    def _time_scatter(self, kv: Any) -> None:
-        """Where the receiver's time goes: wrap this instance's scatter step with a timer
-        (diagnosis only; the receiver's code path is unchanged)."""
-        self.scatter_s: dict[int, float] = {}
-        scatter = kv._scatter
-
-        def timed(t: Any, prefix: Any, ids: Any) -> None:
-            started = time.perf_counter()
-            scatter(t, prefix, ids)
-            spent = time.perf_counter() - started
-            self.scatter_s[t.transfer_id] = self.scatter_s.get(t.transfer_id, 0.0) + spent
-
-        kv._scatter = timed
 
     async def cmd_free(self) -> None:
         for task in [*self.waits.values(), *self.raw_waits.values(), *self.nixl_waits.values()]:
@@ -156,7 +141,6 @@ class Receiver:
             "first_landed": stats.first_message_at,
             "bytes": stats.bytes,
             "messages": stats.messages,
-            "scatter_s": self.scatter_s.pop(transfer_id, 0.0),
         }
 
     async def cmd_zero(self) -> None:
@@ -195,7 +179,9 @@ class Receiver:
 
         if self.raw_engine is None:
             self.raw_engine = UcxEngine()
-            self.raw_listener = self.raw_engine.listen(0, self.raw_endpoints.append)
+            self.raw_listener = self.raw_engine.listen(
+                self.host, 0, self.raw_endpoints.append, lambda ep: None
+            )
 
             def drain() -> None:
                 while (probe := self.raw_engine.probe()) is not None:
@@ -294,6 +280,7 @@ class Receiver:
             closing = [self.raw_engine.close_endpoint(ep) for ep in self.raw_endpoints]
             if closing:
                 await asyncio.wait(closing, timeout=2)
+            self.raw_listener.destroy()
             self.raw_listener = None
             self.raw_engine.close()
 
@@ -353,42 +340,36 @@ class Sender:
     async def cmd_send_kv(
         self, dest: dict[str, Any], src_ids: list[int], mode: str
     ) -> dict[str, Any]:
-        """layerwise: the pack of layer i+1 (on the 'compute' thread) overlaps the send of
-        layer i, messages one at a time like PrefillNode._drain. whole: every layer is packed
-        first (what a whole-request push does after the last layer), then sent."""
+        """layerwise: every layer posted straight from the pool (no copy on this side), at most
+        SEND_WINDOW messages in flight, like PrefillNode._drain. packed: every layer packed
+        into a contiguous buffer first (the CUDA pools' path), then sent the same way."""
         from transfer.protocol import TransferDestination
+        from transfer.sender import SEND_WINDOW
 
         target = TransferDestination(**{**dest, "token": bytes.fromhex(dest["token"])})
-        loop = asyncio.get_running_loop()
         layers = self.layout.num_layers
         dst = target.block_ids
-        packing = [0.0]
-
-        def pack(layer: int) -> torch.Tensor:
-            started = time.perf_counter()
-            payload = self.kv_class.pack(self.pool, layer, src_ids)
-            packing[0] += time.perf_counter() - started
-            return payload
-
-        sending = 0.0
         t0 = time.monotonic()
-        if mode == "whole":
-            payloads = await loop.run_in_executor(
-                self.packer, lambda: [pack(i) for i in range(layers)]
-            )
-        else:
-            pending = loop.run_in_executor(self.packer, pack, 0)
+        payloads: list[torch.Tensor] = []
+        if mode == "packed":
+            payloads = [self.kv_class.pack(self.pool, layer, src_ids) for layer in range(layers)]
+        packed = time.monotonic()
+        in_flight: list[asyncio.Future[int]] = []
         for layer in range(layers):
-            if mode == "whole":
-                payload = payloads[layer]
+            last = layer == layers - 1
+            if mode == "packed":
+                in_flight.append(self.kv.post(target, layer, dst, payloads[layer], last))
             else:
-                payload = await pending
-                if layer + 1 < layers:
-                    pending = loop.run_in_executor(self.packer, pack, layer + 1)
-            started = time.perf_counter()
-            await self.kv.send(target, layer, dst, payload, last=layer == layers - 1)
-            sending += time.perf_counter() - started
-        return {"start": t0, "sent": time.monotonic(), "pack_s": packing[0], "send_s": sending}
+                in_flight.append(self.kv.post_blocks(target, layer, dst, self.pool, src_ids, last))
+            if len(in_flight) >= SEND_WINDOW:
+                await in_flight.pop(0)
+        await asyncio.gather(*in_flight)
+        return {
+            "start": t0,
+            "sent": time.monotonic(),
+            "pack_s": packed - t0,
+            "send_s": time.monotonic() - packed,
+        }
 
     # -- one contiguous ucxx message of the whole payload
     async def cmd_send_raw(self, host: str, port: int) -> dict[str, Any]:

@@ -4,9 +4,11 @@ The KV of an N-token prompt (N = 16 .. 32k; the built-in `tiny` model's layout a
 Llama-3-8B-shaped one: 32 layers, 8 KV heads, head dim 128, bf16) goes from a 'prefill' process
 to a 'decode' process through:
 
-    pdserve_layerwise  KvSender -> KvReceiver, one message per layer, the pack of layer i+1
-                       overlapping the send of layer i (how the prefill node pushes)
-    pdserve_whole      the same, every layer packed first, then sent (whole-request push)
+    pdserve_layerwise  KvSender -> KvReceiver as the prefill node pushes a CPU pool: per layer a
+                       header and a payload gathered straight from the pool blocks and landed
+                       straight in the reserved blocks, 8 messages in flight
+    pdserve_packed     the same, every layer packed into a contiguous buffer first (the path
+                       of CUDA pools)
     ucx_perftest       raw UCX ceiling: `ucx_perftest -t tag_bw -e` from the libucx wheel
     ucxx_contiguous    one contiguous ucxx message of the same bytes, no packing, no scatter
     nixl               NIXL (UCX backend) WRITE of the same per-block descriptors (skipped with
@@ -16,7 +18,7 @@ to a 'decode' process through:
 
 p50/p99 latency and GB/s per size, and pdserve's ratio to each. Latency runs from the sender's
 first action to the moment the receiver has the bytes in place (for pdserve: validated and
-scattered into the reserved blocks); NIXL's end is the initiator seeing its WRITE complete.
+written into the reserved blocks); NIXL's end is the initiator seeing its WRITE complete.
 
     python -m benchmarks.transfer [--quick] [--netns] [--out bench_out]
     pdserve bench transfer [--netns] ...
@@ -65,7 +67,7 @@ FULL_TOKENS = [16, 64, 256, 1024, 4096, 16384, 32768]
 QUICK_TOKENS = [16, 256]
 METHODS = [
     "pdserve_layerwise",
-    "pdserve_whole",
+    "pdserve_packed",
     "ucx_perftest",
     "ucxx_contiguous",
     "nixl",
@@ -74,7 +76,7 @@ METHODS = [
 ]
 HEADLINE = "pdserve_layerwise"
 # where a pdserve transfer spends its time (medians; the warm-up is left out)
-PDSERVE_PARTS = ["sender_pack", "sender_awaiting_sends", "receiver_scatter", "after_last_send"]
+PDSERVE_PARTS = ["sender_pack", "sender_awaiting_sends", "after_last_send"]
 TARGET_BYTES = 16 << 20  # the targets apply to payloads at least this large
 PERFTEST_MAX_MESSAGE = 16 << 20  # larger messages with a full window thrash UCX (measured)
 PERFTEST_RUNS = 3
@@ -149,8 +151,8 @@ class SizeRun:
         self._keys = iter(range(1 << 62))
         self.runs = perftest_runs
         self.extras: dict[str, dict[str, Any]] = {
-            "pdserve_layerwise": {"messages_per_transfer": layout.num_layers},
-            "pdserve_whole": {"messages_per_transfer": layout.num_layers},
+            "pdserve_layerwise": {"messages_per_transfer": 2 * layout.num_layers},
+            "pdserve_packed": {"messages_per_transfer": 2 * layout.num_layers},
             "ucxx_contiguous": {"messages_per_transfer": 1},
             "grpc": {"messages_per_transfer": cdiv(self.nbytes, GRPC_CHUNK)},
         }
@@ -257,7 +259,6 @@ class SizeRun:
             landed = self.recv.call("result", transfer_id=dest["transfer_id"])
             parts["sender_pack"].append(sent["pack_s"])
             parts["sender_awaiting_sends"].append(sent["send_s"])
-            parts["receiver_scatter"].append(landed["scatter_s"])
             parts["after_last_send"].append(landed["end"] - sent["sent"])
             return landed["end"] - sent["start"]
 
@@ -266,8 +267,8 @@ class SizeRun:
     def prepare_pdserve_layerwise(self) -> Callable[[], float]:
         return self._prepare_pdserve("pdserve_layerwise", "layerwise")
 
-    def prepare_pdserve_whole(self) -> Callable[[], float]:
-        return self._prepare_pdserve("pdserve_whole", "whole")
+    def prepare_pdserve_packed(self) -> Callable[[], float]:
+        return self._prepare_pdserve("pdserve_packed", "packed")
 
     def prepare_ucxx_contiguous(self) -> Callable[[], float]:
         port = self.recv.call("raw_start")["port"]
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "nixl": nixl_skip or "measured",
         "latency_definition": "sender's first action -> bytes in place on the receiver "
-        "(pdserve: validated and scattered into the reserved blocks); NIXL: initiator sees "
+        "(pdserve: validated and written into the reserved blocks); NIXL: initiator sees "
         "its WRITE complete",
         "idle": idle,
         "rows": rows,

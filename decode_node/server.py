@@ -93,7 +93,11 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.streams: dict[str, _Stream] = {}
         self.engine: EngineLoop | None = None
         self.receiver = KvReceiver(
-            self.core.kv_pool, self.core.layout, config.ucx_host, config.ucx_port
+            self.core.kv_pool,
+            self.core.layout,
+            config.ucx_host,
+            config.ucx_port,
+            bind_host=config.kv_bind_host,
         )
         self.pool = PrefillPool(
             config.prefill_targets,
@@ -151,11 +155,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         conserved = True
         if self.serving is not None:
             await self.serving.stop_admitting(grace)
+        # first: closing the receiver ends every posted KV write, so that the conservation
+        # check runs on blocks nothing can write any more
+        await self.receiver.close()
         if self.engine is not None:
             conserved = await self.engine.call(lambda core: core.shutdown())
             self.engine.stop()
         await self.pool.close()
-        await self.receiver.close()
         if self.serving is not None:
             await self.serving.close_metrics()
         return conserved
@@ -352,7 +358,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             await landed
             return response
         except grpc.RpcError as e:
-            self._forget_transfer(stream)
+            await self._forget_transfer(stream)
             code = e.code()
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 raise GenerateError(code, f"prefill node {peer.target}: {e.details()}") from None
@@ -363,7 +369,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             self.pool.mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
             raise _PrefillFailed(f"{peer.target}: {code.name} {e.details()}") from None
         except TransferTimeout:
-            self._forget_transfer(stream)
+            await self._forget_transfer(stream)
             call.cancel()
             self._background(peer.cancel(stream.request_id))
             if stream.deadline_passed():  # the client's deadline, not the node's fault
@@ -378,7 +384,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 f"{self.config.kv_transfer_timeout:.1f}s"
             ) from None
         except TransferError as e:
-            self._forget_transfer(stream)
+            await self._forget_transfer(stream)
             call.cancel()
             self._background(peer.cancel(stream.request_id))
             self.pool.mark_unhealthy(peer, f"KV transfer failed: {e}")
@@ -393,10 +399,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _forget_transfer(self, stream: _Stream) -> None:
+    async def _forget_transfer(self, stream: _Stream) -> None:
+        """Cancel the stream's transfer and wait until nothing writes its blocks any more (a
+        retry reuses them; the release frees them)."""
         if stream.transfer_id is not None:
-            self.receiver.cancel(stream.transfer_id)
-            stream.transfer_id = None
+            transfer_id, stream.transfer_id = stream.transfer_id, None
+            await self.receiver.release(transfer_id, self.config.kv_fence_timeout)
 
     def _prefill_request(
         self,
@@ -453,7 +461,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         """Every exit path: cancel the transfer, tell the prefill node, free seat and blocks."""
         rid = stream.request_id
         self.streams.pop(rid, None)
-        self._forget_transfer(stream)
+        await self._forget_transfer(stream)
         if stream.peer is not None and not stream.prefill_done:
             self._background(stream.peer.cancel(rid))
         if self.engine is not None:

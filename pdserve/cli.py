@@ -88,8 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--prefill", required=True, help="HOST:PORT[,HOST:PORT...] of prefill nodes")
     dc.add_argument("--host", default="127.0.0.1")
     dc.add_argument("--port", type=int, default=50051)
-    dc.add_argument("--ucx-host", default="127.0.0.1", help="address the KV listener binds")
-    dc.add_argument("--ucx-port", type=int, default=0)
+    dc.add_argument(
+        "--ucx-host",
+        default="127.0.0.1",
+        help="this node's KV transfer address, given to prefill nodes (and bound, see --ucx-bind)",
+    )
+    dc.add_argument("--ucx-port", type=int, default=0, help="KV listener port (0: ephemeral)")
+    dc.add_argument(
+        "--ucx-bind",
+        default=None,
+        metavar="ADDR",
+        help="address the KV listener binds (default: --ucx-host; 0.0.0.0 for every interface)",
+    )
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
     dc.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
     dc.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds")
@@ -275,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 port=a.port,
                 ucx_host=a.ucx_host,
                 ucx_port=a.ucx_port,
+                ucx_bind_host=a.ucx_bind,
                 metrics_port=a.metrics_port,
                 kv_transfer_timeout=a.kv_transfer_timeout,
                 prefill_timeout=a.prefill_timeout,

@@ -58,7 +58,7 @@ def run_prefill(config: PrefillNodeConfig) -> int:
 
 
 def run_decode(config: DecodeNodeConfig) -> int:
-    configure_ucx_env()
+    configure_ucx_env(bind_host=config.kv_bind_host)
     from decode_node.server import DecodeNode
 
     async def main() -> int:

@@ -1,8 +1,12 @@
 """Layer-wise KV push planning: which blocks of which layer go where after each step.
 
 Runs on the engine thread inside the model's layer hook: right after layer i's K/V for the step
-are written, the blocks that the step finished are packed (a copy, so later compute cannot change
-what is sent) and queued to the event loop, which sends them while layer i+1 computes.
+are written, the blocks that the step finished are queued to the event loop, which sends them
+while layer i+1 computes. On CPU the sender reads them straight from the pool: the blocks are
+full (later chunks write only later blocks) and pinned here, so neither preemption nor the end
+of the request can hand them to anyone else before the push is over (the request's pins go
+when the prefill node releases it, after the sends). On CUDA they are packed (a device copy on
+the compute stream, ordered after the layer) and sent from the copy.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from transfer.ucx import KvSender
 class LayerMessage:
     layer: int
     dest_block_ids: list[int]
-    payload: torch.Tensor
+    src_block_ids: list[int]
+    payload: torch.Tensor | None  # packed copy (CUDA pools); None: send from the pool
 
 
 FINAL = None  # queued after the last message of a request
@@ -87,16 +92,20 @@ def plan_push(
     return work
 
 
-def _pack(kv_pool: torch.Tensor, layer: int, src: list[int]) -> torch.Tensor:
-    # the hook runs inside the engine's inference_mode; the sender writes its header into the
-    # packed buffer later, which an inference tensor would forbid
-    with torch.inference_mode(False):
-        return KvSender.pack(kv_pool, layer, src)
+def _message(kv_pool: torch.Tensor, layer: int, dst: list[int], src: list[int]) -> LayerMessage:
+    if not kv_pool.is_cuda:
+        return LayerMessage(layer, dst, src, None)
+    with torch.inference_mode(False):  # the hook runs inside the engine's inference_mode
+        return LayerMessage(layer, dst, src, KvSender.pack(kv_pool, layer, src))
 
 
 def make_layer_hook(
-    work: list[_Work], kv_pool: torch.Tensor, num_layers: int
+    work: list[_Work],
+    kv_pool: torch.Tensor,
+    num_layers: int,
+    pin: Callable[[str, list[int]], None],
 ) -> Callable[[int], None] | None:
+    """`pin(request_id, blocks)` pins blocks for the request until it is released."""
     if not work:
         return None
     last_layer = num_layers - 1
@@ -104,11 +113,13 @@ def make_layer_hook(
     def hook(layer: int) -> None:
         for w in work:
             if w.state.layerwise and w.src:
-                w.state.put(LayerMessage(layer, w.dst, _pack(kv_pool, layer, w.src)))
+                if layer == 0:
+                    pin(w.state.request_id, w.src)
+                w.state.put(_message(kv_pool, layer, w.dst, w.src))
             if layer != last_layer:
                 continue
             if not w.state.layerwise and w.final:
-                _queue_whole_request(w, kv_pool, num_layers)
+                _queue_whole_request(w, kv_pool, num_layers, pin)
             w.state.sent_upto = max(w.state.sent_upto, w.upto)
             if w.final:
                 w.state.put(FINAL)
@@ -116,11 +127,14 @@ def make_layer_hook(
     return hook
 
 
-def _queue_whole_request(w: _Work, kv_pool: torch.Tensor, num_layers: int) -> None:
+def _queue_whole_request(
+    w: _Work, kv_pool: torch.Tensor, num_layers: int, pin: Callable[[str, list[int]], None]
+) -> None:
     """Whole-request mode (the baseline layer-wise is measured against): everything is sent
     after the last layer of the last chunk, one message per layer."""
     start = w.state.first_block_index
     src = w.table[start : w.upto]
     dst = w.state.dest_ids(start, w.upto)
+    pin(w.state.request_id, src)
     for layer in range(num_layers):
-        w.state.put(LayerMessage(layer, dst, _pack(kv_pool, layer, src)))
+        w.state.put(_message(kv_pool, layer, dst, src))

@@ -1,9 +1,10 @@
 """The prefill node: context-only requests in, KV pushed over UCX, first token out.
 
 A `Prefill` call is admitted into the continuous batch (chunked prefill, own prefix cache). As each
-layer of a chunk is computed, the finished blocks of that layer are packed and pushed to the decode
-node's reserved blocks while the next layer computes. The seat goes back when the last chunk is
-computed; the blocks stay pinned until the push completes, then remain in the prefix cache.
+layer of a chunk is computed, the finished blocks of that layer are pinned and pushed, straight from
+the pool, to the decode node's reserved blocks while the next layer computes. The seat goes back
+when the last chunk is computed; the blocks stay pinned until the push completes (and UCX no longer
+reads them), then remain in the prefix cache.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 
 import grpc
 
 from prefill_node.config import PrefillNodeConfig
-from prefill_node.push import FINAL, PushState, make_layer_hook, plan_push
+from prefill_node.push import FINAL, LayerMessage, PushState, make_layer_hook, plan_push
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine import EngineCore, RequestRejected
 from shared.engine_loop import EngineLoop
@@ -24,11 +26,14 @@ from shared.node_common import NodeMetrics, NodeServing, model_info, sampling_fr
 from shared.output_processor import TokenDelta
 from shared.request import LlmRequest, LlmRequestState
 from shared.scheduler import ScheduledRequest
+from transfer import protocol as proto
 from transfer.protocol import TransferDestination
+from transfer.sender import SEND_WINDOW
 from transfer.ucx import KvSender, TransferError
 
 log = logging.getLogger(__name__)
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+_QUIESCE_S = 5.0  # how long a finished request waits for UCX to stop reading its blocks
 
 
 class _Pending:
@@ -99,7 +104,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         work = plan_push(
             scheduled, self.pushes, self.core.kv_manager.block_table, self.layout.block_size
         )
-        return make_layer_hook(work, self.core.kv_pool, self.layout.num_layers)
+        return make_layer_hook(
+            work, self.core.kv_pool, self.layout.num_layers, self.core.kv_manager.pin_blocks
+        )
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -195,20 +202,46 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             )
 
     async def _drain(self, state: PushState) -> tuple[int, int]:
+        """Send the request's messages as the layer hook queues them, up to SEND_WINDOW in
+        flight (the receiver lands them in any order); return once all were taken."""
         sent = messages = 0
-        while True:
-            item = await state.queue.get()
-            if item is FINAL:
-                return sent, messages
-            if state.first_message_at is None:
-                state.first_message_at = time.time()
-            wire = await self.sender.send(
-                state.destination, item.layer, item.dest_block_ids, item.payload
+        in_flight: deque[asyncio.Future[int]] = deque()
+        try:
+            while True:
+                item = await state.queue.get()
+                if item is FINAL:
+                    break
+                if state.first_message_at is None:
+                    state.first_message_at = time.time()
+                in_flight.append(self._post(state, item))
+                while len(in_flight) >= SEND_WINDOW or (in_flight and in_flight[0].done()):
+                    sent += await in_flight.popleft()
+                    messages += 1
+            while in_flight:
+                sent += await in_flight.popleft()
+                messages += 1
+        finally:
+            for fut in in_flight:
+                fut.add_done_callback(_consume)
+        return sent, messages
+
+    def _post(self, state: PushState, item: LayerMessage) -> asyncio.Future[int]:
+        dest = state.destination
+        if item.payload is not None:
+            fut = self.sender.post(dest, item.layer, item.dest_block_ids, item.payload)
+        else:
+            fut = self.sender.post_blocks(
+                dest, item.layer, item.dest_block_ids, self.core.kv_pool, item.src_block_ids
             )
-            payload = item.payload.numel() * item.payload.element_size()
-            sent += payload  # KV bytes; `wire` adds the small per-message header
-            messages += 1
-            self.metrics.kv_transfer_bytes.inc(wire)
+        header = proto.header_size(len(item.dest_block_ids))
+        fut.add_done_callback(
+            lambda f: (
+                f.cancelled()
+                or f.exception() is not None
+                or self.metrics.kv_transfer_bytes.inc(f.result() + header)
+            )
+        )
+        return fut
 
     def _stats(
         self,
@@ -254,6 +287,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         ok = state is not None and state.completed and not state.cancelled
         if state is not None:
             state.cancelled = True
+            # UCX may still read the request's pinned blocks: wait (bounded) before unpinning
+            await self.sender.quiesce(state.destination.transfer_id, _QUIESCE_S)
         if self.engine is not None:
             with contextlib.suppress(RuntimeError):
                 await self.engine.call(lambda core: _release(core, rid, ok))
@@ -267,3 +302,8 @@ def _release(core: EngineCore, rid: str, ok: bool) -> None:
         core.complete_context(rid, ok)
     else:
         core.abort(rid)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -31,7 +31,7 @@ def test_transfer_quick(tmp_path: Path) -> None:
     for row in result["rows"]:
         methods = row["methods"]
         assert set(methods) == set(transfer.METHODS)
-        for name in ("pdserve_layerwise", "pdserve_whole", "ucxx_contiguous", "grpc"):
+        for name in ("pdserve_layerwise", "pdserve_packed", "ucxx_contiguous", "grpc"):
             m = methods[name]
             assert set(m["latency_s"]) == LATENCY_KEYS and m["latency_s"]["p50"] > 0
             assert m["gbps_p50"] > 0

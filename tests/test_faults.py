@@ -22,6 +22,7 @@ from shared.engine import Engine
 from shared.metrics import parse_prometheus_text
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import random_prompts
+from tests.net_probe import listening_sockets, tcp_connects
 
 MODEL = "tiny"
 VOCAB = 256  # byte tokens only: keep clear of the tiny model's special ids
@@ -228,3 +229,22 @@ def test_sigterm_drains_in_flight_work_and_exits_clean(nodes: Nodes, reference: 
             assert r.token_ids == w
     assert d.proc.wait(30) == 0  # 0 = seats and blocks all conserved at exit
     wait_released(p)
+
+
+def test_decode_node_listens_only_on_its_configured_address(
+    nodes: Nodes, reference: Engine
+) -> None:
+    """--host and --ucx-host 127.0.0.1: the gRPC port, /metrics, the KV listener and UCX's own
+    tcp sockets are all bound to 127.0.0.1, so another address of the host (127.0.0.2 here,
+    a second interface in a real deployment) reaches none of them; KV still flows."""
+    p = nodes.prefill()
+    d = nodes.decode([p], "--ucx-host", "127.0.0.1")
+    check_fresh_batch(d, reference, seed=21)
+    sockets = listening_sockets(d.proc.pid)
+    kv_port = int(d.info["ucx_address"].rsplit(":", 1)[1])
+    ports = {port for _, port in sockets}
+    assert {d.info["port"], d.info["metrics_port"], kv_port} <= ports
+    assert len(sockets) >= 4, sockets  # and at least one socket of UCX's tcp transport
+    assert {ip for ip, _ in sockets} == {"127.0.0.1"}, sockets
+    assert tcp_connects("127.0.0.1", kv_port) and not tcp_connects("127.0.0.2", kv_port)
+    wait_released(p, d)

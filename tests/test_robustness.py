@@ -197,12 +197,12 @@ def test_forged_kv_messages_are_dropped_and_counted(checkpoint: Callable[..., Pa
                     "pdserve_kv_transfer_rejected_total"
                 ]
                 for data in (os.urandom(300), os.urandom(70_000), b"tiny"):
-                    await peer.call(
+                    reply = await peer.call(
                         op="raw",
                         address=node.receiver.address,
-                        tag=secrets.randbits(64),
-                        data=data.hex(),
+                        messages=[[secrets.randbits(64), data.hex()]],
                     )
+                    assert reply["ok"], reply
                 await asyncio.sleep(0.3)
                 after = (await asyncio.to_thread(c.metrics))[-1][
                     "pdserve_kv_transfer_rejected_total"

@@ -88,6 +88,11 @@ class Peer:
         peer.first = await peer._reply(30)
         return peer
 
+    def post(self, **cmd: Any) -> None:
+        """Send a command without waiting for its reply (one that stops the peer)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+
     async def call(self, timeout: float = 20, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
@@ -138,9 +143,12 @@ class Harness:
     async def send(self, dest: TransferDestination, messages: list, **kw: Any) -> dict[str, Any]:
         return await self.sender.call(op="send", dest=dest_to_json(dest), messages=messages, **kw)
 
-    async def raw(self, tag: int, data: bytes) -> dict[str, Any]:
+    async def raw(self, *messages: tuple[int, bytes]) -> dict[str, Any]:
+        """Send (tag, bytes) messages from the peer, back to back, as they are."""
         reply = await self.sender.call(
-            op="raw", address=self.receiver.address, tag=tag, data=data.hex()
+            op="raw",
+            address=self.receiver.address,
+            messages=[[tag, data.hex()] for tag, data in messages],
         )
         assert reply["ok"], reply
         await self.settle()
@@ -173,24 +181,35 @@ def forged(
     token: bytes | None = None,
     transfer_id: int | None = None,
     payload_bytes: int | None = None,
-    payload: bytes | None = None,
-) -> bytes:
-    """A KV message built by hand: header + payload, any field overridable."""
+    seq: int = 0,
+) -> tuple[int, bytes]:
+    """A KV header built by hand, any field overridable: (tag, bytes)."""
     ids = ids if ids is not None else dest.block_ids[:1]
-    body = payload if payload is not None else os.urandom(len(ids) * BLOCK_BYTES)
     header = proto.encode_header(
         dest.transfer_id if transfer_id is None else transfer_id,
         dest.token if token is None else token,
         proto.fingerprint_bytes(dest.layout_fingerprint),
         layer,
         ids,
-        len(body) if payload_bytes is None else payload_bytes,
+        len(ids) * BLOCK_BYTES if payload_bytes is None else payload_bytes,
+        seq=seq,
     )
-    return header + body
+    return dest.transfer_id, header
+
+
+def payload(dest: TransferDestination, seq: int, nbytes: int, token: bytes | None = None):
+    """A payload message for header `seq` (tag derived from the token): (tag, bytes)."""
+    tag = proto.payload_tag(dest.token if token is None else token, dest.transfer_id, seq)
+    return tag, os.urandom(nbytes)
 
 
 def snapshot(pool: torch.Tensor) -> torch.Tensor:
     return pool.clone()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (pools may hold NaNs from random payloads)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 # ---- the transfer path ------------------------------------------------------------------------
@@ -217,12 +236,12 @@ def test_round_trip_chunked_non_contiguous(h: Harness) -> None:
     assert stats.messages == len(chunks) * LAYOUT.num_layers
     assert all(t is not None for t in stats.layer_completed_at)
     assert stats.first_message_at <= stats.last_message_at <= stats.completed_at
-    assert reply["bytes"] > stats.bytes  # headers on top of the payload
+    assert reply["bytes"] == stats.bytes and reply["wire"] > stats.bytes  # + the headers
     for layer in range(LAYOUT.num_layers):
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(h.pool[layer][:, d], h.source[layer][:, s])
     untouched = [b for b in range(RECEIVER_BLOCKS) if b not in dst]
-    assert torch.equal(h.pool[:, :, untouched], before[:, :, untouched])
+    assert same(h.pool[:, :, untouched], before[:, :, untouched])
 
 
 def test_noise_is_dropped_and_the_transfer_goes_on(h: Harness) -> None:
@@ -233,17 +252,19 @@ def test_noise_is_dropped_and_the_transfer_goes_on(h: Harness) -> None:
         before = snapshot(h.pool)
         counts = dict(h.receiver.rejected_by_reason)
         tid = dest.transfer_id
-        await h.raw(tid, forged(dest, token=secrets.token_bytes(16)))  # forged token
-        await h.raw(tid, forged(dest, transfer_id=tid ^ 1))  # header names another transfer
-        await h.raw(secrets.randbits(64), forged(dest))  # tag of no transfer
-        await h.raw(tid, os.urandom(300))  # garbage on the right tag
-        await h.raw(secrets.randbits(64), os.urandom(5000))  # garbage anywhere
-        await h.raw(tid, b"tiny")  # shorter than any header
-        await h.raw(tid, os.urandom(1 << 20))  # larger than any message of this transfer
-        assert torch.equal(h.pool, before)
+        forged_token = secrets.token_bytes(16)
+        await h.raw(forged(dest, token=forged_token))  # forged token
+        await h.raw(payload(dest, 0, BLOCK_BYTES, token=forged_token))  # its payload: no tag
+        await h.raw(forged(dest, transfer_id=tid ^ 1))  # header names another transfer
+        await h.raw((secrets.randbits(64), forged(dest)[1]))  # tag of no transfer
+        await h.raw((tid, os.urandom(100)))  # garbage on the right tag
+        await h.raw((secrets.randbits(64), os.urandom(5000)))  # garbage anywhere
+        await h.raw((tid, b"tiny"))  # shorter than any header
+        await h.raw((tid, os.urandom(1 << 20)))  # larger than any header of this transfer
+        assert same(h.pool, before)
         assert _delta(counts, h.receiver.rejected_by_reason) == {
             proto.REJECT_BAD_TOKEN: 1,
-            proto.REJECT_UNKNOWN_TRANSFER: 3,
+            proto.REJECT_UNKNOWN_TRANSFER: 4,
             proto.REJECT_BAD_HEADER: 1,
             proto.REJECT_BAD_LENGTH: 2,
         }
@@ -255,7 +276,28 @@ def test_noise_is_dropped_and_the_transfer_goes_on(h: Harness) -> None:
 
     total = h.receiver.rejected_total
     h.run(main())
-    assert h.receiver.rejected_total == total + 7
+    assert h.receiver.rejected_total == total + 8
+
+
+def test_payload_before_its_header_waits_for_it(h: Harness) -> None:
+    """UCX may deliver a payload ahead of its header (another lane): it is held, not dropped,
+    and lands once the header is validated."""
+
+    async def main() -> None:
+        dest = h.receiver.expect("req-early", [8, 9])
+        landed = asyncio.ensure_future(h.receiver.wait(dest.transfer_id, 20))
+        body = [payload(dest, seq, 2 * BLOCK_BYTES) for seq in range(LAYOUT.num_layers)]
+        heads = [
+            forged(dest, layer=layer, ids=(8, 9), seq=layer) for layer in range(LAYOUT.num_layers)
+        ]
+        await h.raw(*body[:2], heads[1], heads[0], heads[2], body[2])
+        stats = await landed
+        assert stats.messages == LAYOUT.num_layers
+        for layer, (_, data) in enumerate(body):
+            got = h.pool[layer][:, [8, 9]].contiguous().view(torch.uint8).numpy().tobytes()
+            assert got == data  # bytes: random payloads hold NaNs
+
+    h.run(main())
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -270,6 +312,9 @@ async def _until(condition: Callable[[], bool]) -> None:
         ("wrong_byte_count", proto.REJECT_BAD_LENGTH),
         ("duplicate_block", proto.REJECT_DUPLICATE),
         ("bad_layer", proto.REJECT_BAD_LAYER),
+        ("seq_reused", proto.REJECT_BAD_SEQ),
+        ("seq_far_ahead", proto.REJECT_BAD_SEQ),
+        ("payload_size", proto.REJECT_BAD_LENGTH),
     ],
 )
 def test_bad_data_from_the_sender_fails_the_transfer(h: Harness, case: str, reason: str) -> None:
@@ -279,23 +324,26 @@ def test_bad_data_from_the_sender_fails_the_transfer(h: Harness, case: str, reas
     async def main() -> None:
         dest = h.receiver.expect(f"req-{case}", [6, 7])
         landed = asyncio.ensure_future(h.receiver.wait(dest.transfer_id, 20))
-        if case == "duplicate_block":
+        if case in ("duplicate_block", "seq_reused"):
             received = h.receiver.bytes_received_total
-            assert (await h.send(dest, [[0, [3], [6]]]))["ok"]
-            # the scatter runs on its own thread: a completed send is not yet a landed block
+            assert (await h.send(dest, [[0, [3], [6]]]))["ok"]  # seq 0: layer 0, block 6
+            # the payload's receive completes after the send: wait until it has landed
             await asyncio.wait_for(_until(lambda: h.receiver.bytes_received_total > received), 10)
         before = snapshot(h.pool)
         counts = dict(h.receiver.rejected_by_reason)
-        message = {
-            "block_outside_reservation": lambda: forged(dest, ids=(6, 8)),
-            "wrong_byte_count": lambda: forged(dest, payload_bytes=BLOCK_BYTES - 4),
-            "duplicate_block": lambda: forged(dest, ids=(6,)),
-            "bad_layer": lambda: forged(dest, layer=LAYOUT.num_layers),
+        messages = {
+            "block_outside_reservation": lambda: [forged(dest, ids=(6, 8))],
+            "wrong_byte_count": lambda: [forged(dest, payload_bytes=BLOCK_BYTES - 4)],
+            "duplicate_block": lambda: [forged(dest, ids=(6,), seq=1)],
+            "bad_layer": lambda: [forged(dest, layer=LAYOUT.num_layers)],
+            "seq_reused": lambda: [forged(dest, ids=(7,), seq=0)],
+            "seq_far_ahead": lambda: [forged(dest, ids=(7,), seq=10_000)],
+            "payload_size": lambda: [forged(dest, ids=(7,)), payload(dest, 0, BLOCK_BYTES - 4)],
         }[case]()
-        await h.raw(dest.transfer_id, message)
+        await h.raw(*messages)
         with pytest.raises(TransferError, match=reason):
             await landed
-        assert torch.equal(h.pool, before)
+        assert same(h.pool, before)
         assert _delta(counts, h.receiver.rejected_by_reason) == {reason: 1}
         await _valid_transfer(h, [6, 7])
 
@@ -314,8 +362,8 @@ def test_timeout_fires_without_sender_and_late_message_is_dropped(h: Harness) ->
         reply = await h.send(dest, [[0, [0, 1], [10, 11]]])
         assert reply["ok"], reply  # drained by the receiver: the sender is not left hanging
         await h.settle()
-        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 1
-        assert torch.equal(h.pool, before)
+        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 2  # header, payload
+        assert same(h.pool, before)
         await _valid_transfer(h, [10, 11])  # no stale receive swallows the next transfer
 
     h.run(main())
@@ -334,8 +382,8 @@ def test_cancel(h: Harness) -> None:
         late = h.receiver.rejected_by_reason.get(proto.REJECT_LATE, 0)
         assert (await h.send(dest, [[0, [0], [13]]]))["ok"]
         await h.settle()
-        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 1
-        assert torch.equal(h.pool, before)
+        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 2  # header, payload
+        assert same(h.pool, before)
         h.receiver.cancel(12345)  # unknown: ignored
 
     h.run(main())
@@ -369,7 +417,7 @@ def test_sender_sees_decode_death_quickly(h: Harness) -> None:
             reply = await decode.call(op="expect", blocks=everything)
             dest = dest_from_json(reply["dest"])
             payload = KvSender.pack(h.source, 0, everything)
-            assert await sender.send(dest, 0, everything, payload) > 8192
+            assert await sender.send(dest, 0, everything, payload) >= 8192  # rendezvous
             # Stopped, not dead: the message is not taken, and the send's deadline says so;
             # meanwhile the sender sleeps instead of spinning on the stalled request.
             decode.signal(signal.SIGSTOP)
@@ -399,6 +447,71 @@ def test_sender_sees_decode_death_quickly(h: Harness) -> None:
         finally:
             await sender.close()
             await decode.stop()
+
+    h.run(main())
+
+
+def test_stalled_sender_mid_payload_holds_the_fence_until_endpoints_reset(h: Harness) -> None:
+    """A payload receive already posted into the pool cannot be cancelled; if its sender stops
+    half-way, the transfer's blocks stay fenced (not reusable) until `release` force-closes
+    the KV endpoints, which ends the receive. The receiver then serves new transfers."""
+    from transfer.ucx import KvReceiver, KvSender
+
+    big = KvLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=256, dtype="float32")
+    nbytes = 4 * big.block_bytes_per_layer  # 8 MiB: rendezvous, many fragments
+
+    async def main() -> None:
+        pool = allocate_kv_pool(big, 8, "cpu")
+        receiver = KvReceiver(pool, big)
+        await receiver.start()
+        stalled = await Peer.spawn("sender")
+        try:
+            dest = receiver.expect("fenced", [0, 1, 2, 3])
+            landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 60))
+            header = proto.encode_header(
+                dest.transfer_id,
+                dest.token,
+                proto.fingerprint_bytes(big.fingerprint()),
+                0,
+                (0, 1, 2, 3),
+                nbytes,
+                last=True,
+            )
+            body = payload(dest, 0, nbytes)
+            stalled.post(
+                op="stall",
+                address=receiver.address,
+                messages=[[dest.transfer_id, header.hex()], [body[0], body[1].hex()]],
+            )
+            await asyncio.wait_for(_until(lambda: receiver.writes_in_flight == 1), 20)
+            receiver.cancel(dest.transfer_id)
+            with pytest.raises(TransferCancelled):
+                await landed
+            fence = receiver.quiesced(dest.transfer_id)
+            await asyncio.sleep(0.3)
+            assert not fence.done() and receiver.fenced_transfers == 1  # still being written
+            started = time.monotonic()
+            await receiver.release(dest.transfer_id, timeout=0.5)
+            assert fence.done() and receiver.fenced_transfers == 0
+            assert receiver.endpoint_resets == 1 and receiver.writes_in_flight == 0
+            assert time.monotonic() - started < 3
+            # the receiver keeps serving: a healthy sender's transfer lands
+            source = allocate_kv_pool(big, 4, "cpu")
+            source.copy_(torch.randn(source.shape))
+            sender = KvSender(big)
+            try:
+                dest = receiver.expect("after", [5, 6])
+                landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 20))
+                await sender.send_blocks(dest, 0, [5, 6], source, [1, 2], last=True)
+                await landed
+                assert same(pool[:, :, [5, 6]], source[:, :, [1, 2]])
+            finally:
+                await sender.close()
+        finally:
+            stalled.signal(signal.SIGCONT)
+            stalled.proc.kill()
+            await stalled.proc.wait()
+            await receiver.close()
 
     h.run(main())
 

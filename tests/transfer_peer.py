@@ -69,36 +69,73 @@ class SenderRole:
         self.raw_endpoints: dict[str, Any] = {}
 
     async def send(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """messages: [[layer, [src ids], [dst ids]], ...] sent in order, awaiting each."""
+        """messages: [[layer, [src ids], [dst ids]], ...]. mode "blocks" (default): all posted
+        at once straight from the pool, as the prefill node does on CPU; "packed": packed and
+        sent one at a time."""
         from transfer.ucx import KvSender
 
         dest = dest_from_json(cmd["dest"])
         started = time.monotonic()
-        sent = 0
+        wire = self.sender.bytes_sent_total
         messages = cmd["messages"]
+        timeout = cmd.get("timeout")
+        sent = 0
+        posted = []
         for i, (layer, src, dst) in enumerate(messages):
-            payload = KvSender.pack(self.pool, layer, src)
             last = bool(cmd.get("last")) and i == len(messages) - 1
-            sent += await self.sender.send(dest, layer, dst, payload, last, cmd.get("timeout"))
-        return {"bytes": sent, "seconds": time.monotonic() - started}
+            if cmd.get("mode") == "packed":
+                payload = KvSender.pack(self.pool, layer, src)
+                sent += await self.sender.send(dest, layer, dst, payload, last, timeout)
+            else:
+                posted.append(
+                    self.sender.post_blocks(dest, layer, dst, self.pool, src, last, timeout)
+                )
+        sent += sum(await asyncio.gather(*posted))
+        return {
+            "bytes": sent,
+            "wire": self.sender.bytes_sent_total - wire,
+            "seconds": time.monotonic() - started,
+        }
 
-    async def raw(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Send arbitrary bytes with an arbitrary tag (forgeries, garbage)."""
-        import numpy as np
-
+    def _raw_endpoint(self, address: str) -> Any:
         from transfer.engine import UcxEngine
         from transfer.protocol import split_address
 
         if self.raw_engine is None:
             self.raw_engine = UcxEngine()
-        address = cmd["address"]
         if address not in self.raw_endpoints:
             self.raw_endpoints[address] = self.raw_engine.connect(*split_address(address))
-        data = np.frombuffer(bytes.fromhex(cmd["data"]), dtype=np.uint8).copy()
-        await asyncio.wait_for(
-            self.raw_engine.send(self.raw_endpoints[address], data, cmd["tag"]), 10
-        )
-        return {"bytes": len(data)}
+        return self.raw_endpoints[address]
+
+    async def raw(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send arbitrary bytes with arbitrary tags (forgeries, garbage): cmd["messages"] is
+        [[tag, hex data], ...], posted back to back."""
+        import numpy as np
+
+        ep = self._raw_endpoint(cmd["address"])
+        sends = []
+        for tag, data in cmd["messages"]:
+            buf = np.frombuffer(bytes.fromhex(data), dtype=np.uint8).copy()
+            sends.append(self.raw_engine.send(ep, buf, tag))
+        await asyncio.wait_for(asyncio.gather(*sends), 10)
+        return {"messages": len(sends)}
+
+    async def stall(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Post raw messages like `raw`, then stop this process (SIGSTOP) before UCX can move
+        more than what the posting itself sends: a rendezvous payload stays half-way."""
+        import os
+        import signal
+
+        import numpy as np
+
+        ep = self._raw_endpoint(cmd["address"])
+        await asyncio.sleep(0.2)  # the endpoint's connection is up
+        keep = []
+        for tag, data in cmd["messages"]:
+            buf = np.frombuffer(bytes.fromhex(data), dtype=np.uint8).copy()
+            keep.append((buf, self.raw_engine.send(ep, buf, tag)))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return {"messages": len(keep)}
 
     async def close(self) -> None:
         await self.sender.close()

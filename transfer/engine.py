@@ -41,22 +41,26 @@ on the owner's event loop, with an adaptive policy:
 
 Receives are never posted ahead of their message (that is what makes ucxx spin and what leaves
 orphaned receives behind after a timeout): the receiver probes the worker's unexpected queue
-(`tag_probe`, any tag, remove=True) after progress, and receives each matched message with its
-handle into a buffer of its choosing (`tag_recv_with_handle`). A matched receive completes as
-fast as the sender delivers; unwanted messages are drained with a 1-byte truncating receive (UCX
-then completes the sender's request normally, rendezvous included).
+(`ucp_tag_probe_nb`, any tag, remove) after progress, and receives each matched message with its
+handle into memory of its choosing (`ucp_tag_msg_recv_nbx`, a contiguous buffer or an iov list).
+A matched receive completes as fast as the sender delivers; unwanted messages are drained with a
+1-byte truncating receive (UCX then completes the sender's request normally, rendezvous
+included). Sends and receives go through `transfer.ucp` (ctypes on ucxx's libucp, same worker):
+ucxx 0.52's Python API has no iov datatype, and the KV push gathers from and scatters into pool
+blocks with one UCX operation each. ucxx still creates the context, worker and client endpoints
+and progresses the worker.
 
 Everything here runs on the loop thread, UCX callbacks included (listener and endpoint-error
-callbacks run inside `progress_once`); nothing is thread safe. Requests keep their buffers
-alive (`keep`) until UCX completes them, because freeing a `UCXRequest` cancels it and freeing a
-buffer UCX still writes into corrupts memory.
+callbacks run inside `progress_once`); nothing is thread safe. Requests keep their buffers (and
+iov lists) alive (`keep`) until UCX completes them: freeing a buffer UCX still writes into
+corrupts memory.
 
-CUDA pools: buffers are handed to UCX through `__cuda_array_interface__`; UCX picks cuda_copy
-(staging through host memory, used with tcp across hosts) or cuda_ipc (same host, GPU to GPU),
-given UCX_TLS allows them (the default does) and the loop thread has the device's CUDA context
-current (`torch.cuda.set_device`, done by the receiver and sender). UCX does not order its copies
-with torch streams: senders wait for the pack's CUDA event before handing a buffer to UCX, and
-receivers synchronize their scatter stream before reusing a staging buffer.
+CUDA pools: device addresses go to UCX as they are (it detects the memory type); UCX picks
+cuda_copy (staging through host memory, used with tcp across hosts) or cuda_ipc (same host, GPU to
+GPU), given UCX_TLS allows them (the default does) and the loop thread has the device's CUDA
+context current (`torch.cuda.set_device`, done by the receiver and sender). UCX does not order its
+copies with torch streams: senders wait for the pack's CUDA event before handing a buffer to UCX,
+and receivers synchronize their scatter stream before a payload's blocks count as landed.
 """
 
 from __future__ import annotations
@@ -75,25 +79,26 @@ from transfer.env import configure_ucx_env
 configure_ucx_env()  # before ucxx is imported: UCX reads part of its environment on load
 
 import ucxx._lib.libucxx as ucx_api  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
+
+from transfer import ucp  # noqa: E402  (loads libucp: after the environment is set)
+from transfer.ucp import BoundListener, ServerEndpoint  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 UCXError = ucx_api.UCXError
 UCXMessageTruncatedError = ucx_api.UCXMessageTruncatedError
 
-_ANY_TAG = ucx_api.UCXXTag(0)
-_MATCH_ALL = ucx_api.UCXXTagMask(0)
 
-
-def ucx_buffer(t: torch.Tensor | np.ndarray) -> Array:
-    """A contiguous tensor/array as a UCX buffer (device memory goes in as device memory)."""
+def buffer_address(t: torch.Tensor | np.ndarray) -> tuple[int, int]:
+    """(address, bytes) of a contiguous tensor/array (device memory stays device memory: UCX
+    detects the memory type of the address)."""
     if isinstance(t, np.ndarray):
-        return Array(t)
+        if not t.flags.c_contiguous:
+            raise ValueError("UCX buffers must be contiguous")
+        return t.ctypes.data, t.nbytes
     if not t.is_contiguous():
         raise ValueError("UCX buffers must be contiguous")
-    # CUDA tensors expose __cuda_array_interface__; CPU tensors only the numpy bridge.
-    return Array(t if t.is_cuda else t.numpy())
+    return t.data_ptr(), t.numel() * t.element_size()
 
 
 @dataclass(slots=True)
@@ -157,12 +162,17 @@ class UcxEngine:
         if hook in self._hooks:
             self._hooks.remove(hook)
 
-    def listen(self, port: int, on_endpoint: Callable[[object], None]) -> object:
-        """A UCX listener on `port` (0: ephemeral) on every interface; `on_endpoint(ep)` is
-        called (inside progress) with each accepted, error-handling endpoint."""
-        return ucx_api.UCXListener.create(
-            worker=self._worker, port=port, cb_func=on_endpoint, deliver_endpoint=True
-        )
+    def listen(
+        self,
+        host: str,
+        port: int,
+        on_endpoint: Callable[[ServerEndpoint], None],
+        on_error: Callable[[ServerEndpoint], None],
+    ) -> BoundListener:
+        """A UCX listener bound to `host`:`port` (port 0: ephemeral; host "0.0.0.0" / "::":
+        every interface). `on_endpoint(ep)` is called (inside progress) with each accepted,
+        error-handling endpoint, `on_error(ep)` when one fails. Raises UcpError."""
+        return BoundListener(self._worker.handle, host, port, on_endpoint, on_error)
 
     def connect(self, host: str, port: int) -> object:
         """An endpoint to a listener; connection setup completes in the background, sends
@@ -170,22 +180,37 @@ class UcxEngine:
         return ucx_api.UCXEndpoint.create(self._worker, host, port, True)
 
     def send(self, endpoint: object, buf: torch.Tensor | np.ndarray, tag: int) -> asyncio.Future:
-        request = endpoint.tag_send(ucx_buffer(buf), ucx_api.UCXXTag(tag))
-        return self.submit(request, buf)
+        """Send a contiguous buffer (host or device memory) as one tagged message."""
+        address, nbytes = buffer_address(buf)
+        return self.submit(ucp.tag_send(endpoint.handle, address, nbytes, tag), buf)
 
-    def probe(self) -> object | None:
-        """Take the oldest unexpected tagged message off the worker (a TagProbeResult with a
-        handle), or None. The message stays reserved for `recv_probed`."""
-        result = self._worker.tag_probe(_ANY_TAG, _MATCH_ALL, remove=True)
-        return result if result.matched else None
+    def send_iov(self, endpoint: object, iov: np.ndarray, keep: object, tag: int) -> asyncio.Future:
+        """Send the memory that `iov` (ucp.IOV_DTYPE entries) lists, as one tagged message;
+        `keep` (what the entries point into) stays referenced until UCX is done with it."""
+        return self.submit(ucp.tag_send_iov(endpoint.handle, iov, tag), (iov, keep))
 
-    def recv_probed(self, probe: object, buf: torch.Tensor | np.ndarray) -> asyncio.Future:
-        request = self._worker.tag_recv_with_handle(ucx_buffer(buf), probe)
-        return self.submit(request, buf)
+    def probe(self) -> ucp.Probe | None:
+        """Take the oldest unexpected tagged message off the worker, or None. The message stays
+        reserved for one `recv_probed`/`recv_probed_iov`."""
+        return ucp.probe(self._worker.handle)
 
-    def close_endpoint(self, endpoint: object) -> asyncio.Future:
-        """Close an endpoint (flushing it); call at most once per endpoint. An endpoint that
-        already failed or closed is released when its last reference goes."""
+    def recv_probed(self, probe: ucp.Probe, buf: torch.Tensor | np.ndarray) -> asyncio.Future:
+        address, nbytes = buffer_address(buf)
+        return self.submit(ucp.recv_probed(self._worker.handle, probe, address, nbytes), buf)
+
+    def recv_probed_iov(self, probe: ucp.Probe, iov: np.ndarray, keep: object) -> asyncio.Future:
+        """Receive a probed message scattered over `iov`'s entries (in order)."""
+        return self.submit(ucp.recv_probed_iov(self._worker.handle, probe, iov), (iov, keep))
+
+    def close_endpoint(self, endpoint: object, force: bool = False) -> asyncio.Future:
+        """Close an endpoint (flushing it; `force`: failing what is outstanding on it, posted
+        receives of its messages included; accepted endpoints only); call at most once per
+        endpoint. An endpoint that already failed or closed is released when its last
+        reference goes."""
+        if isinstance(endpoint, ServerEndpoint):  # accepted by a BoundListener
+            if endpoint.closing:
+                raise RuntimeError(f"endpoint from {endpoint.peer} already closing")
+            return self.submit(endpoint.close(force), endpoint)
         if not endpoint.alive:
             done: asyncio.Future[None] = self._loop.create_future()
             done.set_result(None)

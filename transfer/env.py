@@ -10,8 +10,12 @@ change the defaults.
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import logging
 import os
+import socket
+import struct
 import sys
 from collections.abc import Mapping
 
@@ -37,6 +41,7 @@ def configure_ucx_env(
     *,
     tls: str | None = None,
     shm_error_handling: bool | None = None,
+    bind_host: str | None = None,
     extra: Mapping[str, str] | None = None,
 ) -> None:
     """Set the UCX environment of this process; idempotent.
@@ -45,11 +50,20 @@ def configure_ucx_env(
         tcp across hosts or network namespaces, cuda_copy/cuda_ipc for GPU memory). Listener
         based connection setup needs tcp, so a list must keep it (e.g. "tcp,sm,cuda_copy").
     shm_error_handling: force UCX_MM_ERROR_HANDLING on/off (default on).
+    bind_host: the address the KV listener binds (decode nodes). Besides that listener, UCX's
+        tcp transport listens on every network device for its own connections; unless the
+        operator set UCX_NET_DEVICES, it is limited to the device that owns this address, so
+        no UCX socket of the node is reachable through another interface. An unspecified
+        address (0.0.0.0, ::) or one no local device owns leaves UCX's choice alone.
     extra: further UCX_* variables, set as given.
     """
     for key, value in _DEFAULTS.items():
         os.environ.setdefault(key, value)
     explicit: dict[str, str] = dict(extra or {})
+    if bind_host is not None and "UCX_NET_DEVICES" not in os.environ:
+        device = net_device_of(bind_host)
+        if device is not None:
+            explicit["UCX_NET_DEVICES"] = device
     if tls is not None:
         _check_tls(tls)
         explicit["UCX_TLS"] = tls
@@ -74,3 +88,41 @@ def _check_tls(tls: str) -> None:
         return
     if "tcp" not in names:
         raise ValueError(f"UCX_TLS={tls!r} lacks tcp, which listener connection setup needs")
+
+
+def net_device_of(host: str) -> str | None:
+    """The name of the local network device that owns IP address `host` (Linux), or None for
+    an unspecified address, a name, or an address no device owns."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if ip.is_unspecified:
+        return None
+    if ip.version == 6:
+        return _ipv6_device(ip)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address on this device
+                continue
+            if reply[20:24] == ip.packed:
+                return name
+    return None
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def _ipv6_device(ip: ipaddress.IPv6Address) -> str | None:
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and bytes.fromhex(fields[0]) == ip.packed:
+                    return fields[5]
+    except OSError:
+        pass
+    return None

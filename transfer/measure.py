@@ -119,7 +119,7 @@ async def _adaptive_server(nbytes: int, iters: int) -> None:
 
     engine = UcxEngine()
     endpoints: list[Any] = []
-    listener = engine.listen(0, endpoints.append)
+    listener = engine.listen("127.0.0.1", 0, endpoints.append, lambda ep: None)
     probes: asyncio.Queue[Any] = asyncio.Queue()
 
     def drain() -> None:
@@ -136,7 +136,7 @@ async def _adaptive_server(nbytes: int, iters: int) -> None:
         await engine.recv_probed(await probes.get(), buf)
     _emit(RESULT, {"idle_cpu": idle})
     await asyncio.wait([engine.close_endpoint(ep) for ep in endpoints], timeout=2)
-    del listener
+    listener.destroy()
     engine.close()
 
 

@@ -1,35 +1,45 @@
 """Wire format of the layer-wise KV push (pure Python, no UCX).
 
-One KV message is ONE tagged UCX message: a header, then the payload, in a single contiguous
-buffer (so one message is one Python-level send/receive, and the receiver validates the header and
-the payload from the same staging buffer before anything touches its pool)::
+One KV message (one layer's blocks of one prefill chunk) is TWO tagged UCX messages from the
+same sender, posted back to back:
+
+1. the header, tag = transfer id (`message_tag`)::
 
     offset 0   fixed header, 64 bytes, little endian (`_FIXED`):
                magic "PDKV" | version u16 | flags u16 | header_len u32 | transfer_id u64 |
                token 16s | layout fingerprint 8s | layer u32 | n_blocks u32 |
-               payload_bytes u64 | reserved u32
+               payload_bytes u64 | seq u32
     offset 64  n_blocks x u32 destination block ids (pool order of the payload's block axis)
-    ...        zero padding up to header_len = header_size(n_blocks), a multiple of 64 so the
-               payload that follows is aligned for any KV dtype
-    header_len payload: kv_pool[layer][:, block_ids] as raw bytes, shape
-               (2, n_blocks, block_size, kv_heads, head_dim); payload_bytes = n_blocks x
-               KvLayout.block_bytes_per_layer
+    ...        zero padding up to header_len = header_size(n_blocks)
 
-The UCX tag of every message of a transfer is the transfer id itself (`message_tag`): transfer ids
-are random 64-bit numbers the decode node never reuses, so tags are unique per transfer, and the
-receiver's UCX worker carries nothing but KV messages.
+2. the payload, tag = `payload_tag(token, transfer_id, seq)`: exactly payload_bytes of raw KV,
+   kv_pool[layer][:, block_ids] in the layout (2, n_blocks, block_size, kv_heads, head_dim),
+   payload_bytes = n_blocks x KvLayout.block_bytes_per_layer.
+
+Why two: the receiver lands the payload straight in the pool blocks the header names (one UCX
+receive scattered over those blocks, no staging copy), so it must have validated the header
+first. The payload's tag is a MAC of the one-time token: only the holder of the token can
+address a payload to a transfer, so the payload carries the token's proof without carrying
+bytes the receiver would have to stage. `seq` numbers a transfer's messages (0, 1, ...); each
+seq is used once, so each payload tag is too.
+
+Transfer ids are random 64-bit numbers the decode node never reuses, so header tags are unique
+per transfer, and the receiver's UCX worker carries nothing but KV messages.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import ipaddress
+import socket
 import struct
 from dataclasses import dataclass
 
 from transfer.errors import ProtocolError
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 FLAG_LAST = 0x1  # the sender's final message of the whole transfer
 TOKEN_BYTES = 16
 FINGERPRINT_BYTES = 8
@@ -52,6 +62,8 @@ REJECT_BAD_BLOCK = "bad_block"  # block id outside the reservation, or no blocks
 REJECT_DUPLICATE = "duplicate_block"  # (layer, block) already landed, or listed twice
 REJECT_BAD_LENGTH = "bad_length"  # message/payload size inconsistent with header or layout
 REJECT_RECV_ERROR = "recv_error"  # UCX failed the receive (peer died mid-message)
+REJECT_BAD_SEQ = "bad_seq"  # a message number used twice, or too far ahead
+MAX_SEQ = (1 << 32) - 1
 
 
 def header_size(n_blocks: int) -> int:
@@ -66,8 +78,14 @@ def fingerprint_bytes(layout_fingerprint: str) -> bytes:
 
 
 def message_tag(transfer_id: int) -> int:
-    """UCX tag of every message of a transfer."""
+    """UCX tag of every header message of a transfer."""
     return transfer_id
+
+
+def payload_tag(token: bytes, transfer_id: int, seq: int) -> int:
+    """UCX tag of the payload that follows header `seq` of a transfer (a MAC of the token)."""
+    msg = b"pdkv-payload" + transfer_id.to_bytes(8, "little") + seq.to_bytes(4, "little")
+    return int.from_bytes(hmac.digest(token, msg, "sha256")[:8], "little")
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -76,6 +94,21 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"bad transfer address {address!r}; expected host:port")
     return host.strip("[]"), int(port)
+
+
+def resolve_bind_address(host: str) -> tuple[int, bytes]:
+    """(family, packed IP) of the address to bind, for an IP literal or a resolvable name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ValueError(f"cannot resolve UCX bind address {host!r}: {e}") from e
+        family, *_, sockaddr = infos[0]
+        ip = ipaddress.ip_address(sockaddr[0])
+    family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+    return family, ip.packed
 
 
 @dataclass(frozen=True)
@@ -112,6 +145,7 @@ class HeaderPrefix:
     payload_bytes: int
     last: bool
     header_len: int
+    seq: int
 
 
 def encode_header(
@@ -122,8 +156,11 @@ def encode_header(
     block_ids: tuple[int, ...] | list[int],
     payload_bytes: int,
     last: bool = False,
+    seq: int = 0,
 ) -> bytes:
     """The header bytes (length header_size(len(block_ids))) of one KV message."""
+    if not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"seq {seq} is not a 32-bit unsigned value")
     n = len(block_ids)
     size = header_size(n)
     out = bytearray(size)
@@ -140,7 +177,7 @@ def encode_header(
         layer,
         n,
         payload_bytes,
-        0,
+        seq,
     )
     struct.pack_into(f"<{n}I", out, FIXED_HEADER_BYTES, *block_ids)
     return bytes(out)
@@ -150,7 +187,7 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
     """Parse and structurally check the fixed header; raises ProtocolError(bad_header)."""
     if len(buf) < FIXED_HEADER_BYTES:
         raise ProtocolError(REJECT_BAD_HEADER, f"{len(buf)} bytes is shorter than a header")
-    (magic, version, flags, header_len, transfer_id, token, fingerprint, layer, n, payload, _) = (
+    (magic, version, flags, header_len, transfer_id, token, fingerprint, layer, n, payload, seq) = (
         _FIXED.unpack_from(buf, 0)
     )
     if magic != MAGIC:
@@ -168,6 +205,7 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
         payload_bytes=payload,
         last=bool(flags & FLAG_LAST),
         header_len=header_len,
+        seq=seq,
     )
 
 

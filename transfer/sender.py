@@ -1,15 +1,15 @@
-"""Prefill side of the KV push: packs a layer's blocks and sends them as one UCX message.
+"""Prefill side of the KV push: one header + one payload message per (chunk, layer).
 
-`pack` runs on the compute thread right after a layer is computed. It copies the layer's blocks
-into a buffer that has room for the message header in front of the payload, so that `send`
-(on the event loop) writes the header in place and hands ONE contiguous buffer to UCX: one copy
-on this side, one message per (chunk, layer). A payload that did not come from `pack` (or one
-already in flight to another destination) is copied into a new message buffer instead.
+`post_blocks` sends a layer's blocks straight out of the KV pool (CPU pools): the payload is one
+UCX message gathered from the blocks by an iov list (runs of adjacent blocks become one entry),
+so this side makes no copy of its own; UCX copies once into its transport. The caller must keep
+those blocks unchanged and allocated until the send completes (the prefill node pins them when
+it queues the message). CUDA pools, and payloads a caller packed itself (`pack`), go as one
+contiguous buffer; the pack's CUDA event is waited for before UCX reads the buffer.
 
-CPU pack buffers are recycled (a few per size): a buffer goes back to the free list only once the
-caller has dropped every reference to the payload AND no send is reading it; a buffer whose send
-failed is never reused (UCX may still read it). Fresh CPU memory costs page faults on first touch,
-several times the copy itself; device memory is already recycled by torch's caching allocator.
+Several messages may be in flight per transfer (each has its own `seq` and payload tag, see
+`transfer.protocol`); the receiver lands them in any order. `quiesce(transfer_id)` waits until
+UCX has finished reading for a transfer.
 
 Endpoints: one per decode node address, connected on first use, cached, and discarded after any
 error (the next send reconnects). A dead decode node fails pending and later sends with
@@ -22,78 +22,31 @@ All methods but `pack` run on one event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import threading
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shared.kv_cache import KvLayout
 from transfer import protocol as proto
+from transfer import ucp
 from transfer.engine import UcxEngine, UCXError
 from transfer.errors import TransferError, TransferTimeout
 from transfer.protocol import TransferDestination
+from transfer.ucp import UcpError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SEND_TIMEOUT_S = 30.0
+SEND_WINDOW = 8  # messages in flight per transfer (the receiver registers SEQ_WINDOW ahead)
 _CLOSE_TIMEOUT_S = 2.0
+_TRANSPORT_ERRORS = (UCXError, UcpError)
 
-
-@dataclass(eq=False)
-class _Packed:
-    buffer: torch.Tensor  # uint8: header room, then the payload the caller holds a view of
-    header_room: int
-    ready: object | None  # torch.cuda.Event recorded after the copy, for CUDA pools
-    in_flight: bool = False
-    dropped: bool = False  # the caller's payload is gone
-    poisoned: bool = False  # a send of it failed: UCX may still read it, never reuse it
-
-
-# payload tensor returned by pack -> its message buffer; weak so that dropped payloads go away
-_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_packed_lock = threading.Lock()  # pack runs on the compute thread, send on the loop
-# free CPU pack buffers by size in bytes (guarded by _packed_lock)
-_free_buffers: dict[int, list[torch.Tensor]] = {}
-_FREE_PER_SIZE = 4
-_FREE_MAX_BYTES = 512 << 20  # all sizes together
-_free_bytes = 0
-
-
-def _take_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    global _free_bytes
-    if device.type == "cpu":
-        with _packed_lock:
-            free = _free_buffers.get(nbytes)
-            if free:
-                _free_bytes -= nbytes
-                return free.pop()
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _recycle_locked(packed: _Packed) -> None:
-    """Return packed's buffer if nobody can read it any more; call with _packed_lock held."""
-    global _free_bytes
-    buffer = packed.buffer
-    if buffer is None or not packed.dropped or packed.in_flight or packed.poisoned:
-        return
-    packed.buffer = None
-    if buffer.device.type != "cpu":
-        return
-    free = _free_buffers.setdefault(buffer.numel(), [])
-    if len(free) < _FREE_PER_SIZE and _free_bytes + buffer.numel() <= _FREE_MAX_BYTES:
-        free.append(buffer)
-        _free_bytes += buffer.numel()
-
-
-def _on_payload_dropped(packed: _Packed) -> None:
-    with _packed_lock:
-        packed.dropped = True
-        _recycle_locked(packed)
+# payload tensor from `pack` -> the CUDA event recorded after its copy
+_ready_events: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass(eq=False)
@@ -101,6 +54,14 @@ class _Peer:
     address: str
     endpoint: object
     broken: bool = False
+
+
+@dataclass(eq=False)
+class _Outgoing:
+    """One transfer's sending side: the next seq and the UCX operations still reading."""
+
+    next_seq: int = 0
+    reading: set[asyncio.Future] = field(default_factory=set)
 
 
 class KvSender:
@@ -114,7 +75,7 @@ class KvSender:
         self._engine: UcxEngine | None = None
         self._closed = False
         self._peers: dict[str, _Peer] = {}
-        self._copy_streams: dict[torch.device, object] = {}  # torch.cuda.Stream per device
+        self._transfers: dict[int, _Outgoing] = {}
         self.bytes_sent_total = 0
         self.messages_total = 0
         self.errors_total = 0
@@ -122,26 +83,60 @@ class KvSender:
     @staticmethod
     def pack(kv_pool: torch.Tensor, layer: int, src_block_ids: Sequence[int]) -> torch.Tensor:
         """A contiguous copy of kv_pool[layer][:, src_block_ids], shape (2, n, block_size,
-        kv_heads, head_dim), taken now so later compute cannot change what is sent. Its memory
-        is recycled for later packs once it is dropped and no send reads it: keep the returned
-        tensor itself (not only views of it) for as long as you read it."""
-        n = len(src_block_ids)
-        room = proto.header_size(n)
-        layer_kv = kv_pool[layer]
-        payload_bytes = layer_kv[:, :1].numel() * n * kv_pool.element_size()
-        buffer = _take_buffer(room + payload_bytes, kv_pool.device)
-        out = buffer[room:].view(kv_pool.dtype).view(2, n, *kv_pool.shape[3:])
+        kv_heads, head_dim), taken now so later compute cannot change what is sent."""
         index = torch.tensor(list(src_block_ids), dtype=torch.long).to(kv_pool.device)
-        torch.index_select(layer_kv, 1, index, out=out)
-        ready = None
+        out = torch.index_select(kv_pool[layer], 1, index)
         if kv_pool.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(kv_pool.device))
-        packed = _Packed(buffer, room, ready)
-        with _packed_lock:
-            _packed[out] = packed
-        weakref.finalize(out, _on_payload_dropped, packed)
+            _ready_events[out] = ready
         return out
+
+    def post_blocks(
+        self,
+        dest: TransferDestination,
+        layer: int,
+        dest_block_ids: Sequence[int],
+        kv_pool: torch.Tensor,
+        src_block_ids: Sequence[int],
+        last: bool = False,
+        timeout: float | None = None,
+    ) -> asyncio.Future[int]:
+        """Start pushing kv_pool[layer][:, src_block_ids] into dest's `dest_block_ids` (block i
+        to block i); the future gives the payload bytes once UCX has sent them, or raises
+        like `send`. CPU pools are read in place until then; CUDA pools are packed first."""
+        if kv_pool.is_cuda:
+            return self.post(
+                dest, layer, dest_block_ids, self.pack(kv_pool, layer, src_block_ids), last, timeout
+            )
+        src = tuple(int(b) for b in src_block_ids)
+        ids = self._check_ids(dest, layer, dest_block_ids)
+        if len(src) != len(ids):
+            raise ValueError(f"{len(src)} source blocks for {len(ids)} destination blocks")
+        return self._post(
+            dest, layer, ids, ucp.pool_iov(kv_pool, layer, src), kv_pool, last, timeout
+        )
+
+    def post(
+        self,
+        dest: TransferDestination,
+        layer: int,
+        dest_block_ids: Sequence[int],
+        payload: torch.Tensor,
+        last: bool = False,
+        timeout: float | None = None,
+    ) -> asyncio.Future[int]:
+        """Start pushing a packed payload (2, n, block_size, kv_heads, head_dim)."""
+        ids = self._check_ids(dest, layer, dest_block_ids)
+        layout = self._layout
+        shape = (2, len(ids), layout.block_size, layout.num_kv_heads, layout.head_dim)
+        if tuple(payload.shape) != shape or payload.dtype != layout.torch_dtype:
+            raise ValueError(
+                f"payload {tuple(payload.shape)} {payload.dtype} does not match "
+                f"{shape} {layout.torch_dtype} for {len(ids)} blocks"
+            )
+        payload = payload.contiguous()
+        return self._post(dest, layer, ids, None, payload, last, timeout)
 
     async def send(
         self,
@@ -152,46 +147,47 @@ class KvSender:
         last: bool = False,
         timeout: float | None = None,
     ) -> int:
-        """Push one layer's blocks into dest's blocks `dest_block_ids` (payload block i goes to
-        dest_block_ids[i]). `last` marks the final message of the whole transfer. Returns the
-        bytes sent (header included). Raises TransferError if the layouts differ or the decode
-        node is gone, TransferTimeout if it does not take the message within `timeout`
-        (default: the sender's send_timeout), ValueError if the payload does not fit the
-        layout. A message for a transfer the decode node already dropped is drained and
-        counted there, and succeeds here: cancellation travels over gRPC, not this plane."""
-        ids = tuple(int(b) for b in dest_block_ids)
-        self._check(dest, layer, ids, payload)
-        engine = self._ensure_engine(payload.device)
-        header = proto.encode_header(
-            dest.transfer_id,
-            dest.token,
-            self._fingerprint_bytes,
-            layer,
-            ids,
-            payload.numel() * payload.element_size(),
-            last,
+        """Push one layer's packed blocks into dest's blocks `dest_block_ids` (payload block i
+        goes to dest_block_ids[i]). `last` marks the final message of the whole transfer.
+        Returns the payload bytes. Raises TransferError if the layouts differ or the decode node
+        is gone, TransferTimeout if it does not take the message within `timeout` (default: the
+        sender's send_timeout), ValueError if the payload does not fit the layout. A message for
+        a transfer the decode node already dropped is drained and counted there, and succeeds
+        here: cancellation travels over gRPC, not this plane."""
+        return await self.post(dest, layer, dest_block_ids, payload, last, timeout)
+
+    async def send_blocks(
+        self,
+        dest: TransferDestination,
+        layer: int,
+        dest_block_ids: Sequence[int],
+        kv_pool: torch.Tensor,
+        src_block_ids: Sequence[int],
+        last: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """`send` for blocks still in the pool (see `post_blocks`)."""
+        return await self.post_blocks(
+            dest, layer, dest_block_ids, kv_pool, src_block_ids, last, timeout
         )
-        message, packed = self._message_buffer(payload, header)
-        await self._wait_ready(packed)
-        self._write_header(message, header)
-        try:
-            peer = self._peer(engine, dest.address)
-            await self._send_message(engine, peer, dest, message, timeout)
-        except BaseException:
-            # After a failure UCX may still read the buffer: a retry of the same payload gets
-            # a copy instead, and the buffer is never recycled.
-            if packed is not None:
-                with _packed_lock:
-                    packed.poisoned = True
-            raise
-        # Only now may the buffer's header be rewritten (or the buffer be recycled).
-        if packed is not None:
-            with _packed_lock:
-                packed.in_flight = False
-                _recycle_locked(packed)
-        self.bytes_sent_total += message.numel()
-        self.messages_total += 1
-        return message.numel()
+
+    async def quiesce(self, transfer_id: int, timeout: float) -> bool:
+        """Wait (at most `timeout`) until UCX no longer reads any buffer of the transfer, then
+        forget it. Returns whether it got there. Reads that outlive it can only reach a
+        transfer the decode node has already failed (and fenced), so callers may then release
+        their blocks."""
+        out = self._transfers.pop(transfer_id, None)
+        if out is None or not out.reading:
+            return True
+        _, pending = await asyncio.wait(set(out.reading), timeout=timeout)
+        if pending:
+            log.warning(
+                "transfer %#x: %d KV sends still posted after %.3gs",
+                transfer_id,
+                len(pending),
+                timeout,
+            )
+        return not pending
 
     async def close(self) -> None:
         """Close every endpoint (bounded wait), then the UCX worker."""
@@ -209,25 +205,98 @@ class KvSender:
         engine.close()
 
     # ---- internals ----------------------------------------------------------------------------
-    def _check(
-        self, dest: TransferDestination, layer: int, ids: tuple[int, ...], payload: torch.Tensor
-    ) -> None:
+    def _check_ids(
+        self, dest: TransferDestination, layer: int, dest_block_ids: Sequence[int]
+    ) -> tuple[int, ...]:
         if dest.layout_fingerprint != self._fingerprint:
             raise TransferError(
                 f"KV layout mismatch: decode node {dest.layout_fingerprint}, this node "
                 f"{self._fingerprint} ({self._layout.describe()})"
             )
-        layout = self._layout
-        if not 0 <= layer < layout.num_layers:
-            raise ValueError(f"layer {layer} outside 0..{layout.num_layers - 1}")
-        shape = (2, len(ids), layout.block_size, layout.num_kv_heads, layout.head_dim)
-        if tuple(payload.shape) != shape or payload.dtype != layout.torch_dtype:
-            raise ValueError(
-                f"payload {tuple(payload.shape)} {payload.dtype} does not match "
-                f"{shape} {layout.torch_dtype} for {len(ids)} blocks"
-            )
+        if not 0 <= layer < self._layout.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self._layout.num_layers - 1}")
+        ids = tuple(int(b) for b in dest_block_ids)
         if not ids:
             raise ValueError("a KV message needs at least one block")
+        return ids
+
+    def _post(
+        self,
+        dest: TransferDestination,
+        layer: int,
+        ids: tuple[int, ...],
+        iov: np.ndarray | None,
+        source: torch.Tensor,
+        last: bool,
+        timeout: float | None,
+    ) -> asyncio.Future[int]:
+        """Post header + payload now (or, for a CUDA pack, once its copy has finished)."""
+        engine = self._ensure_engine(source.device)
+        out = self._transfers.setdefault(dest.transfer_id, _Outgoing())
+        seq = out.next_seq
+        out.next_seq += 1
+        nbytes = len(ids) * self._layout.block_bytes_per_layer
+        header = np.frombuffer(
+            proto.encode_header(
+                dest.transfer_id,
+                dest.token,
+                self._fingerprint_bytes,
+                layer,
+                ids,
+                nbytes,
+                last,
+                seq,
+            ),
+            dtype=np.uint8,
+        )
+        result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        limit = self._send_timeout if timeout is None else timeout
+
+        async def run() -> None:
+            ready = _ready_events.get(source) if iov is None else None
+            if ready is not None and not ready.query():
+                await asyncio.to_thread(ready.synchronize)  # UCX reads on its own streams
+            peer = self._peer(engine, dest.address)
+            ep = peer.endpoint
+            tag = proto.payload_tag(dest.token, dest.transfer_id, seq)
+            ops = [engine.send(ep, header, proto.message_tag(dest.transfer_id))]
+            if iov is None:
+                ops.append(engine.send(ep, source, tag))
+            else:
+                ops.append(engine.send_iov(ep, iov, source, tag))
+            out.reading.update(ops)
+            for op in ops:
+                op.add_done_callback(out.reading.discard)
+            try:
+                # shielded: a timeout must not mark a read finished that UCX still does
+                await asyncio.wait_for(asyncio.gather(*map(asyncio.shield, ops)), limit)
+            except TimeoutError:
+                self.errors_total += 1
+                self._discard(peer)
+                raise TransferTimeout(
+                    f"KV send to {peer.address} (transfer {dest.transfer_id:#x}) not taken "
+                    f"within {limit:.3g}s"
+                ) from None
+            except _TRANSPORT_ERRORS as e:
+                self.errors_total += 1
+                self._discard(peer)
+                raise TransferError(
+                    f"KV send to {peer.address} (transfer {dest.transfer_id:#x}) failed: {e}"
+                ) from e
+            self.bytes_sent_total += nbytes + len(header)
+            self.messages_total += 1
+
+        task = asyncio.ensure_future(run())
+        task.add_done_callback(lambda t: _settle(result, t, nbytes))
+        if last:
+            # seq numbers are per transfer; its entry stays only while reads are outstanding
+            result.add_done_callback(lambda _: self._forget_if_idle(dest.transfer_id))
+        return result
+
+    def _forget_if_idle(self, transfer_id: int) -> None:
+        out = self._transfers.get(transfer_id)
+        if out is not None and not out.reading:
+            del self._transfers[transfer_id]
 
     def _ensure_engine(self, device: torch.device) -> UcxEngine:
         if self._closed:
@@ -238,49 +307,6 @@ class KvSender:
             self._engine = UcxEngine()
         return self._engine
 
-    def _message_buffer(
-        self, payload: torch.Tensor, header: bytes
-    ) -> tuple[torch.Tensor, _Packed | None]:
-        with _packed_lock:
-            packed = _packed.get(payload)
-            if packed is not None and not packed.in_flight and packed.header_room == len(header):
-                packed.in_flight = True
-                return packed.buffer, packed
-        # Not from pack (or busy): one more copy, into a buffer with header room.
-        message = torch.empty(
-            len(header) + payload.numel() * payload.element_size(),
-            dtype=torch.uint8,
-            device=payload.device,
-        )
-        with self._copy_stream(payload.device):
-            message[len(header) :].view(payload.dtype).view(payload.shape).copy_(payload)
-        self._sync_copy_stream(payload.device)
-        return message, None
-
-    async def _wait_ready(self, packed: _Packed | None) -> None:
-        # UCX reads device memory on its own streams: the pack kernel must have finished.
-        if packed is None or packed.ready is None or packed.ready.query():
-            return
-        await asyncio.to_thread(packed.ready.synchronize)
-
-    def _write_header(self, message: torch.Tensor, header: bytes) -> None:
-        src = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        with self._copy_stream(message.device):
-            message[: len(header)].copy_(src)
-        self._sync_copy_stream(message.device)
-
-    def _copy_stream(self, device: torch.device) -> contextlib.AbstractContextManager:
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        stream = self._copy_streams.get(device)
-        if stream is None:
-            stream = self._copy_streams[device] = torch.cuda.Stream(device)
-        return torch.cuda.stream(stream)
-
-    def _sync_copy_stream(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            self._copy_streams[device].synchronize()
-
     def _peer(self, engine: UcxEngine, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is not None and peer.broken:
@@ -290,39 +316,13 @@ class KvSender:
             host, port = proto.split_address(address)
             try:
                 endpoint = engine.connect(host, port)
-            except UCXError as e:
+            except _TRANSPORT_ERRORS as e:
                 self.errors_total += 1
                 raise TransferError(f"cannot connect to decode node {address}: {e}") from e
             peer = _Peer(address, endpoint)
             endpoint.set_close_callback(_mark_broken, (peer,))
             self._peers[address] = peer
         return peer
-
-    async def _send_message(
-        self,
-        engine: UcxEngine,
-        peer: _Peer,
-        dest: TransferDestination,
-        message: torch.Tensor,
-        timeout: float | None,
-    ) -> None:
-        limit = self._send_timeout if timeout is None else timeout
-        try:
-            future = engine.send(peer.endpoint, message, proto.message_tag(dest.transfer_id))
-            await asyncio.wait_for(future, limit)
-        except TimeoutError:
-            self.errors_total += 1
-            self._discard(peer)
-            raise TransferTimeout(
-                f"KV send to {peer.address} (transfer {dest.transfer_id:#x}) not taken within "
-                f"{limit:.3g}s"
-            ) from None
-        except UCXError as e:
-            self.errors_total += 1
-            self._discard(peer)
-            raise TransferError(
-                f"KV send to {peer.address} (transfer {dest.transfer_id:#x}) failed: {e}"
-            ) from e
 
     def _discard(self, peer: _Peer) -> None:
         """Forget a failed endpoint; its close runs in the background."""
@@ -332,6 +332,17 @@ class KvSender:
         peer.broken = True
         if self._engine is not None:
             self._engine.close_endpoint(peer.endpoint).add_done_callback(_consume)
+
+
+def _settle(result: asyncio.Future[int], task: asyncio.Task, nbytes: int) -> None:
+    if result.done():
+        return
+    if task.cancelled():
+        result.cancel()
+    elif task.exception() is not None:
+        result.set_exception(task.exception())
+    else:
+        result.set_result(nbytes)
 
 
 def _mark_broken(peer: _Peer) -> None:
