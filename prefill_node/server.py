@@ -203,17 +203,27 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
 
     async def _drain(self, state: PushState) -> tuple[int, int]:
         """Send the request's messages as the layer hook queues them, up to SEND_WINDOW in
-        flight (the receiver lands them in any order); return once all were taken."""
+        flight (the receiver lands them in any order); messages for consecutive layers of the
+        same blocks that are already queued go as one. Returns once all were taken."""
         sent = messages = 0
         in_flight: deque[asyncio.Future[int]] = deque()
+        backlog: deque[LayerMessage | None] = deque()
         try:
             while True:
-                item = await state.queue.get()
+                if not backlog:
+                    backlog.append(await state.queue.get())
+                while not state.queue.empty():
+                    backlog.append(state.queue.get_nowait())
+                item = backlog.popleft()
                 if item is FINAL:
                     break
+                n_layers = 1
+                while backlog and _continues(item, n_layers, backlog[0]):
+                    backlog.popleft()
+                    n_layers += 1
                 if state.first_message_at is None:
                     state.first_message_at = time.time()
-                in_flight.append(self._post(state, item))
+                in_flight.append(self._post(state, item, n_layers))
                 while len(in_flight) >= SEND_WINDOW or (in_flight and in_flight[0].done()):
                     sent += await in_flight.popleft()
                     messages += 1
@@ -225,13 +235,18 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 fut.add_done_callback(_consume)
         return sent, messages
 
-    def _post(self, state: PushState, item: LayerMessage) -> asyncio.Future[int]:
+    def _post(self, state: PushState, item: LayerMessage, n_layers: int) -> asyncio.Future[int]:
         dest = state.destination
         if item.payload is not None:
             fut = self.sender.post(dest, item.layer, item.dest_block_ids, item.payload)
         else:
             fut = self.sender.post_blocks(
-                dest, item.layer, item.dest_block_ids, self.core.kv_pool, item.src_block_ids
+                dest,
+                item.layer,
+                item.dest_block_ids,
+                self.core.kv_pool,
+                item.src_block_ids,
+                n_layers=n_layers,
             )
         header = proto.header_size(len(item.dest_block_ids))
         fut.add_done_callback(
@@ -302,6 +317,19 @@ def _release(core: EngineCore, rid: str, ok: bool) -> None:
         core.complete_context(rid, ok)
     else:
         core.abort(rid)
+
+
+def _continues(first: LayerMessage, n_layers: int, nxt: LayerMessage | None) -> bool:
+    """Whether `nxt` extends `first` (already n_layers long) to one more consecutive layer of
+    the same blocks, read from the pool (packed CUDA payloads go one by one)."""
+    return (
+        nxt is not None
+        and first.payload is None
+        and nxt.payload is None
+        and nxt.layer == first.layer + n_layers
+        and nxt.src_block_ids == first.src_block_ids
+        and nxt.dest_block_ids == first.dest_block_ids
+    )
 
 
 def _consume(fut: asyncio.Future) -> None:

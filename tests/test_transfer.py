@@ -589,3 +589,39 @@ async def _valid_transfer(h: Harness, dst: list[int]) -> None:
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def test_one_message_for_consecutive_layers() -> None:
+    """A sender with several layers ready sends them as one header + one payload; the
+    receiver claims, lands and reports every layer of it."""
+    import uvloop
+
+    from transfer.ucx import KvReceiver, KvSender
+
+    layout = KvLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+    pool = allocate_kv_pool(layout, 10, "cpu")
+    source = allocate_kv_pool(layout, 10, "cpu")
+    source.copy_(torch.randn(source.shape))
+    dst, src = [7, 2, 3, 9], [0, 1, 2, 5]
+
+    async def main() -> None:
+        receiver, sender = KvReceiver(pool, layout), KvSender(layout)
+        await receiver.start()
+        try:
+            layers: list[int] = []
+            dest = receiver.expect("multi", dst, on_layer=layers.append)
+            landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 10))
+            first = sender.post_blocks(dest, 0, dst, source, src, n_layers=3)
+            last = sender.post_blocks(dest, 3, dst, source, src, last=True)
+            assert await first == 3 * len(dst) * layout.block_bytes_per_layer
+            await last
+            stats = await landed
+            assert stats.messages == 2 and layers == [0, 1, 2, 3]
+            assert torch.equal(pool[:, :, dst], source[:, :, src])
+            with pytest.raises(ValueError, match="outside"):
+                sender.post_blocks(dest, 2, dst, source, src, n_layers=3)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    uvloop.run(main())

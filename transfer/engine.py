@@ -116,7 +116,7 @@ class UcxEngine:
         loop: asyncio.AbstractEventLoop | None = None,
         *,
         spin_s: float = 0.002,
-        stalled_tick_s: float = 0.02,
+        stalled_tick_s: float = 0.001,
         idle_tick_s: float = 0.5,
         max_progress_rounds: int = 256,
     ) -> None:

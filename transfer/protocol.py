@@ -1,20 +1,22 @@
 """Wire format of the layer-wise KV push (pure Python, no UCX).
 
-One KV message (one layer's blocks of one prefill chunk) is TWO tagged UCX messages from the
-same sender, posted back to back:
+One KV message (the blocks of one prefill chunk for one layer, or for a run of consecutive layers
+when the sender has several ready) is TWO tagged UCX messages from the same sender, posted back to
+back:
 
 1. the header, tag = transfer id (`message_tag`)::
 
     offset 0   fixed header, 64 bytes, little endian (`_FIXED`):
                magic "PDKV" | version u16 | flags u16 | header_len u32 | transfer_id u64 |
-               token 16s | layout fingerprint 8s | layer u32 | n_blocks u32 |
+               token 16s | layout fingerprint 8s | layer u16 | n_layers u16 | n_blocks u32 |
                payload_bytes u64 | seq u32
     offset 64  n_blocks x u32 destination block ids (pool order of the payload's block axis)
     ...        zero padding up to header_len = header_size(n_blocks)
 
 2. the payload, tag = `payload_tag(token, transfer_id, seq)`: exactly payload_bytes of raw KV,
-   kv_pool[layer][:, block_ids] in the layout (2, n_blocks, block_size, kv_heads, head_dim),
-   payload_bytes = n_blocks x KvLayout.block_bytes_per_layer.
+   kv_pool[layer : layer + n_layers][:, :, block_ids] in the layout (n_layers, 2, n_blocks,
+   block_size, kv_heads, head_dim), payload_bytes = n_layers x n_blocks x
+   KvLayout.block_bytes_per_layer.
 
 Why two: the receiver lands the payload straight in the pool blocks the header names (one UCX
 receive scattered over those blocks, no staging copy), so it must have validated the header
@@ -47,7 +49,8 @@ HEADER_ALIGN = 64
 MAX_U64 = (1 << 64) - 1
 MAX_BLOCK_ID = (1 << 32) - 1
 
-_FIXED = struct.Struct("<4sHHIQ16s8sIIQI")
+_FIXED = struct.Struct("<4sHHIQ16s8sHHIQI")
+MAX_LAYERS = (1 << 16) - 1
 FIXED_HEADER_BYTES = _FIXED.size  # 64
 assert FIXED_HEADER_BYTES == HEADER_ALIGN
 
@@ -141,6 +144,7 @@ class HeaderPrefix:
     token: bytes
     layout_fingerprint: bytes
     layer: int
+    n_layers: int
     n_blocks: int
     payload_bytes: int
     last: bool
@@ -157,10 +161,13 @@ def encode_header(
     payload_bytes: int,
     last: bool = False,
     seq: int = 0,
+    n_layers: int = 1,
 ) -> bytes:
     """The header bytes (length header_size(len(block_ids))) of one KV message."""
     if not 0 <= seq <= MAX_SEQ:
         raise ValueError(f"seq {seq} is not a 32-bit unsigned value")
+    if not (0 <= layer <= MAX_LAYERS and 1 <= n_layers <= MAX_LAYERS):
+        raise ValueError(f"layers {layer}+{n_layers} do not fit the header's u16 fields")
     n = len(block_ids)
     size = header_size(n)
     out = bytearray(size)
@@ -175,6 +182,7 @@ def encode_header(
         token,
         layout_fingerprint,
         layer,
+        n_layers,
         n,
         payload_bytes,
         seq,
@@ -187,9 +195,9 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
     """Parse and structurally check the fixed header; raises ProtocolError(bad_header)."""
     if len(buf) < FIXED_HEADER_BYTES:
         raise ProtocolError(REJECT_BAD_HEADER, f"{len(buf)} bytes is shorter than a header")
-    (magic, version, flags, header_len, transfer_id, token, fingerprint, layer, n, payload, seq) = (
-        _FIXED.unpack_from(buf, 0)
-    )
+    fields = _FIXED.unpack_from(buf, 0)
+    (magic, version, flags, header_len, transfer_id, token, fingerprint, layer) = fields[:8]
+    n_layers, n, payload, seq = fields[8:]
     if magic != MAGIC:
         raise ProtocolError(REJECT_BAD_HEADER, f"bad magic {magic!r}")
     if version != VERSION:
@@ -201,6 +209,7 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
         token=token,
         layout_fingerprint=fingerprint,
         layer=layer,
+        n_layers=n_layers,
         n_blocks=n,
         payload_bytes=payload,
         last=bool(flags & FLAG_LAST),

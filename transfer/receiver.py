@@ -96,6 +96,7 @@ class _Announced:
     """A validated header: what its payload must be and where it lands."""
 
     layer: int
+    n_layers: int
     ids: tuple[int, ...]
     nbytes: int
     last: bool
@@ -432,9 +433,10 @@ class KvReceiver:
             self._count_reject(e.reason)
             self._fail(t, TransferError(f"transfer {t.transfer_id:#x}: bad KV message: {e}"))
             return
-        claimed = t.claimed[announced.layer]
-        for b in announced.ids:
-            claimed[t.position[b]] = 1
+        for layer in range(announced.layer, announced.layer + announced.n_layers):
+            claimed = t.claimed[layer]
+            for b in announced.ids:
+                claimed[t.position[b]] = 1
         t.seen.add(prefix.seq)
         t.announced[prefix.seq] = announced
         self._extend_window(t, prefix.seq + 1 + SEQ_WINDOW)
@@ -445,8 +447,10 @@ class KvReceiver:
     def _check_header(self, t: _Transfer, prefix: proto.HeaderPrefix, head: bytes) -> _Announced:
         if prefix.layout_fingerprint != self._fingerprint:
             raise ProtocolError(proto.REJECT_LAYOUT)
-        if not 0 <= prefix.layer < self._layout.num_layers:
-            raise ProtocolError(proto.REJECT_BAD_LAYER, f"layer {prefix.layer}")
+        if not (prefix.n_layers >= 1 and prefix.layer + prefix.n_layers <= self._layout.num_layers):
+            raise ProtocolError(
+                proto.REJECT_BAD_LAYER, f"layers {prefix.layer}..+{prefix.n_layers}"
+            )
         if not 0 < prefix.n_blocks <= len(t.block_ids):
             raise ProtocolError(proto.REJECT_BAD_BLOCK, f"{prefix.n_blocks} blocks")
         if len(head) != prefix.header_len:
@@ -454,28 +458,31 @@ class KvReceiver:
                 proto.REJECT_BAD_LENGTH,
                 f"header message {len(head)} B, header_len says {prefix.header_len} B",
             )
-        expected = prefix.n_blocks * self._block_bytes
+        expected = prefix.n_layers * prefix.n_blocks * self._block_bytes
         if prefix.payload_bytes != expected:
             raise ProtocolError(
                 proto.REJECT_BAD_LENGTH,
-                f"header says {prefix.payload_bytes} B payload, {prefix.n_blocks} blocks need "
-                f"{expected} B",
+                f"header says {prefix.payload_bytes} B payload, {prefix.n_layers} layers of "
+                f"{prefix.n_blocks} blocks need {expected} B",
             )
         if prefix.seq in t.seen or prefix.seq >= t.window_end:
             raise ProtocolError(
                 proto.REJECT_BAD_SEQ, f"seq {prefix.seq} (window ends at {t.window_end})"
             )
         ids = proto.decode_block_ids(head, prefix)
-        claimed = t.claimed[prefix.layer]
+        layers = range(prefix.layer, prefix.layer + prefix.n_layers)
         seen: set[int] = set()
         for b in ids:
             pos = t.position.get(b)
             if pos is None:
                 raise ProtocolError(proto.REJECT_BAD_BLOCK, f"block {b} is not reserved")
-            if claimed[pos] or b in seen:
-                raise ProtocolError(proto.REJECT_DUPLICATE, f"layer {prefix.layer} block {b}")
+            if b in seen:
+                raise ProtocolError(proto.REJECT_DUPLICATE, f"block {b} listed twice")
             seen.add(b)
-        return _Announced(prefix.layer, ids, expected, prefix.last)
+            for layer in layers:
+                if t.claimed[layer][pos]:
+                    raise ProtocolError(proto.REJECT_DUPLICATE, f"layer {layer} block {b}")
+        return _Announced(prefix.layer, prefix.n_layers, ids, expected, prefix.last)
 
     def _extend_window(self, t: _Transfer, end: int) -> None:
         end = min(end, proto.MAX_SEQ + 1)
@@ -519,9 +526,8 @@ class KvReceiver:
             fut = self._engine.recv_probed(probe, staging)
         else:
             staging = None
-            fut = self._engine.recv_probed_iov(
-                probe, ucp.pool_iov(self._pool, announced.layer, announced.ids), self._pool
-            )
+            iov = ucp.pool_iov(self._pool, announced.layer, announced.ids, announced.n_layers)
+            fut = self._engine.recv_probed_iov(probe, iov, self._pool)
         fut.add_done_callback(lambda f: self._on_written(t, announced, staging, f))
 
     def _on_written(
@@ -549,10 +555,12 @@ class KvReceiver:
 
     def _scatter(self, a: _Announced, staging: torch.Tensor) -> None:
         """CUDA pools: the payload landed in `staging`; copy it into its blocks."""
-        payload = staging.view(self._pool.dtype).view(2, len(a.ids), *self._pool.shape[3:])
+        shape = (a.n_layers, 2, len(a.ids), *self._pool.shape[3:])
+        payload = staging.view(self._pool.dtype).view(shape)
         index = torch.tensor(a.ids, dtype=torch.long).to(self._pool.device)
         with torch.cuda.stream(self._scatter_stream):
-            self._pool[a.layer].index_copy_(1, index, payload)
+            for i in range(a.n_layers):
+                self._pool[a.layer + i].index_copy_(1, index, payload[i])
         self._scatter_stream.synchronize()  # the blocks are complete before anyone reads them
 
     def _account(self, t: _Transfer, a: _Announced) -> None:
@@ -563,10 +571,11 @@ class KvReceiver:
         stats.first_message_at = stats.first_message_at or now
         stats.last_message_at = now
         self.bytes_received_total += a.nbytes
-        t.layer_missing[a.layer] -= len(a.ids)
-        t.missing -= len(a.ids)
-        if t.layer_missing[a.layer] == 0:
-            stats.layer_completed_at[a.layer] = now
+        for layer in range(a.layer, a.layer + a.n_layers):
+            t.layer_missing[layer] -= len(a.ids)
+            if t.layer_missing[layer] == 0:
+                stats.layer_completed_at[layer] = now
+        t.missing -= len(a.ids) * a.n_layers
         if t.missing == 0:
             self._complete(t)
         elif a.last:

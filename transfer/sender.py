@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SEND_TIMEOUT_S = 30.0
 SEND_WINDOW = 8  # messages in flight per transfer (the receiver registers SEQ_WINDOW ahead)
 _CLOSE_TIMEOUT_S = 2.0
-_TRANSPORT_ERRORS = (UCXError, UcpError)
+_TRANSPORT_ERRORS = (UCXError, UcpError)  # connect raises the first, raw sends the second
 
 # payload tensor from `pack` -> the CUDA event recorded after its copy
 _ready_events: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -62,6 +62,90 @@ class _Outgoing:
 
     next_seq: int = 0
     reading: set[asyncio.Future] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Send:
+    """One posted message (header + payload) of a transfer: completion, errors, deadline."""
+
+    sender: KvSender
+    engine: UcxEngine
+    out: _Outgoing
+    dest: TransferDestination
+    seq: int
+    header: np.ndarray
+    iov: np.ndarray | None  # None: `source` is a packed contiguous payload
+    source: torch.Tensor
+    nbytes: int
+    limit: float
+    result: asyncio.Future[int]
+    pending: int = 0
+    peer: _Peer | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self.result.done():
+            return  # the caller gave up while a CUDA pack was finishing
+        sender, engine, dest = self.sender, self.engine, self.dest
+        try:
+            self.peer = peer = sender._peer(engine, dest.address)
+            ep = peer.endpoint
+            tag = proto.payload_tag(dest.token, dest.transfer_id, self.seq)
+            ops = [engine.send(ep, self.header, proto.message_tag(dest.transfer_id))]
+            if self.iov is None:
+                ops.append(engine.send(ep, self.source, tag))
+            else:
+                ops.append(engine.send_iov(ep, self.iov, self.source, tag))
+        except TransferError as e:
+            self.result.set_exception(e)
+            return
+        self.pending = len(ops)
+        self.out.reading.update(ops)
+        for op in ops:
+            op.add_done_callback(self.out.reading.discard)
+            op.add_done_callback(self._on_done)
+        if not self.result.done():
+            self.timer = asyncio.get_running_loop().call_later(self.limit, self._on_timeout)
+
+    def _on_done(self, op: asyncio.Future) -> None:
+        error = op.exception()  # engine futures are never cancelled
+        if self.result.done():
+            return
+        if error is not None:
+            self._fail(
+                TransferError(
+                    f"KV send to {self.dest.address} (transfer {self.dest.transfer_id:#x}) "
+                    f"failed: {error}"
+                ),
+                error,
+            )
+            return
+        self.pending -= 1
+        if self.pending == 0:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.sender.bytes_sent_total += self.nbytes + len(self.header)
+            self.sender.messages_total += 1
+            self.result.set_result(self.nbytes)
+
+    def _on_timeout(self) -> None:
+        if not self.result.done():
+            self._fail(
+                TransferTimeout(
+                    f"KV send to {self.dest.address} (transfer {self.dest.transfer_id:#x}) not "
+                    f"taken within {self.limit:.3g}s"
+                ),
+                None,
+            )
+
+    def _fail(self, error: TransferError, cause: BaseException | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.sender.errors_total += 1
+        if self.peer is not None:
+            self.sender._discard(self.peer)
+        error.__cause__ = cause
+        self.result.set_exception(error)
 
 
 class KvSender:
@@ -101,21 +185,24 @@ class KvSender:
         src_block_ids: Sequence[int],
         last: bool = False,
         timeout: float | None = None,
+        n_layers: int = 1,
     ) -> asyncio.Future[int]:
-        """Start pushing kv_pool[layer][:, src_block_ids] into dest's `dest_block_ids` (block i
-        to block i); the future gives the payload bytes once UCX has sent them, or raises
-        like `send`. CPU pools are read in place until then; CUDA pools are packed first."""
+        """Start pushing kv_pool[layer : layer + n_layers][:, :, src_block_ids] into dest's
+        `dest_block_ids` (block i to block i); the future gives the payload bytes once UCX has
+        sent them, or raises like `send`. CPU pools are read in place until then; CUDA pools
+        are packed first (one layer per message)."""
+        if kv_pool.is_cuda and n_layers != 1:
+            raise ValueError("CUDA pools push one layer per message")
         if kv_pool.is_cuda:
             return self.post(
                 dest, layer, dest_block_ids, self.pack(kv_pool, layer, src_block_ids), last, timeout
             )
         src = tuple(int(b) for b in src_block_ids)
-        ids = self._check_ids(dest, layer, dest_block_ids)
+        ids = self._check_ids(dest, layer, dest_block_ids, n_layers)
         if len(src) != len(ids):
             raise ValueError(f"{len(src)} source blocks for {len(ids)} destination blocks")
-        return self._post(
-            dest, layer, ids, ucp.pool_iov(kv_pool, layer, src), kv_pool, last, timeout
-        )
+        iov = ucp.pool_iov(kv_pool, layer, src, n_layers)
+        return self._post(dest, layer, ids, iov, kv_pool, last, timeout, n_layers)
 
     def post(
         self,
@@ -165,10 +252,11 @@ class KvSender:
         src_block_ids: Sequence[int],
         last: bool = False,
         timeout: float | None = None,
+        n_layers: int = 1,
     ) -> int:
         """`send` for blocks still in the pool (see `post_blocks`)."""
         return await self.post_blocks(
-            dest, layer, dest_block_ids, kv_pool, src_block_ids, last, timeout
+            dest, layer, dest_block_ids, kv_pool, src_block_ids, last, timeout, n_layers
         )
 
     async def quiesce(self, transfer_id: int, timeout: float) -> bool:
@@ -206,15 +294,21 @@ class KvSender:
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_ids(
-        self, dest: TransferDestination, layer: int, dest_block_ids: Sequence[int]
+        self,
+        dest: TransferDestination,
+        layer: int,
+        dest_block_ids: Sequence[int],
+        n_layers: int = 1,
     ) -> tuple[int, ...]:
         if dest.layout_fingerprint != self._fingerprint:
             raise TransferError(
                 f"KV layout mismatch: decode node {dest.layout_fingerprint}, this node "
                 f"{self._fingerprint} ({self._layout.describe()})"
             )
-        if not 0 <= layer < self._layout.num_layers:
-            raise ValueError(f"layer {layer} outside 0..{self._layout.num_layers - 1}")
+        if not (layer >= 0 and n_layers >= 1 and layer + n_layers <= self._layout.num_layers):
+            raise ValueError(
+                f"layers {layer}..{layer + n_layers - 1} outside 0..{self._layout.num_layers - 1}"
+            )
         ids = tuple(int(b) for b in dest_block_ids)
         if not ids:
             raise ValueError("a KV message needs at least one block")
@@ -229,13 +323,14 @@ class KvSender:
         source: torch.Tensor,
         last: bool,
         timeout: float | None,
+        n_layers: int = 1,
     ) -> asyncio.Future[int]:
         """Post header + payload now (or, for a CUDA pack, once its copy has finished)."""
         engine = self._ensure_engine(source.device)
         out = self._transfers.setdefault(dest.transfer_id, _Outgoing())
         seq = out.next_seq
         out.next_seq += 1
-        nbytes = len(ids) * self._layout.block_bytes_per_layer
+        nbytes = n_layers * len(ids) * self._layout.block_bytes_per_layer
         header = np.frombuffer(
             proto.encode_header(
                 dest.transfer_id,
@@ -246,52 +341,35 @@ class KvSender:
                 nbytes,
                 last,
                 seq,
+                n_layers,
             ),
             dtype=np.uint8,
         )
-        result: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        limit = self._send_timeout if timeout is None else timeout
-
-        async def run() -> None:
-            ready = _ready_events.get(source) if iov is None else None
-            if ready is not None and not ready.query():
-                await asyncio.to_thread(ready.synchronize)  # UCX reads on its own streams
-            peer = self._peer(engine, dest.address)
-            ep = peer.endpoint
-            tag = proto.payload_tag(dest.token, dest.transfer_id, seq)
-            ops = [engine.send(ep, header, proto.message_tag(dest.transfer_id))]
-            if iov is None:
-                ops.append(engine.send(ep, source, tag))
-            else:
-                ops.append(engine.send_iov(ep, iov, source, tag))
-            out.reading.update(ops)
-            for op in ops:
-                op.add_done_callback(out.reading.discard)
-            try:
-                # shielded: a timeout must not mark a read finished that UCX still does
-                await asyncio.wait_for(asyncio.gather(*map(asyncio.shield, ops)), limit)
-            except TimeoutError:
-                self.errors_total += 1
-                self._discard(peer)
-                raise TransferTimeout(
-                    f"KV send to {peer.address} (transfer {dest.transfer_id:#x}) not taken "
-                    f"within {limit:.3g}s"
-                ) from None
-            except _TRANSPORT_ERRORS as e:
-                self.errors_total += 1
-                self._discard(peer)
-                raise TransferError(
-                    f"KV send to {peer.address} (transfer {dest.transfer_id:#x}) failed: {e}"
-                ) from e
-            self.bytes_sent_total += nbytes + len(header)
-            self.messages_total += 1
-
-        task = asyncio.ensure_future(run())
-        task.add_done_callback(lambda t: _settle(result, t, nbytes))
+        loop = asyncio.get_running_loop()
+        send = _Send(
+            self,
+            engine,
+            out,
+            dest,
+            seq,
+            header,
+            iov,
+            source,
+            nbytes,
+            self._send_timeout if timeout is None else timeout,
+            loop.create_future(),
+        )
+        ready = _ready_events.get(source) if iov is None else None
+        if ready is not None and not ready.query():
+            # UCX reads device memory on its own streams: post once the pack's copy is done
+            waiting = asyncio.ensure_future(asyncio.to_thread(ready.synchronize))
+            waiting.add_done_callback(lambda _: send.start())
+        else:
+            send.start()
         if last:
             # seq numbers are per transfer; its entry stays only while reads are outstanding
-            result.add_done_callback(lambda _: self._forget_if_idle(dest.transfer_id))
-        return result
+            send.result.add_done_callback(lambda _: self._forget_if_idle(dest.transfer_id))
+        return send.result
 
     def _forget_if_idle(self, transfer_id: int) -> None:
         out = self._transfers.get(transfer_id)
@@ -332,17 +410,6 @@ class KvSender:
         peer.broken = True
         if self._engine is not None:
             self._engine.close_endpoint(peer.endpoint).add_done_callback(_consume)
-
-
-def _settle(result: asyncio.Future[int], task: asyncio.Task, nbytes: int) -> None:
-    if result.done():
-        return
-    if task.cancelled():
-        result.cancel()
-    elif task.exception() is not None:
-        result.set_exception(task.exception())
-    else:
-        result.set_result(nbytes)
 
 
 def _mark_broken(peer: _Peer) -> None:
