@@ -341,8 +341,10 @@ class Sender:
         self, dest: dict[str, Any], src_ids: list[int], mode: str
     ) -> dict[str, Any]:
         """layerwise: every layer posted straight from the pool (no copy on this side), at most
-        SEND_WINDOW messages in flight, like PrefillNode._drain. packed: every layer packed
-        into a contiguous buffer first (the CUDA pools' path), then sent the same way."""
+        SEND_WINDOW messages in flight, like PrefillNode._drain. whole: one message for every
+        layer (a whole-request push; also what a layer-wise push coalesces to when its queue is
+        ahead of the sends). packed: every layer packed into a contiguous buffer first (the
+        CUDA pools' path), then sent like layerwise."""
         from transfer.protocol import TransferDestination
         from transfer.sender import SEND_WINDOW
 
@@ -355,6 +357,14 @@ class Sender:
             payloads = [self.kv_class.pack(self.pool, layer, src_ids) for layer in range(layers)]
         packed = time.monotonic()
         in_flight: list[asyncio.Future[int]] = []
+        if mode == "whole":
+            await self.kv.post_blocks(target, 0, dst, self.pool, src_ids, True, n_layers=layers)
+            return {
+                "start": t0,
+                "sent": time.monotonic(),
+                "pack_s": 0.0,
+                "send_s": time.monotonic() - packed,
+            }
         for layer in range(layers):
             last = layer == layers - 1
             if mode == "packed":

@@ -31,7 +31,13 @@ def test_transfer_quick(tmp_path: Path) -> None:
     for row in result["rows"]:
         methods = row["methods"]
         assert set(methods) == set(transfer.METHODS)
-        for name in ("pdserve_layerwise", "pdserve_packed", "ucxx_contiguous", "grpc"):
+        for name in (
+            "pdserve_layerwise",
+            "pdserve_whole",
+            "pdserve_packed",
+            "ucxx_contiguous",
+            "grpc",
+        ):
             m = methods[name]
             assert set(m["latency_s"]) == LATENCY_KEYS and m["latency_s"]["p50"] > 0
             assert m["gbps_p50"] > 0
@@ -41,9 +47,9 @@ def test_transfer_quick(tmp_path: Path) -> None:
         nixl = methods["nixl"]
         assert "skipped" in nixl or nixl["correct"] is True
         assert set(row["ratios"]) == {f"vs_{m}" for m in transfer.METHODS if m != transfer.HEADLINE}
-    assert {"ge_80pct_of_ucx_perftest", "ge_1_5x_nixl", "ge_5x_grpc", "idle_lt_5pct_core"} <= set(
-        result["targets"]
-    )
+    for checks in (result["targets"], result["targets"]["whole_request"]):
+        assert {"ge_80pct_of_ucx_perftest", "ge_1_5x_nixl", "ge_5x_grpc"} <= set(checks)
+    assert "idle_lt_5pct_core" in result["targets"]
 
 
 def test_ttft_quick(tmp_path: Path) -> None:
