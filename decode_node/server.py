@@ -37,7 +37,7 @@ from shared.node_common import (
     sampling_to_proto,
 )
 from shared.output_processor import TokenDelta
-from shared.request import FinishReason
+from shared.request import FinishReason, LlmRequest
 from shared.sampling_params import SamplingParams
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
@@ -259,15 +259,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         assert self.engine is not None
         rid = stream.request_id
         try:
+            # one hand-off to the engine thread for both steps: it is on the TTFT path
             req, blocks, first_block = await self.engine.call(
-                lambda core: core.reserve_for_transfer(prompt, params, rid)
+                lambda core: _reserve_and_start(core, prompt, params, rid)
             )
         except RequestRejected as e:
             raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except ResourcesExhausted as e:
             raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         stream.cached_tokens = req.cached_tokens
-        await self.engine.call(lambda core: core.start_transfer(rid))
         tried: set[str] = set()
         last_error = "every prefill node is marked unhealthy (failing health checks)"
         for _ in range(1 + self.config.prefill_retries):
@@ -468,3 +468,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             release = EngineCore.fail_transfer if stream.failed else EngineCore.abort
             with contextlib.suppress(RuntimeError):
                 await self.engine.call(lambda core: release(core, rid))
+
+
+def _reserve_and_start(
+    core: EngineCore, prompt: list[int], params: SamplingParams, rid: str
+) -> tuple[LlmRequest, list[int], int]:
+    """DISAGG_GENERATION_INIT (blocks reserved, no seat), then TRANS_IN_PROGRESS."""
+    reserved = core.reserve_for_transfer(prompt, params, rid)
+    core.start_transfer(rid)
+    return reserved

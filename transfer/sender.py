@@ -41,7 +41,7 @@ from transfer.ucp import UcpError
 log = logging.getLogger(__name__)
 
 DEFAULT_SEND_TIMEOUT_S = 30.0
-SEND_WINDOW = 8  # messages in flight per transfer (the receiver registers SEQ_WINDOW ahead)
+SEND_WINDOW = 16  # messages in flight per transfer (the receiver registers SEQ_WINDOW ahead)
 _CLOSE_TIMEOUT_S = 2.0
 _TRANSPORT_ERRORS = (UCXError, UcpError)  # connect raises the first, raw sends the second
 
