@@ -113,6 +113,22 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             labelnames=("peer",),
             fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.peers},
         )
+        registry = self.metrics.registry
+        registry.gauge(
+            "pdserve_kv_writes_in_flight",
+            "KV payload receives posted into the pool and not completed",
+            fn=lambda: float(self.receiver.writes_in_flight),
+        )
+        registry.gauge(
+            "pdserve_kv_fenced_transfers",
+            "ended transfers whose blocks a posted payload receive may still write",
+            fn=lambda: float(self.receiver.fenced_transfers),
+        )
+        registry.callback_counter(
+            "pdserve_kv_endpoint_resets_total",
+            "KV endpoints force-closed to end a receive whose sender stalled mid-payload",
+            fn=lambda: float(self.receiver.endpoint_resets),
+        )
         self.serving: NodeServing | None = None
         self.port = 0
         self.accepting = True

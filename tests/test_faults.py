@@ -91,11 +91,14 @@ def wait_released(*live: NodeProcess, timeout: float = 15.0) -> None:
                 m["pdserve_seats_in_use"],
                 m["pdserve_kv_blocks_pinned"],
                 m["pdserve_kv_blocks_in_use"],
+                # decode nodes: no KV write still posted into a finished transfer's blocks
+                m.get("pdserve_kv_writes_in_flight", 0.0),
+                m.get("pdserve_kv_fenced_transfers", 0.0),
             )
             for n in live
             for m in [metrics(n)]
         }
-        if all(v == (0, 0, 0) for v in held.values()):
+        if all(v == (0, 0, 0, 0, 0) for v in held.values()):
             return
         assert time.monotonic() < deadline, f"resources still held: {held}"
         time.sleep(0.1)
