@@ -7,8 +7,9 @@ Every mode runs in two fresh processes on this host (receiver, sender) and repor
 receiver's idle CPU while a peer is connected and a receive is expected but nothing arrives.
 
 modes:
-  kv             this package end to end: KvSender.pack + send -> KvReceiver validate + scatter
-                 (1-layer layout, one 16 MiB message per transfer)
+  kv             this package end to end: KvSender.send_blocks (payload gathered from the pool)
+                 -> KvReceiver (header validated, payload received into the reserved blocks);
+                 1-layer layout, one 16 MiB payload per transfer
   adaptive       this package's UcxEngine, raw tagged 16 MiB messages (probe + receive)
   thread, thread+future, polling, blocking
                  ucxx's async API (ep.send / ep.recv) in that progress mode
@@ -96,7 +97,7 @@ async def _kv_client(info: dict[str, Any]) -> None:
     times = []
     for dest in dests:
         started = time.perf_counter()
-        await sender.send(dest, 0, dest.block_ids, KvSender.pack(pool, 0, dest.block_ids))
+        await sender.send_blocks(dest, 0, dest.block_ids, pool, dest.block_ids)
         times.append(time.perf_counter() - started)
     _emit_rate(info["nbytes"], times)
     await sender.close()
