@@ -115,7 +115,16 @@ def make_layer_hook(
             if w.state.layerwise and w.src:
                 if layer == 0:
                     pin(w.state.request_id, w.src)
-                w.state.put(_message(kv_pool, layer, w.dst, w.src))
+                if w.final or kv_pool.is_cuda:
+                    w.state.put(_message(kv_pool, layer, w.dst, w.src))
+                elif layer == last_layer:
+                    # An earlier chunk's blocks go once all its layers are done, as one message
+                    # (queued together, the sender coalesces them): they still move while the
+                    # next chunk computes, and every message costs the loop (which shares the
+                    # compute's core) ~0.1 ms. The last chunk goes layer by layer: its transfer
+                    # is what overlaps the end of the prompt's compute.
+                    for i in range(num_layers):
+                        w.state.put(_message(kv_pool, i, w.dst, w.src))
             if layer != last_layer:
                 continue
             if not w.state.layerwise and w.final:
