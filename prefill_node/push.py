@@ -123,8 +123,7 @@ def make_layer_hook(
                     # next chunk computes, and every message costs the loop (which shares the
                     # compute's core) ~0.1 ms. The last chunk goes layer by layer: its transfer
                     # is what overlaps the end of the prompt's compute.
-                    for i in range(num_layers):
-                        w.state.put(_message(kv_pool, i, w.dst, w.src))
+                    _queue_all_layers(w.state, kv_pool, num_layers, w.dst, w.src)
             if layer != last_layer:
                 continue
             if not w.state.layerwise and w.final:
@@ -145,5 +144,12 @@ def _queue_whole_request(
     src = w.table[start : w.upto]
     dst = w.state.dest_ids(start, w.upto)
     pin(w.state.request_id, src)
+    _queue_all_layers(w.state, kv_pool, num_layers, dst, src)
+
+
+def _queue_all_layers(
+    state: PushState, kv_pool: torch.Tensor, num_layers: int, dst: list[int], src: list[int]
+) -> None:
+    """One message per layer, queued together (so the sender coalesces them into one)."""
     for layer in range(num_layers):
-        w.state.put(_message(kv_pool, layer, dst, src))
+        state.put(_message(kv_pool, layer, dst, src))

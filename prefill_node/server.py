@@ -26,6 +26,7 @@ from shared.node_common import NodeMetrics, NodeServing, model_info, sampling_fr
 from shared.output_processor import TokenDelta
 from shared.request import LlmRequest, LlmRequestState
 from shared.scheduler import ScheduledRequest
+from shared.utils import retrieve_exception
 from transfer import protocol as proto
 from transfer.protocol import TransferDestination
 from transfer.sender import SEND_WINDOW
@@ -232,7 +233,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 messages += 1
         finally:
             for fut in in_flight:
-                fut.add_done_callback(_consume)
+                fut.add_done_callback(retrieve_exception)
         return sent, messages
 
     def _post(self, state: PushState, item: LayerMessage, n_layers: int) -> asyncio.Future[int]:
@@ -330,8 +331,3 @@ def _continues(first: LayerMessage, n_layers: int, nxt: LayerMessage | None) -> 
         and nxt.src_block_ids == first.src_block_ids
         and nxt.dest_block_ids == first.dest_block_ids
     )
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()

@@ -94,8 +94,8 @@ class Peer:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
 
     async def call(self, timeout: float = 20, **cmd: Any) -> dict[str, Any]:
+        self.post(**cmd)
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         await self.proc.stdin.drain()
         return await self._reply(timeout)
 

@@ -107,16 +107,20 @@ class SenderRole:
             self.raw_endpoints[address] = self.raw_engine.connect(*split_address(address))
         return self.raw_endpoints[address]
 
-    async def raw(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Send arbitrary bytes with arbitrary tags (forgeries, garbage): cmd["messages"] is
-        [[tag, hex data], ...], posted back to back."""
+    def _post_raw(self, cmd: dict[str, Any]) -> list[asyncio.Future]:
+        """Post cmd["messages"], [[tag, hex data], ...], back to back as they are."""
         import numpy as np
 
         ep = self._raw_endpoint(cmd["address"])
         sends = []
         for tag, data in cmd["messages"]:
             buf = np.frombuffer(bytes.fromhex(data), dtype=np.uint8).copy()
-            sends.append(self.raw_engine.send(ep, buf, tag))
+            sends.append(self.raw_engine.send(ep, buf, tag))  # keeps buf until UCX is done
+        return sends
+
+    async def raw(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send arbitrary bytes with arbitrary tags (forgeries, garbage)."""
+        sends = self._post_raw(cmd)
         await asyncio.wait_for(asyncio.gather(*sends), 10)
         return {"messages": len(sends)}
 
@@ -126,16 +130,11 @@ class SenderRole:
         import os
         import signal
 
-        import numpy as np
-
-        ep = self._raw_endpoint(cmd["address"])
+        self._raw_endpoint(cmd["address"])
         await asyncio.sleep(0.2)  # the endpoint's connection is up
-        keep = []
-        for tag, data in cmd["messages"]:
-            buf = np.frombuffer(bytes.fromhex(data), dtype=np.uint8).copy()
-            keep.append((buf, self.raw_engine.send(ep, buf, tag)))
+        sends = self._post_raw(cmd)
         os.kill(os.getpid(), signal.SIGSTOP)
-        return {"messages": len(keep)}
+        return {"messages": len(sends)}
 
     async def close(self) -> None:
         await self.sender.close()

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from shared.kv_cache import KvLayout
+from shared.utils import retrieve_exception
 from transfer import protocol as proto
 from transfer import ucp
 from transfer.engine import UcxEngine
@@ -363,7 +364,9 @@ class KvReceiver:
     def _close_endpoint(self, endpoint: ServerEndpoint, force: bool = False) -> asyncio.Future:
         fut = self._engine.close_endpoint(endpoint, force=force)
         listener = self._listener
-        fut.add_done_callback(lambda f: (_consume(f), listener and listener.forget(endpoint)))
+        fut.add_done_callback(retrieve_exception)
+        if listener is not None:
+            fut.add_done_callback(lambda _: listener.forget(endpoint))
         return fut
 
     async def _reset_endpoints(self) -> None:
@@ -397,7 +400,7 @@ class KvReceiver:
     def _drop(self, probe: Probe, reason: str) -> None:
         """Count and drain an unwanted message without reading it (truncating receive)."""
         self._count_reject(reason)
-        self._engine.recv_probed(probe, self._sink).add_done_callback(_consume)
+        self._engine.recv_probed(probe, self._sink).add_done_callback(retrieve_exception)
 
     # ---- headers ------------------------------------------------------------------------------
     def _receive_header(self, t: _Transfer, probe: Probe) -> None:
@@ -508,7 +511,7 @@ class KvReceiver:
             else:
                 t.early[seq] = probe  # its header has not been validated yet
             return
-        self._forget_tag(t, seq)
+        self._forget_tag(t, probe.tag)
         if probe.length != announced.nbytes:
             self._drop(probe, proto.REJECT_BAD_LENGTH)
             self._fail(
@@ -649,8 +652,7 @@ class KvReceiver:
         if not t.quiesced.done():
             t.quiesced.set_result(None)
 
-    def _forget_tag(self, t: _Transfer, seq: int) -> None:
-        tag = proto.payload_tag(t.token, t.transfer_id, seq)
+    def _forget_tag(self, t: _Transfer, tag: int) -> None:
         t.tags.pop(tag, None)
         self._payload_tags.pop(tag, None)
         self._dead[tag] = time.monotonic() + _TOMBSTONE_TTL_S
@@ -724,9 +726,3 @@ def _check_pool(kv_pool: torch.Tensor, layout: KvLayout) -> None:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _consume(fut: asyncio.Future) -> None:
-    """Done-callback for futures nobody awaits: retrieve the exception so asyncio stays quiet."""
-    if not fut.cancelled():
-        fut.exception()

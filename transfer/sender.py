@@ -31,19 +31,18 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shared.kv_cache import KvLayout
+from shared.utils import retrieve_exception
 from transfer import protocol as proto
 from transfer import ucp
 from transfer.engine import UcxEngine, UCXError
 from transfer.errors import TransferError, TransferTimeout
 from transfer.protocol import TransferDestination
-from transfer.ucp import UcpError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SEND_TIMEOUT_S = 30.0
 SEND_WINDOW = 16  # messages in flight per transfer (the receiver registers SEQ_WINDOW ahead)
 _CLOSE_TIMEOUT_S = 2.0
-_TRANSPORT_ERRORS = (UCXError, UcpError)  # connect raises the first, raw sends the second
 
 # payload tensor from `pack` -> the CUDA event recorded after its copy
 _ready_events: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -287,7 +286,7 @@ class KvSender:
         closing = [engine.close_endpoint(p.endpoint) for p in self._peers.values()]
         self._peers.clear()
         for fut in closing:
-            fut.add_done_callback(_consume)
+            fut.add_done_callback(retrieve_exception)
         if closing:
             await asyncio.wait(closing, timeout=_CLOSE_TIMEOUT_S)
         engine.close()
@@ -394,7 +393,7 @@ class KvSender:
             host, port = proto.split_address(address)
             try:
                 endpoint = engine.connect(host, port)
-            except _TRANSPORT_ERRORS as e:
+            except UCXError as e:
                 self.errors_total += 1
                 raise TransferError(f"cannot connect to decode node {address}: {e}") from e
             peer = _Peer(address, endpoint)
@@ -409,14 +408,9 @@ class KvSender:
         del self._peers[peer.address]
         peer.broken = True
         if self._engine is not None:
-            self._engine.close_endpoint(peer.endpoint).add_done_callback(_consume)
+            self._engine.close_endpoint(peer.endpoint).add_done_callback(retrieve_exception)
 
 
 def _mark_broken(peer: _Peer) -> None:
     # UCX endpoint error callback (inside progress): flag only, the next send replaces it.
     peer.broken = True
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()

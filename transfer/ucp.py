@@ -140,7 +140,6 @@ _status = ctypes.c_int8
 _declare(_ucp, "ucp_listener_create", _status, _vp, _c.POINTER(_ListenerParams), _c.POINTER(_vp))
 _declare(_ucp, "ucp_listener_query", _status, _vp, _c.POINTER(_SockAddrAttr))
 _declare(_ucp, "ucp_listener_destroy", None, _vp)
-_declare(_ucp, "ucp_listener_reject", _status, _vp, _vp)
 _declare(_ucp, "ucp_conn_request_query", _status, _vp, _c.POINTER(_SockAddrAttr))
 _declare(_ucp, "ucp_ep_create", _status, _vp, _c.POINTER(_EpParams), _c.POINTER(_vp))
 _declare(_ucp, "ucp_ep_close_nbx", _vp, _vp, _c.POINTER(_RequestParam))
