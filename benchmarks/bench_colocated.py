@@ -26,12 +26,17 @@ import uvloop
 from pdserve.cli import _engine_args, _engine_config  # the nodes' own engine flags
 from pdserve.nodes import announce, setup_logging
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.config import EngineConfig
-from shared.engine import EngineCore, RequestRejected
-from shared.engine_loop import EngineLoop
-from shared.node_common import create_grpc_server, model_info, sampling_from_proto, set_serving
-from shared.output_processor import TokenDelta
-from shared.request import FinishReason, LlmRequest
+from shared.engine.config import EngineConfig
+from shared.engine.core import EngineCore, RequestRejected
+from shared.engine.output import TokenDelta
+from shared.engine.request import FinishReason, LlmRequest
+from shared.engine.thread import EngineThread
+from shared.serving.grpc_server import (
+    create_grpc_server,
+    model_info,
+    sampling_from_proto,
+    set_serving,
+)
 
 log = logging.getLogger("pdserve.colocated")
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -48,14 +53,14 @@ class ColocatedNode(generation_pb2_grpc.GenerationServicer):
         self.host, self.requested_port = host, port
         self.port = 0
         self.streams: dict[str, asyncio.Queue[TokenDelta]] = {}
-        self.engine: EngineLoop | None = None
+        self.thread: EngineThread | None = None
         self.server: grpc.aio.Server | None = None
 
     async def start(self) -> None:
-        self.engine = EngineLoop(
+        self.thread = EngineThread(
             self.core, asyncio.get_running_loop(), self._on_deltas, name="colocated-engine"
         )
-        self.engine.start()
+        self.thread.start()
         self.server, self.health, self.port = create_grpc_server(
             [SERVICE],
             lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),
@@ -69,9 +74,9 @@ class ColocatedNode(generation_pb2_grpc.GenerationServicer):
         set_serving(self.health, [SERVICE], False)
         if self.server is not None:
             await self.server.stop(1.0)
-        assert self.engine is not None
-        await self.engine.call(lambda core: core.shutdown())
-        self.engine.stop()
+        assert self.thread is not None
+        await self.thread.call(lambda core: core.shutdown())
+        self.thread.stop()
         return True
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
@@ -98,7 +103,7 @@ class ColocatedNode(generation_pb2_grpc.GenerationServicer):
         self.streams[rid] = queue
         try:
             try:
-                req = await self.engine.call(lambda core: core.add_request(prompt, params, rid))
+                req = await self.thread.call(lambda core: core.add_request(prompt, params, rid))
             except RequestRejected as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             async for message in self._stream(req, queue, arrival, len(prompt)):
@@ -106,7 +111,7 @@ class ColocatedNode(generation_pb2_grpc.GenerationServicer):
         finally:
             self.streams.pop(rid, None)
             with contextlib.suppress(RuntimeError):
-                await self.engine.call(lambda core: core.abort(rid))
+                await self.thread.call(lambda core: core.abort(rid))
 
     async def _stream(
         self, req: LlmRequest, queue: asyncio.Queue[TokenDelta], arrival: float, prompt_len: int

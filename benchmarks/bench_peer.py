@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_util import peer_main_loop
-from shared.kv_cache import KvLayout, allocate_kv_pool
+from shared.engine.kv_cache import KvLayout, allocate_kv_pool
 
 GRPC_METHOD = "/pdbench.Kv/Push"
 GRPC_CHUNK = 4 << 20  # bytes per gRPC message: gRPC's default message cap
@@ -175,10 +175,10 @@ class Receiver:
 
     # -- one contiguous ucxx message
     async def cmd_raw_start(self) -> dict[str, Any]:
-        from transfer.engine import UcxEngine
+        from transfer.worker import UcxWorker
 
         if self.raw_engine is None:
-            self.raw_engine = UcxEngine()
+            self.raw_engine = UcxWorker()
             self.raw_listener = self.raw_engine.listen(
                 self.host, 0, self.raw_endpoints.append, lambda ep: None
             )
@@ -383,10 +383,10 @@ class Sender:
 
     # -- one contiguous ucxx message of the whole payload
     async def cmd_send_raw(self, host: str, port: int) -> dict[str, Any]:
-        from transfer.engine import UcxEngine
+        from transfer.worker import UcxWorker
 
         if self.raw_engine is None:
-            self.raw_engine = UcxEngine()
+            self.raw_engine = UcxWorker()
         key = f"{host}:{port}"
         if key not in self.raw_endpoints:
             self.raw_endpoints[key] = self.raw_engine.connect(host, port)

@@ -20,10 +20,10 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import bar_plot, environment, write_json
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.model_loader import load_model
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import load_model
 
 MODEL = {
     "vocab_size": 2048,
@@ -53,7 +53,7 @@ def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int
 
 
 def run_pdserve(path: Path, prompts: list[list[int]], outputs: list[int], batch: int) -> float:
-    engine = Engine(
+    engine = LLM(
         EngineConfig(
             model=str(path), num_kv_blocks=4096, max_batch_size=batch, max_num_tokens=1024
         ),

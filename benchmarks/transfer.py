@@ -55,8 +55,8 @@ from benchmarks.bench_util import (
     summarize,
 )
 from benchmarks.common import environment, write_json
-from shared.kv_cache import KvLayout
-from shared.utils import cdiv
+from shared.engine.kv_cache import KvLayout
+from shared.engine.utils import cdiv
 
 SHAPES: dict[str, KvLayout] = {
     # the built-in tiny model as a CPU node holds it (float32)

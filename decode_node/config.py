@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.config import EngineConfig
-from shared.tls import ClientTls, ServerTls
+from shared.engine.config import EngineConfig
+from shared.serving.tls import ClientTls, ServerTls
 from transfer.protocol import resolve_bind_address
 
 

@@ -13,7 +13,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
-from shared.node_common import GRPC_SERVER_OPTIONS, describe_layout_info
+from shared.serving.grpc_server import GRPC_SERVER_OPTIONS, describe_layout_info
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,12 @@ from grpc import aio
 from decode_node.config import DecodeNodeConfig
 from decode_node.peers import LayoutMismatch, PrefillPeer, PrefillPool
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
-from shared.engine import EngineCore, RequestRejected, ResourcesExhausted
-from shared.engine_loop import EngineLoop
-from shared.node_common import (
+from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine.output import TokenDelta
+from shared.engine.request import FinishReason, LlmRequest
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.thread import EngineThread
+from shared.serving.grpc_server import (
     NodeMetrics,
     NodeServing,
     layout_info,
@@ -36,9 +39,6 @@ from shared.node_common import (
     sampling_from_proto,
     sampling_to_proto,
 )
-from shared.output_processor import TokenDelta
-from shared.request import FinishReason, LlmRequest
-from shared.sampling_params import SamplingParams
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
 
@@ -91,7 +91,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.core = core or EngineCore(config.engine)
         self.layout_info = layout_info(self.core.layout)
         self.streams: dict[str, _Stream] = {}
-        self.engine: EngineLoop | None = None
+        self.thread: EngineThread | None = None
         self.receiver = KvReceiver(
             self.core.kv_pool,
             self.core.layout,
@@ -137,14 +137,14 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
 
     def _snapshot(self):
-        assert self.engine is not None
-        return self.engine.snapshot
+        assert self.thread is not None
+        return self.thread.snapshot
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.engine = EngineLoop(self.core, loop, self._on_deltas, name="decode-engine")
-        self.engine.start()
+        self.thread = EngineThread(self.core, loop, self._on_deltas, name="decode-engine")
+        self.thread.start()
         await self.receiver.start()
         await self.pool.start()
         self.serving = await NodeServing.start(
@@ -174,9 +174,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         # first: closing the receiver ends every posted KV write, so that the conservation
         # check runs on blocks nothing can write any more
         await self.receiver.close()
-        if self.engine is not None:
-            conserved = await self.engine.call(lambda core: core.shutdown())
-            self.engine.stop()
+        if self.thread is not None:
+            conserved = await self.thread.call(lambda core: core.shutdown())
+            self.thread.stop()
         await self.pool.close()
         if self.serving is not None:
             await self.serving.close_metrics()
@@ -272,11 +272,11 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         params: SamplingParams,
         deadline: float | None,
     ) -> TokenDelta:
-        assert self.engine is not None
+        assert self.thread is not None
         rid = stream.request_id
         try:
             # one hand-off to the engine thread for both steps: it is on the TTFT path
-            req, blocks, first_block = await self.engine.call(
+            req, blocks, first_block = await self.thread.call(
                 lambda core: _reserve_and_start(core, prompt, params, rid)
             )
         except RequestRejected as e:
@@ -299,7 +299,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 last_error = str(e)
                 continue
             first_token = response.first_token_id
-            delta = await self.engine.call(
+            delta = await self.thread.call(
                 lambda core, token=first_token: core.complete_transfer(rid, token)
             )
             stream.first_token_at = time.monotonic()
@@ -480,10 +480,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         await self._forget_transfer(stream)
         if stream.peer is not None and not stream.prefill_done:
             self._background(stream.peer.cancel(rid))
-        if self.engine is not None:
+        if self.thread is not None:
             release = EngineCore.fail_transfer if stream.failed else EngineCore.abort
             with contextlib.suppress(RuntimeError):
-                await self.engine.call(lambda core: release(core, rid))
+                await self.thread.call(lambda core: release(core, rid))
 
 
 def _reserve_and_start(

@@ -10,8 +10,8 @@ import time
 
 from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
-from shared.config import EngineConfig
-from shared.tls import ClientTls, ServerTls
+from shared.engine.config import EngineConfig
+from shared.serving.tls import ClientTls, ServerTls
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ __all__ = [
     "get_model_info",
 ]
 
-# Same default as shared.sampling_params.SamplingParams, so omitting it behaves like the server.
+# Same default as shared.engine.sampling_params.SamplingParams: omitting it behaves like the server.
 DEFAULT_MAX_TOKENS = 16
 # Prompts go over the wire as token lists or text; 64 MiB leaves room for very long contexts
 # without letting a runaway message exhaust memory.

@@ -38,7 +38,7 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared.metrics import MetricsRegistry, MetricsServer, serve_metrics
+from shared.serving.metrics import MetricsRegistry, MetricsServer, serve_metrics
 
 log = logging.getLogger("pdserve.proxy")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.scheduler import ScheduledRequest
-from shared.utils import cdiv
+from shared.engine.scheduler import ScheduledRequest
+from shared.engine.utils import cdiv
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvSender
 

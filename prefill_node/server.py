@@ -20,14 +20,14 @@ import grpc
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.push import FINAL, LayerMessage, PushState, make_layer_hook, plan_push
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
-from shared.engine import EngineCore, RequestRejected
-from shared.engine_loop import EngineLoop
-from shared.node_common import NodeMetrics, NodeServing, model_info, sampling_from_proto
-from shared.output_processor import TokenDelta
-from shared.request import LlmRequest, LlmRequestState
-from shared.scheduler import ScheduledRequest
-from shared.utils import retrieve_exception
+from shared.engine.core import EngineCore, RequestRejected
+from shared.engine.output import TokenDelta
+from shared.engine.request import LlmRequest, LlmRequestState
+from shared.engine.scheduler import ScheduledRequest
+from shared.engine.thread import EngineThread
+from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info, sampling_from_proto
 from transfer import protocol as proto
+from transfer.errors import retrieve_exception
 from transfer.protocol import TransferDestination
 from transfer.sender import SEND_WINDOW
 from transfer.ucx import KvSender, TransferError
@@ -57,21 +57,21 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.pending: dict[str, _Pending] = {}
         self.tasks: dict[str, asyncio.Task[object]] = {}
         self.sender = KvSender(self.layout)
-        self.engine: EngineLoop | None = None
+        self.thread: EngineThread | None = None
         self.metrics = NodeMetrics(lambda: self._snapshot())
         self.serving: NodeServing | None = None
         self.port = 0
 
     def _snapshot(self):
-        assert self.engine is not None
-        return self.engine.snapshot
+        assert self.thread is not None
+        return self.thread.snapshot
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.engine = EngineLoop(self.core, loop, self._on_deltas, name="prefill-engine")
+        self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
         self.core.layer_hook_factory = self._layer_hook
-        self.engine.start()
+        self.thread.start()
         self.serving = await NodeServing.start(
             [SERVICE],
             lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(self, s),
@@ -92,9 +92,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         for state in self.pushes.values():
             state.cancelled = True
         conserved = True
-        if self.engine is not None:
-            conserved = await self.engine.call(lambda core: core.shutdown())
-            self.engine.stop()
+        if self.thread is not None:
+            conserved = await self.thread.call(lambda core: core.shutdown())
+            self.thread.stop()
         await self.sender.close()
         if self.serving is not None:
             await self.serving.close_metrics()
@@ -162,7 +162,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             await self._cleanup(rid)
 
     async def _run(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
-        assert self.engine is not None
+        assert self.thread is not None
         rid = request.request_id
         loop = asyncio.get_running_loop()
         params = sampling_from_proto(request.sampling, seed=request.seed)
@@ -180,7 +180,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.pushes[rid] = state
         prompt = list(request.prompt_token_ids)
         self._check_destination(prompt, state)
-        req = await self.engine.call(lambda core: core.add_request(prompt, params, rid))
+        req = await self.thread.call(lambda core: core.add_request(prompt, params, rid))
         sent_bytes, messages = await self._drain(state)
         first_token = await pending.first_token
         state.completed = True
@@ -305,9 +305,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             state.cancelled = True
             # UCX may still read the request's pinned blocks: wait (bounded) before unpinning
             await self.sender.quiesce(state.destination.transfer_id, _QUIESCE_S)
-        if self.engine is not None:
+        if self.thread is not None:
             with contextlib.suppress(RuntimeError):
-                await self.engine.call(lambda core: _release(core, rid, ok))
+                await self.thread.call(lambda core: _release(core, rid, ok))
 
 
 def _release(core: EngineCore, rid: str, ok: bool) -> None:

@@ -1,7 +1,7 @@
 """Tiny Hugging Face checkpoints for parity tests (built offline with transformers + tokenizers).
 
 `build_checkpoint("llama" | "llama3" | "qwen2" | "mistral", out_dir)` writes a directory that both
-`transformers.AutoModelForCausalLM.from_pretrained` and `shared.model_loader.load_model` accept:
+`transformers.AutoModelForCausalLM.from_pretrained` and `shared.model.loader.load_model` accept:
 config.json, model.safetensors (or shards + index with `max_shard_size`), generation_config.json
 and a byte-level BPE tokenizer.json. The same arguments always give the same files.
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
-from shared.config import EngineConfig
-from shared.engine import EngineCore
-from shared.metrics import parse_prometheus_text
-from shared.model_loader import load_model
+from shared.engine.config import EngineConfig
+from shared.engine.core import EngineCore
+from shared.model.loader import load_model
+from shared.serving.metrics import parse_prometheus_text
 
 
 @dataclass
@@ -53,7 +53,7 @@ class PdCluster:
                 raise AssertionError(f"nodes still hold resources: {busy}")
             await asyncio.sleep(0.05)
         for node in [*self.prefills, *self.decodes]:
-            await node.engine.call(lambda core: core.check_conservation())
+            await node.thread.call(lambda core: core.check_conservation())
 
 
 @contextlib.asynccontextmanager

@@ -15,11 +15,11 @@ import pytest
 
 from pdserve.client import generate
 from pdserve.cluster import Cluster
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.metrics import parse_prometheus_text
-from shared.model_loader import load_model
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import load_model
+from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
 
 
@@ -70,7 +70,7 @@ def test_32_concurrent_requests_match_colocated_and_transformers(
     prompts += random_prompts(16, 512, min_len=1, max_len=40, seed=52, prefix=system)
     max_tokens = random_max_tokens(32, hi=20, seed=53)
     params = [SamplingParams(max_tokens=m) for m in max_tokens]
-    colocated = Engine(EngineConfig(model=str(path), num_kv_blocks=1024), load_model(str(path)))
+    colocated = LLM(EngineConfig(model=str(path), num_kv_blocks=1024), load_model(str(path)))
     want = [o.token_ids for o in colocated.generate(prompts, params)]
     cluster, targets = cluster_factory(str(path), ["--max-num-tokens", "48"])
 

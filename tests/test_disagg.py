@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from pdserve.client import generate
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.model_loader import load_model
-from shared.request import LlmRequestState
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.request import LlmRequestState
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
 from tests.pd_harness import pd_cluster
 
@@ -76,7 +76,7 @@ def test_seeded_sampling_matches_colocated(checkpoint: Callable[..., Path]) -> N
         SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=40, seed=1000 + i)
         for i in range(6)
     ]
-    colocated = Engine(EngineConfig(model=str(path), num_kv_blocks=512), load_model(str(path)))
+    colocated = LLM(EngineConfig(model=str(path), num_kv_blocks=512), load_model(str(path)))
     want = [o.token_ids for o in colocated.generate(prompts, params)]
 
     async def body() -> None:

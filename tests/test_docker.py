@@ -37,11 +37,11 @@ from pathlib import Path
 import pytest
 
 from pdserve.client import GenerationResult, generate
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.metrics import parse_prometheus_text
-from shared.model_loader import load_model
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import load_model
+from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import random_max_tokens, random_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -309,7 +309,7 @@ def test_two_tier_compose_stack_offline(
         random_max_tokens(len(b), lo=1, hi=16, seed=80 + i) for i, b in enumerate(batches)
     ]
     with phases("colocated reference"):
-        colocated = Engine(
+        colocated = LLM(
             EngineConfig(model=str(model_dir), num_kv_blocks=1024), load_model(str(model_dir))
         )
         want = [

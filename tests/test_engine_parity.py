@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.model_loader import load_model
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
 
 ARCHES = ["llama", "llama3", "qwen2", "mistral"]
@@ -18,8 +18,8 @@ ARCHES = ["llama", "llama3", "qwen2", "mistral"]
 
 def run_and_compare(
     path: Path, config: EngineConfig, prompts: list[list[int]], max_tokens: list[int]
-) -> Engine:
-    engine = Engine(config, load_model(str(path)))
+) -> LLM:
+    engine = LLM(config, load_model(str(path)))
     params = [SamplingParams(max_tokens=m) for m in max_tokens]
     outputs = engine.generate(prompts, params)
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
@@ -51,7 +51,7 @@ def test_prefix_cache_hits_shared_system_prompt(checkpoint: Callable[..., Path])
     path = checkpoint("qwen2")
     system = random_prompts(1, 512, min_len=64, max_len=64, seed=5)[0]
     config = EngineConfig(model=str(path), num_kv_blocks=512, max_batch_size=8)
-    engine = Engine(config, load_model(str(path)))
+    engine = LLM(config, load_model(str(path)))
     warm = engine.generate([[*system, 7, 8, 9]], SamplingParams(max_tokens=2))
     assert warm[0].cached_tokens == 0
     prompts = random_prompts(8, 512, min_len=1, max_len=40, seed=6, prefix=system)
@@ -69,7 +69,7 @@ def test_parity_under_preemption(checkpoint: Callable[..., Path]) -> None:
     max_tokens = random_max_tokens(12, lo=32, hi=64, seed=9)
     # 40 blocks of 16 tokens cannot hold all twelve at once: the newest get preempted
     config = EngineConfig(model=str(path), num_kv_blocks=40, max_batch_size=12)
-    engine = Engine(config, load_model(str(path)))
+    engine = LLM(config, load_model(str(path)))
     outputs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
     assert sum(o.num_preemptions for o in outputs) > 0
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):

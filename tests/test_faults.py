@@ -17,10 +17,10 @@ import pytest
 
 from pdserve.client import generate
 from pdserve.cluster import NodeProcess, spawn, stop_all, wait_ready
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.metrics import parse_prometheus_text
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import random_prompts
 from tests.net_probe import listening_sockets, tcp_connects
 
@@ -30,8 +30,8 @@ SLOW_PREFILL = ["--max-num-tokens", "64"]  # many chunks: a long prompt takes a 
 
 
 @pytest.fixture(scope="module")
-def reference() -> Engine:
-    return Engine(EngineConfig(model=MODEL, num_kv_blocks=1024))
+def reference() -> LLM:
+    return LLM(EngineConfig(model=MODEL, num_kv_blocks=1024))
 
 
 class Nodes:
@@ -104,7 +104,7 @@ def wait_released(*live: NodeProcess, timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
-def check_fresh_batch(decode: NodeProcess, reference: Engine, seed: int) -> None:
+def check_fresh_batch(decode: NodeProcess, reference: LLM, seed: int) -> None:
     prompts = random_prompts(4, VOCAB, min_len=5, max_len=200, seed=seed)
     want = [o.token_ids for o in reference.generate(prompts, SamplingParams(max_tokens=8))]
 
@@ -117,7 +117,7 @@ def check_fresh_batch(decode: NodeProcess, reference: Engine, seed: int) -> None
     assert [g.token_ids for g in got] == want
 
 
-def test_stalled_prefill_is_skipped_and_requests_retry(nodes: Nodes, reference: Engine) -> None:
+def test_stalled_prefill_is_skipped_and_requests_retry(nodes: Nodes, reference: LLM) -> None:
     a, b = nodes.prefill(), nodes.prefill()
     d = nodes.decode([a, b], "--kv-transfer-timeout", "2")
     check_fresh_batch(d, reference, seed=1)  # both prefill nodes warm
@@ -144,7 +144,7 @@ def test_stalled_prefill_is_skipped_and_requests_retry(nodes: Nodes, reference: 
 
 
 def test_killed_prefill_mid_transfer_then_all_dead_then_restart(
-    nodes: Nodes, reference: Engine
+    nodes: Nodes, reference: LLM
 ) -> None:
     a = nodes.prefill(*SLOW_PREFILL)
     b = nodes.prefill(*SLOW_PREFILL)
@@ -186,7 +186,7 @@ def test_killed_prefill_mid_transfer_then_all_dead_then_restart(
     wait_released(d)
 
 
-def test_decode_death_releases_prefill_side(nodes: Nodes, reference: Engine) -> None:
+def test_decode_death_releases_prefill_side(nodes: Nodes, reference: LLM) -> None:
     p = nodes.prefill(*SLOW_PREFILL)
     d = nodes.decode([p])
     prompts = random_prompts(3, VOCAB, min_len=1500, max_len=2000, seed=7)
@@ -208,7 +208,7 @@ def test_decode_death_releases_prefill_side(nodes: Nodes, reference: Engine) -> 
     wait_released(p, d2)
 
 
-def test_sigterm_drains_in_flight_work_and_exits_clean(nodes: Nodes, reference: Engine) -> None:
+def test_sigterm_drains_in_flight_work_and_exits_clean(nodes: Nodes, reference: LLM) -> None:
     p = nodes.prefill()
     d = nodes.decode([p])
     prompts = random_prompts(3, VOCAB, min_len=10, max_len=100, seed=9)
@@ -235,7 +235,7 @@ def test_sigterm_drains_in_flight_work_and_exits_clean(nodes: Nodes, reference: 
 
 
 def test_decode_node_listens_only_on_its_configured_address(
-    nodes: Nodes, reference: Engine
+    nodes: Nodes, reference: LLM
 ) -> None:
     """--host and --ucx-host 127.0.0.1: the gRPC port, /metrics, the KV listener and UCX's own
     tcp sockets are all bound to 127.0.0.1, so another address of the host (127.0.0.2 here,

@@ -1,4 +1,4 @@
-"""shared.metrics: exposition format, metric semantics, thread safety and the HTTP endpoint."""
+"""shared.serving.metrics: exposition, metric semantics, thread safety, the HTTP endpoint."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shared.metrics import (
+from shared.serving.metrics import (
     CONTENT_TYPE,
     MetricsRegistry,
     parse_prometheus_text,

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.cluster import NodeProcess, stop_all, wait_ready
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.model_loader import load_model
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import load_model
 from tests.engine_helpers import random_max_tokens, random_prompts
 
 PREFILL_ADDR = "10.213.1.1"
@@ -143,7 +143,7 @@ def _rx_bytes(ns: str, dev: str) -> int:
 def test_kv_crosses_a_veth_between_two_namespaces_and_greedy_matches() -> None:
     prompts = random_prompts(4, 250, min_len=40, max_len=160, seed=61)
     max_tokens = random_max_tokens(4, lo=4, hi=16, seed=62)
-    colocated = Engine(EngineConfig(model="tiny", num_kv_blocks=1024), load_model("tiny"))
+    colocated = LLM(EngineConfig(model="tiny", num_kv_blocks=1024), load_model("tiny"))
     want = [
         o.token_ids
         for o in colocated.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])

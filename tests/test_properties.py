@@ -38,15 +38,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from shared.attention import ForwardBatch
-from shared.block_manager import compute_block_hashes
-from shared.config import EngineConfig
-from shared.engine import EngineCore, RequestRejected, ResourcesExhausted
-from shared.model_loader import LoadedModel, tiny_config
-from shared.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
-from shared.sampling_params import SamplingParams
-from shared.tokenizer import ByteTokenizer
-from shared.utils import cdiv
+from shared.engine.block_manager import compute_block_hashes
+from shared.engine.config import EngineConfig
+from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.utils import cdiv
+from shared.model.attention import ForwardBatch
+from shared.model.loader import LoadedModel, tiny_config
+from shared.model.tokenizer import ByteTokenizer
 
 S = LlmRequestState
 EOS = 257

@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from shared.request import (
+from shared.engine.request import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
     IllegalStateTransition,
     LlmRequest,
     LlmRequestState,
 )
-from shared.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 
 S = LlmRequestState
 

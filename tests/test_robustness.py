@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from pdserve.client import generate, generate_stream
-from shared.config import EngineConfig
-from shared.request import LlmRequestState
+from shared.engine.config import EngineConfig
+from shared.engine.request import LlmRequestState
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.pd_harness import PdCluster, pd_cluster
 
@@ -39,7 +39,7 @@ async def fresh_request_ok(c: PdCluster, path: Path) -> None:
 async def wait_for_state(c: PdCluster, state: LlmRequestState, timeout: float = 20) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not c.decodes[0].engine.snapshot.requests_by_state.get(state.name):
+    while not c.decodes[0].thread.snapshot.requests_by_state.get(state.name):
         assert loop.time() < deadline, f"never saw a request in {state.name}"
         await asyncio.sleep(0.002)
 
@@ -68,7 +68,7 @@ def test_client_cancel_in_every_state(cancel_at: str, checkpoint: Callable[..., 
                 await stream.aclose()
             await fresh_request_ok(c, path)
             # late KV messages of the cancelled transfer were dropped, never written
-            assert c.prefills[0].engine.snapshot.blocks_pinned == 0
+            assert c.prefills[0].thread.snapshot.blocks_pinned == 0
 
     asyncio.run(body())
 

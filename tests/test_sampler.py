@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.request import LlmRequest
-from shared.sampler import Sampler, stream_uniform
-from shared.sampling_params import SamplingParams
+from shared.engine.request import LlmRequest
+from shared.engine.sampler import Sampler, stream_uniform
+from shared.engine.sampling_params import SamplingParams
 
 
 def seated(rid: str, seat: int, params: SamplingParams, outputs: int = 0) -> LlmRequest:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from shared.request import LlmRequest, LlmRequestState
-from shared.resource_manager import (
+from shared.engine.request import LlmRequest, LlmRequestState
+from shared.engine.resource_manager import (
     KVCacheManager,
     ResourceManager,
     ResourceManagerType,
     SeqSlotManager,
 )
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler, SchedulerConfig
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
 
 
 class Harness:

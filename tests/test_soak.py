@@ -18,9 +18,9 @@ import grpc
 
 from pdserve.client import generate, generate_stream
 from pdserve.cluster import NodeProcess, stop_all
-from shared.config import EngineConfig
-from shared.engine import Engine
-from shared.sampling_params import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
 from tests.test_faults import Nodes, metrics, target, wait_released
 
 SECONDS = min(180.0, float(os.environ.get("PDSERVE_SOAK_SECONDS", "40")))
@@ -29,7 +29,7 @@ CLEAR_STATUSES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
 
 def test_soak_mixed_traffic_cancels_and_prefill_restart() -> None:
     rng = random.Random(7)
-    reference = Engine(EngineConfig(model="tiny", num_kv_blocks=2048))
+    reference = LLM(EngineConfig(model="tiny", num_kv_blocks=2048))
     nodes = Nodes()
     try:
         prefills = [nodes.prefill(), nodes.prefill()]
@@ -48,7 +48,7 @@ def test_soak_mixed_traffic_cancels_and_prefill_restart() -> None:
 
 async def _traffic(
     rng: random.Random,
-    reference: Engine,
+    reference: LLM,
     endpoint: str,
     victim: NodeProcess,
     nodes: Nodes,
@@ -85,7 +85,7 @@ async def _one(
     prompt: list[int],
     max_tokens: int,
     cancel: bool,
-    reference: Engine,
+    reference: LLM,
     outcomes: Counter[str],
 ) -> None:
     try:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from pdserve.client import generate
-from shared.tls import ClientTls, ServerTls
+from shared.serving.tls import ClientTls, ServerTls
 from tests.engine_helpers import hf_greedy
 from tests.pd_harness import pd_cluster
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.tokenizer import (
+from shared.model.tokenizer import (
     REPLACEMENT_CHAR,
     ByteTokenizer,
     HfTokenizer,

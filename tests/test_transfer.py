@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from shared.kv_cache import KvLayout, allocate_kv_pool
+from shared.engine.kv_cache import KvLayout, allocate_kv_pool
 from tests.transfer_peer import (
     LAYOUT,
     REPLY_PREFIX,

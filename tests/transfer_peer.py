@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shared.kv_cache import KvLayout, allocate_kv_pool
+from shared.engine.kv_cache import KvLayout, allocate_kv_pool
 from transfer.env import configure_ucx_env
 
 REPLY_PREFIX = "PEER-REPLY "
@@ -98,11 +98,11 @@ class SenderRole:
         }
 
     def _raw_endpoint(self, address: str) -> Any:
-        from transfer.engine import UcxEngine
         from transfer.protocol import split_address
+        from transfer.worker import UcxWorker
 
         if self.raw_engine is None:
-            self.raw_engine = UcxEngine()
+            self.raw_engine = UcxWorker()
         if address not in self.raw_endpoints:
             self.raw_endpoints[address] = self.raw_engine.connect(*split_address(address))
         return self.raw_endpoints[address]

@@ -2,7 +2,7 @@
 
 UCX reads most of its configuration from `UCX_*` variables when a UCX context is created (the
 first KvReceiver.start() / KvSender.send() of the process), and a few global ones when the library
-is loaded (`import ucxx`). `transfer.engine` calls `configure_ucx_env()` with the defaults before
+is loaded (`import ucxx`). `transfer.worker` calls `configure_ucx_env()` with the defaults before
 it imports ucxx, so importing `transfer.ucx` always gives a working setup; call it yourself, with
 arguments, before that import (or at the latest before the first receiver/sender starts) to
 change the defaults.
@@ -27,7 +27,7 @@ _DEFAULTS: dict[str, str] = {
     # ucxx turns endpoint error handling on (we need it: a dead peer must fail sends instead of
     # hanging them), and UCX then drops its shared-memory transports unless told that they may
     # be used with error handling; without this, same-host transfers run over tcp/lo at
-    # ~0.4 GB/s instead of sysv shared memory at 5-10 GB/s (see transfer/engine.py).
+    # ~0.4 GB/s instead of sysv shared memory at 5-10 GB/s (see transfer/worker.py).
     "UCX_MM_ERROR_HANDLING": "y",
     # Without CUDA, UCX warns about UCX_MEMTYPE_CACHE (which ucxx sets) being unused.
     "UCX_WARN_UNUSED_ENV_VARS": "n",

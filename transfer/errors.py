@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 
 class TransferError(Exception):
     """A KV transfer failed (peer gone, bad data, ...). The transfer is torn down: nothing more is
@@ -22,3 +24,8 @@ class ProtocolError(ValueError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+def retrieve_exception(fut: asyncio.Future) -> None:
+    """Done-callback for futures nobody awaits: retrieve the exception so asyncio stays quiet."""
+    if not fut.cancelled():
+        fut.exception()

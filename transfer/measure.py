@@ -10,12 +10,12 @@ modes:
   kv             this package end to end: KvSender.send_blocks (payload gathered from the pool)
                  -> KvReceiver (header validated, payload received into the reserved blocks);
                  1-layer layout, one 16 MiB payload per transfer
-  adaptive       this package's UcxEngine, raw tagged 16 MiB messages (probe + receive)
+  adaptive       this package's UcxWorker, raw tagged 16 MiB messages (probe + receive)
   thread, thread+future, polling, blocking
                  ucxx's async API (ep.send / ep.recv) in that progress mode
 
 The numbers recorded when the progress design was chosen, and the choice, are in the
-docstring of transfer/engine.py. The machine must be otherwise idle: both peers poll while a
+docstring of transfer/worker.py. The machine must be otherwise idle: both peers poll while a
 message moves, so other jobs on the same cores distort the result by 10x or more.
 """
 
@@ -54,7 +54,7 @@ def _emit_rate(nbytes: int, seconds: list[float]) -> None:
 
 # ---- this package -------------------------------------------------------------------------------
 def _kv_layout(nbytes: int) -> Any:
-    from shared.kv_cache import KvLayout
+    from shared.engine.kv_cache import KvLayout
 
     # 64 KiB blocks (block_size 16, 8 kv heads x 128, bf16): nbytes / 64 KiB blocks per layer
     layout = KvLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
@@ -62,7 +62,7 @@ def _kv_layout(nbytes: int) -> Any:
 
 
 async def _kv_server(nbytes: int, iters: int) -> None:
-    from shared.kv_cache import allocate_kv_pool
+    from shared.engine.kv_cache import allocate_kv_pool
     from transfer.ucx import KvReceiver
 
     layout, blocks = _kv_layout(nbytes)
@@ -82,7 +82,7 @@ async def _kv_server(nbytes: int, iters: int) -> None:
 async def _kv_client(info: dict[str, Any]) -> None:
     import torch
 
-    from shared.kv_cache import allocate_kv_pool
+    from shared.engine.kv_cache import allocate_kv_pool
     from transfer.protocol import TransferDestination
     from transfer.ucx import KvSender
 
@@ -116,9 +116,9 @@ def _dest_json(d: Any) -> dict[str, Any]:
 async def _adaptive_server(nbytes: int, iters: int) -> None:
     import numpy as np
 
-    from transfer.engine import UcxEngine
+    from transfer.worker import UcxWorker
 
-    engine = UcxEngine()
+    engine = UcxWorker()
     endpoints: list[Any] = []
     listener = engine.listen("127.0.0.1", 0, endpoints.append, lambda ep: None)
     probes: asyncio.Queue[Any] = asyncio.Queue()
@@ -144,9 +144,9 @@ async def _adaptive_server(nbytes: int, iters: int) -> None:
 async def _adaptive_client(info: dict[str, Any]) -> None:
     import numpy as np
 
-    from transfer.engine import UcxEngine
+    from transfer.worker import UcxWorker
 
-    engine = UcxEngine()
+    engine = UcxWorker()
     endpoint = engine.connect("127.0.0.1", info["port"])
     buf = np.ones(info["nbytes"], dtype=np.uint8)
     await asyncio.sleep(IDLE_S + 0.5)

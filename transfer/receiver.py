@@ -51,14 +51,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.kv_cache import KvLayout
-from shared.utils import retrieve_exception
+from shared.engine.kv_cache import KvLayout
 from transfer import protocol as proto
 from transfer import ucp
-from transfer.engine import UcxEngine
-from transfer.errors import ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from transfer.errors import (
+    ProtocolError,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+    retrieve_exception,
+)
 from transfer.protocol import TransferDestination
 from transfer.ucp import BoundListener, Probe, ServerEndpoint, UcpError
+from transfer.worker import UcxWorker
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +157,7 @@ class KvReceiver:
         self._bind_host = host if bind_host is None else bind_host
         self._port = port
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine: UcxEngine | None = None
+        self._engine: UcxWorker | None = None
         self._listener: BoundListener | None = None
         self._live: dict[int, _Transfer] = {}
         self._payload_tags: dict[int, _Transfer] = {}  # registered payload tag -> its transfer
@@ -179,7 +184,7 @@ class KvReceiver:
             torch.cuda.set_device(self._pool.device)  # UCX needs the context current here
             self._scatter_stream = torch.cuda.Stream(self._pool.device)
         self._loop = asyncio.get_running_loop()
-        engine = UcxEngine(self._loop)
+        engine = UcxWorker(self._loop)
         try:
             self._listener = engine.listen(
                 self._bind_host, self._port, self._on_endpoint, self._on_endpoint_error

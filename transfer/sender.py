@@ -30,13 +30,12 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shared.kv_cache import KvLayout
-from shared.utils import retrieve_exception
+from shared.engine.kv_cache import KvLayout
 from transfer import protocol as proto
 from transfer import ucp
-from transfer.engine import UcxEngine, UCXError
-from transfer.errors import TransferError, TransferTimeout
+from transfer.errors import TransferError, TransferTimeout, retrieve_exception
 from transfer.protocol import TransferDestination
+from transfer.worker import UCXError, UcxWorker
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class _Send:
     """One posted message (header + payload) of a transfer: completion, errors, deadline."""
 
     sender: KvSender
-    engine: UcxEngine
+    engine: UcxWorker
     out: _Outgoing
     dest: TransferDestination
     seq: int
@@ -155,7 +154,7 @@ class KvSender:
         self._fingerprint = layout.fingerprint()
         self._fingerprint_bytes = proto.fingerprint_bytes(self._fingerprint)
         self._send_timeout = send_timeout
-        self._engine: UcxEngine | None = None
+        self._engine: UcxWorker | None = None
         self._closed = False
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[int, _Outgoing] = {}
@@ -375,16 +374,16 @@ class KvSender:
         if out is not None and not out.reading:
             del self._transfers[transfer_id]
 
-    def _ensure_engine(self, device: torch.device) -> UcxEngine:
+    def _ensure_engine(self, device: torch.device) -> UcxWorker:
         if self._closed:
             raise TransferError("KvSender is closed")
         if self._engine is None:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # UCX needs the CUDA context current here
-            self._engine = UcxEngine()
+            self._engine = UcxWorker()
         return self._engine
 
-    def _peer(self, engine: UcxEngine, address: str) -> _Peer:
+    def _peer(self, engine: UcxWorker, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is not None and peer.broken:
             self._discard(peer)

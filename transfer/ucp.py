@@ -193,7 +193,7 @@ def _parse_sockaddr(raw: bytes) -> tuple[str, int]:
 
 # ---- requests -----------------------------------------------------------------------------------
 class RawRequest:
-    """A UCP status pointer as `UcxEngine.submit` wants it (`completed`, `check_error()`).
+    """A UCP status pointer as `UcxWorker.submit` wants it (`completed`, `check_error()`).
     The request is freed as soon as it is seen complete."""
 
     def __init__(self, what: str, ptr: int | None) -> None:

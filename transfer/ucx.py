@@ -1,7 +1,7 @@
 """The KV transfer plane's public API (UCX via ucxx), importable as one module.
 
 Import order: `configure_ucx_env` must run before ucxx is imported; importing this module runs it
-with the defaults first (through `transfer.engine`), so a caller that wants other settings calls
+with the defaults first (through `transfer.worker`), so a caller that wants other settings calls
 `transfer.env.configure_ucx_env(...)` before importing this module, or at the latest before the
 first receiver/sender starts (UCX reads most settings when a context is created).
 """

@@ -12,12 +12,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.pdserve.v1 import generation_pb2
-from shared.engine import EngineCore
-from shared.engine_loop import EngineSnapshot
-from shared.kv_cache import KvLayout
-from shared.metrics import LATENCY_BUCKETS, MetricsRegistry, MetricsServer, serve_metrics
-from shared.sampling_params import SamplingParams
-from shared.tls import ServerTls
+from shared.engine.core import EngineCore
+from shared.engine.kv_cache import KvLayout
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.thread import EngineSnapshot
+from shared.serving.metrics import LATENCY_BUCKETS, MetricsRegistry, MetricsServer, serve_metrics
+from shared.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.request import LlmRequest
+from shared.engine.request import LlmRequest
 
 _MASK64 = (1 << 64) - 1
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.attention import ForwardBatch, GatherScratch, paged_attention
-from shared.model_config import ModelConfig, RopeScaling
+from shared.model.attention import ForwardBatch, GatherScratch, paged_attention
+from shared.model.config import ModelConfig, RopeScaling
 
 LayerHook = Callable[[int], None]
 

@@ -1,4 +1,4 @@
-"""Batched paged attention over the KV pool (layout in `shared.kv_cache`).
+"""Batched paged attention over the KV pool (layout in `shared.engine.kv_cache`).
 
 A `ForwardBatch` is built once per engine step and holds every index the model needs, as tensors
 (moved to the device in one copy), so each layer does a fixed number of tensor ops however many
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shared.utils import cdiv
+from shared.engine.utils import cdiv
 
 
 @dataclass(frozen=True)

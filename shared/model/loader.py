@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from shared.model import Model
-from shared.model_config import ModelConfig, eos_token_ids_or_none
-from shared.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+from shared.model.config import ModelConfig, eos_token_ids_or_none
+from shared.model.llama import Model
+from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,14 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from shared.block_manager import (
+from shared.engine.block_manager import (
     BlockHash,
     BlockManager,
     compute_block_hashes,
     extend_block_hashes,
 )
-from shared.request import LlmRequest, LlmRequestState
-from shared.utils import cdiv
+from shared.engine.request import LlmRequest, LlmRequestState
+from shared.engine.utils import cdiv
 
 DUMMY_REQUEST_ID = "__pdserve_dummy__"
 

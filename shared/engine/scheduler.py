@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.request import LlmRequest, LlmRequestState
-from shared.resource_manager import KVCacheManager, SeqSlotManager
+from shared.engine.request import LlmRequest, LlmRequestState
+from shared.engine.resource_manager import KVCacheManager, SeqSlotManager
 
 
 @dataclass(frozen=True)

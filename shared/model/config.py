@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shared.kv_cache import KvLayout, dtype_name
+from shared.engine.kv_cache import KvLayout, dtype_name
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",

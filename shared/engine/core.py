@@ -17,20 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.attention import ForwardBatch, SeqEntry
-from shared.block_manager import NoFreeBlocksError
-from shared.config import EngineConfig, resolve_device, resolve_dtype
-from shared.kv_cache import KvLayout, allocate_kv_pool, dtype_name
-from shared.model_loader import LoadedModel, load_model
-from shared.output_processor import OutputProcessor, TokenDelta
-from shared.request import (
+from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
+from shared.engine.kv_cache import KvLayout, allocate_kv_pool, dtype_name
+from shared.engine.output import OutputProcessor, TokenDelta
+from shared.engine.request import (
     ALLOWED_TRANSITIONS,
     FinishReason,
     IllegalStateTransition,
     LlmRequest,
     LlmRequestState,
 )
-from shared.resource_manager import (
+from shared.engine.resource_manager import (
     KVCacheManager,
     ResourceManager,
     ResourceManagerType,
@@ -38,10 +36,12 @@ from shared.resource_manager import (
     compute_max_num_sequences,
     validate_seq_slot_pool_covers_admission,
 )
-from shared.sampler import Sampler
-from shared.sampling_params import SamplingParams
-from shared.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from shared.utils import cdiv
+from shared.engine.sampler import Sampler
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from shared.engine.utils import cdiv
+from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
@@ -392,69 +392,3 @@ class EngineCore:
         with contextlib.suppress(AssertionError):  # already reported; now force-free the rest
             self.resource_manager.shutdown()
         return conserved
-
-
-class Engine:
-    """Colocated engine: one process does prefill and decode. The correctness and performance
-    baseline for the disaggregated path."""
-
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
-        self.core = EngineCore(config or EngineConfig(), loaded)
-
-    @property
-    def tokenizer(self):
-        return self.core.tokenizer
-
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.core.tokenizer.encode(prompt)
-        return list(prompt)
-
-    def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str = ""
-    ) -> LlmRequest:
-        return self.core.add_request(self.encode(prompt), params, request_id)
-
-    def step(self) -> list[TokenDelta]:
-        return self.core.step()
-
-    def generate(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        params_list = self._expand_params(prompts, sampling_params)
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        texts = {r.request_id: "" for r in requests}
-        while self.core.has_work:
-            for delta in self.core.step():
-                if delta.request_id in texts:
-                    texts[delta.request_id] += delta.text
-        return [
-            RequestOutput(
-                request_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                token_ids=list(r.output_token_ids),
-                text=texts[r.request_id],
-                finish_reason=r.finish_reason or FinishReason.ABORTED,
-                cached_tokens=r.cached_tokens,
-                num_preemptions=r.num_preemptions,
-            )
-            for r in requests
-        ]
-
-    @staticmethod
-    def _expand_params(
-        prompts: Sequence[object],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-    ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * len(prompts)
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        return list(sampling_params)
-
-    def check_conservation(self) -> None:
-        self.core.check_conservation()

@@ -18,9 +18,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from shared.engine import EngineCore
-from shared.output_processor import TokenDelta
-from shared.request import LlmRequestState
+from shared.engine.core import EngineCore
+from shared.engine.output import TokenDelta
+from shared.engine.request import LlmRequestState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,7 +42,7 @@ class EngineSnapshot:
     steps: int = 0
 
 
-class EngineLoop:
+class EngineThread:
     def __init__(
         self,
         core: EngineCore,

@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 
 
 class LlmRequestState(enum.Enum):

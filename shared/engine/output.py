@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.request import FinishReason, LlmRequest
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.engine.request import FinishReason, LlmRequest
+from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

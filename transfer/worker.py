@@ -114,7 +114,7 @@ class _Op:
     keep: object  # whatever UCX reads from or writes into, alive until completion
 
 
-class UcxEngine:
+class UcxWorker:
     """One UCX worker progressed by one asyncio loop (see the module docstring)."""
 
     def __init__(

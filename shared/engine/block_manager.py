@@ -15,7 +15,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from shared.utils import cdiv
+from shared.engine.utils import cdiv
 
 BlockHash = bytes
 

@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: the one way pdserve turns token counts into block counts."""
     if b <= 0:
         raise ValueError(f"cdiv divisor must be positive, got {b}")
     return -(-a // b)
-
-
-def retrieve_exception(fut: asyncio.Future) -> None:
-    """Done-callback for futures nobody awaits: retrieve the exception so asyncio stays quiet."""
-    if not fut.cancelled():
-        fut.exception()
