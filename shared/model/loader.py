@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from shared.model.chat_template import ChatTemplate
 from shared.model.config import ModelConfig, eos_token_ids_or_none
 from shared.model.llama import Model
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
@@ -44,6 +45,11 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     eos_token_ids: frozenset[int]
+    # the model's own chat template, None when it has none (chat requests are then refused)
+    chat_template: ChatTemplate | None = None
+    # sampling defaults from generation_config.json (temperature, top_p, top_k, ...), as vLLM
+    # applies them to fields a request leaves out
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def tiny_config() -> ModelConfig:

@@ -1,0 +1,64 @@
+"""Chat templates rendered the way transformers' `apply_chat_template` renders them.
+
+The template is the model's own Jinja2 text (`chat_template.jinja`, `tokenizer_config.json`'s
+`chat_template`, or GGUF's `tokenizer.chat_template`). It runs in jinja2's sandbox with the same
+environment options and globals transformers uses, so a rendered prompt is the same string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template could not be rendered (it raised, or the messages do not fit it)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        try:
+            return _compile(self.source).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
