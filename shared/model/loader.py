@@ -132,7 +132,15 @@ def _load_directory(path: Path, device: torch.device, dtype: torch.dtype) -> Loa
     model = Model(config, device, dtype)
     _load_weights(model, path)
     tokenizer = _load_tokenizer(path, config, eos)
-    return LoadedModel(model, config, tokenizer, path.name, eos)
+    return LoadedModel(
+        model,
+        config,
+        tokenizer,
+        path.name,
+        eos,
+        chat_template=_chat_template(path),
+        generation_defaults=_generation_defaults(path),
+    )
 
 
 def _read_json(file: Path, *, required: bool) -> dict[str, Any]:
@@ -156,6 +164,43 @@ def _eos_token_ids(path: Path, config: ModelConfig) -> frozenset[int]:
         if not 0 <= token < config.vocab_size:
             raise ValueError(f"eos token id {token} outside vocab [0, {config.vocab_size})")
     return eos
+
+
+# generation_config.json keys that are request defaults (vLLM's set of overridable fields)
+_GENERATION_DEFAULT_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
+)
+
+
+def _generation_defaults(path: Path) -> dict[str, Any]:
+    generation = _read_json(path / "generation_config.json", required=False)
+    return {k: generation[k] for k in _GENERATION_DEFAULT_KEYS if generation.get(k) is not None}
+
+
+def _special_token_text(value: object) -> str:
+    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
+        value = value.get("content", "")
+    return value if isinstance(value, str) else ""
+
+
+def _chat_template(path: Path) -> ChatTemplate | None:
+    """`chat_template.jinja` first, then `tokenizer_config.json`'s `chat_template` (a string or
+    a list of named templates, of which transformers uses "default")."""
+    tok_config = _read_json(path / "tokenizer_config.json", required=False)
+    jinja_file = path / "chat_template.jinja"
+    source: object = jinja_file.read_text() if jinja_file.is_file() else None
+    if source is None:
+        source = tok_config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(
+        source,
+        bos_token=_special_token_text(tok_config.get("bos_token")),
+        eos_token=_special_token_text(tok_config.get("eos_token")),
+    )
 
 
 def _load_tokenizer(path: Path, config: ModelConfig, eos: frozenset[int]) -> Tokenizer:
