@@ -1,0 +1,70 @@
+"""The layering rules of the house, checked on the source: who may import whom.
+
+shared/engine and shared/model are the engine and the model: no gRPC, no proto, no transfer, no
+serving. transfer/ takes only the KV layout from shared. The two node packages meet only through
+proto and transfer.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imported_modules(path: Path) -> Iterator[str]:
+    """Every module a file imports, at any depth (function-level imports included)."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def package_files(package: str) -> list[Path]:
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no Python files under {package}"
+    return files
+
+
+def violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{file.relative_to(ROOT)} imports {module}"
+        for file in package_files(package)
+        for module in imported_modules(file)
+        if any(module == f or module.startswith(f + ".") for f in forbidden)
+    ]
+
+
+@pytest.mark.parametrize("package", ["shared/engine", "shared/model"])
+def test_engine_and_model_import_no_serving_layer(package: str) -> None:
+    forbidden = ("grpc", "grpc_health", "grpc_reflection", "proto", "transfer", "shared.serving")
+    assert violations(package, forbidden) == []
+    for layer in ("decode_node", "prefill_node", "pdserve", "benchmarks", "tests"):
+        assert violations(package, (layer,)) == []
+
+
+def test_transfer_takes_only_the_kv_layout_from_shared() -> None:
+    found = [
+        f"{file.relative_to(ROOT)} imports {module}"
+        for file in package_files("transfer")
+        for module in imported_modules(file)
+        if module.startswith("shared") and module != "shared.engine.kv_cache"
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    ("package", "other"), [("decode_node", "prefill_node"), ("prefill_node", "decode_node")]
+)
+def test_node_packages_meet_only_through_proto_and_transfer(package: str, other: str) -> None:
+    assert violations(package, (other,)) == []
+
+
+@pytest.mark.parametrize("package", ["pdserve", "benchmarks", "decode_node", "prefill_node"])
+def test_nothing_shipped_imports_the_tests(package: str) -> None:
+    assert violations(package, ("tests",)) == []
