@@ -24,7 +24,7 @@ import grpc
 from grpc import aio
 
 from decode_node.config import DecodeNodeConfig
-from decode_node.peers import LayoutMismatch, PrefillPeer, PrefillPool
+from decode_node.peers import LayoutMismatch, PrefillPeer, prefill_pool
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine.output import TokenDelta
@@ -99,7 +99,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             config.ucx_port,
             bind_host=config.kv_bind_host,
         )
-        self.pool = PrefillPool(
+        self.pool = prefill_pool(
             config.prefill_targets,
             config.health_check_interval,
             None if config.prefill_tls is None else config.prefill_tls.credentials(),
@@ -111,7 +111,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             "pdserve_prefill_peer_healthy",
             "1 while a prefill node is routed to, 0 while it is skipped as unhealthy",
             labelnames=("peer",),
-            fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.peers},
+            fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.replicas},
         )
         registry = self.metrics.registry
         registry.gauge(
@@ -338,12 +338,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         landed = asyncio.ensure_future(
             self.receiver.wait(dest.transfer_id, min(budget, self.config.kv_transfer_timeout))
         )
-        peer.outstanding_tokens += len(prompt)
+        peer.load += len(prompt)
         started = time.monotonic()
         try:
             response = await self._await_both(call, landed, stream, peer)
         finally:
-            peer.outstanding_tokens -= len(prompt)
+            peer.load -= len(prompt)
             if not landed.done():
                 landed.cancel()
         stream.prefill_done = True
