@@ -149,8 +149,5 @@ def test_plan_conserves_rows_and_matches_forward_batch(rows: list[DecodeRow]) ->
 
 
 def test_padding_module_imports_no_torch() -> None:
-    code = (
-        "import sys; import shared.engine.cuda_graph_padding; "
-        "sys.exit('torch' in sys.modules)"
-    )
+    code = "import sys; import shared.engine.cuda_graph_padding; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
