@@ -27,7 +27,7 @@ from shared.engine.cuda_graph_padding import (
     default_kv_buckets,
 )
 from shared.engine.utils import cdiv
-from shared.model.attention import AttentionGroup, ForwardBatch, SeqEntry
+from shared.model.attention import AttentionGroup, ForwardBatch, GatherScratch, SeqEntry
 
 if TYPE_CHECKING:
     from shared.engine.request import LlmRequest
@@ -117,7 +117,7 @@ class DecodeGraphRunner:
         self._staging[:n].copy_(host)
         self._inputs[:n].copy_(self._staging[:n], non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))
 
     # ---- static shapes --------------------------------------------------------------------
     def _static_batch(self, size: int, width: int) -> ForwardBatch:
@@ -166,9 +166,14 @@ class DecodeGraphRunner:
                 self.model.forward(self._static_batch(size, width), self.kv_pool)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # The gather buffer is allocated inside the capture, from the graphs' private pool: the
+        # model's own buffer may be freed and its memory reused (it grows with eager batches),
+        # while a replay would still write there.
+        scratch = GatherScratch()
         # thread_local: the KV receiver may issue CUDA calls from its own thread meanwhile
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            logits = self.model.forward(self._static_batch(size, width), self.kv_pool)
+            batch = self._static_batch(size, width)
+            logits = self.model.forward(batch, self.kv_pool, scratch=scratch)
         self.num_captures += 1
         return graph, logits
 
