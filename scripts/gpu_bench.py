@@ -5,28 +5,27 @@ Sections, in order, each skipped with a row saying so when the time budget is sp
 * copy      device-to-device torch copy of 1 GiB (bytes copied per second);
 * perftest  `ucx_perftest -t tag_bw -m cuda` between two processes on the GPU (the libucx wheel's
             binary), 64 MiB messages: the raw UCX ceiling for the KV push;
+* decode    decode tokens/s on the SmolLM2-shaped model at batch 1/32/128, CUDA graphs on and
+            off, against transformers' `generate` on the same weights;
 * pd        per model (SmolLM2-135M-shaped and a 1.1B Llama-shaped config, dummy weights written
             as a checkpoint here): one prefill and two decode processes on the GPU (layer-wise
             and whole-request push), one request at a time; TTFT broken down by the nodes'
             Timing (queue, prefill, transfer tail, other), and KV push GB/s = KV bytes /
-            transfer time of the whole-request push (it starts after the last layer);
-* decode    decode tokens/s on the SmolLM2-shaped model at batch 1/32/128, CUDA graphs on and
-            off, against transformers' `generate` on the same weights.
+            transfer time of the whole-request push (it starts after the last layer).
 
 Writes --out/gpu_bench.json (`summary`: the rows gpu_check prints). `--dry-run` builds the plan
-on CPU (configs parse, prompts fit, state-dict names) and prints it.
+on CPU (configs parse, prompts fit, state-dict names) and prints it; `--smoke` runs everything
+on CPU with tiny shapes (the plumbing, not the numbers).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,100 +36,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODELS: dict[str, dict[str, Any]] = {
-    # SmolLM2-135M(-Instruct)'s config.json shapes; weights are dummy (the GGUF is not carried)
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-    # Llama-3.2-1B's shapes with a 32k vocabulary: 32 KiB of bf16 KV per token
-    "llama-1.1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-}
-PROMPT_LENGTHS = [128, 1024, 4096]
-REPS = 3
+# the sibling modules (scripts/ is sys.path[0] when this file runs as a script)
+from gpu_bench_models import (  # noqa: E402
+    DEVICE,
+    MODELS,
+    Budget,
+    kv_bytes_per_token,
+    param_shapes,
+    prompt_ids,
+    use_smoke,
+    write_checkpoint,
+)
+from gpu_bench_pd import PROMPT_LENGTHS, REPS, pd_section, pd_summary  # noqa: E402
+
 DECODE_BATCHES = [1, 32, 128]
-DECODE_PROMPT, DECODE_TOKENS = 64, 64
+DECODE = {"prompt": 64, "tokens": 64}
 PERFTEST_BYTES = 64 * 2**20
-
-
-class Budget:
-    def __init__(self, seconds: float):
-        self.deadline = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-
-def config_json(name: str) -> dict[str, Any]:
-    c = MODELS[name]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "bos_token_id": 256,
-        "eos_token_id": 257,
-        "torch_dtype": "bfloat16",
-        **c,
-    }
-
-
-def kv_bytes_per_token(name: str, itemsize: int = 2) -> int:
-    c = MODELS[name]
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * itemsize
-
-
-def param_shapes(name: str) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor names and shapes, from pdserve's own model on the meta device."""
-    import torch
-
-    from shared.model.config import ModelConfig
-    from shared.model.llama import Model
-
-    model = Model(ModelConfig.from_hf_config_dict(config_json(name)), "meta", torch.bfloat16)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
-
-
-def write_checkpoint(name: str, root: Path) -> Path:
-    """config.json, dummy bf16 weights (drawn on the GPU: seconds, not minutes), tokenizer."""
-    import torch
-    from safetensors.torch import save_file
-
-    from tests.checkpoints import build_tokenizer
-
-    out = root / name
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator("cuda").manual_seed(0)
-    tensors = {}
-    for n, shape in param_shapes(name).items():
-        if n.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
-        else:
-            t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
-        tensors[n] = t.cpu().contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config_json(name), indent=1))
-    build_tokenizer().save(str(out / "tokenizer.json"))
-    return out
 
 
 # ---- bandwidth ------------------------------------------------------------------------------
@@ -186,120 +107,15 @@ def perftest_cuda(binary: Path) -> float:
     return float(final[-1].split()[6]) * 2**20 / 1e9  # bandwidth overall, MB/s (2^20 B)
 
 
-# ---- P/D TTFT and KV push -------------------------------------------------------------------
-def pd_nodes(path: Path) -> tuple[list[Any], dict[str, str]]:
-    from pdserve.cluster import spawn, wait_ready
-
-    engine = [
-        "--model",
-        str(path),
-        "--port",
-        "0",
-        "--device",
-        "cuda",
-        "--dtype",
-        "bfloat16",
-        "--num-kv-blocks",
-        "1024",
-        "--max-num-tokens",
-        "8192",
-    ]
-    prefill = spawn("prefill", engine, echo=False)
-    wait_ready([prefill], 180)
-    target = ["--prefill", f"127.0.0.1:{prefill.info['port']}"]
-    layerwise = spawn("decode", [*engine, *target], echo=False)
-    whole = spawn("decode", [*engine, *target, "--whole-request-push"], echo=False)
-    nodes = [prefill, layerwise, whole]
-    wait_ready(nodes, 180)
-    return nodes, {
-        m: f"127.0.0.1:{n.info['port']}" for m, n in (("layerwise", layerwise), ("whole", whole))
-    }
-
-
-def pd_section(name: str, path: Path, budget: Budget) -> dict[str, Any]:
-    from pdserve.client import generate
-    from pdserve.cluster import stop_all
-
-    nodes, targets = pd_nodes(path)
-    rng = random.Random(7)
-    rows: list[dict[str, Any]] = []
-
-    async def body() -> None:
-        for n in [16, *PROMPT_LENGTHS]:  # 16: warm-up, not reported
-            for rep in range(REPS if n != 16 else 1):
-                for mode, target in targets.items():
-                    if budget.left() < 20:
-                        return
-                    prompt = [rng.randrange(300, 30000) for _ in range(n)]
-                    t0 = time.monotonic()
-                    r = await generate(target, prompt, max_tokens=2, ignore_eos=True, timeout=120)
-                    if n == 16:
-                        continue
-                    t = r.timing
-                    rows.append(
-                        {
-                            "mode": mode,
-                            "tokens": n,
-                            "rep": rep,
-                            "client_ttft": time.monotonic() - t0,
-                            "ttft": t.time_to_first_token_seconds,
-                            "queue": t.queue_seconds,
-                            "prefill": t.prefill_seconds,
-                            "tail": t.kv_transfer_seconds,
-                        }
-                    )
-
-    try:
-        asyncio.run(body())
-    finally:
-        stop_all(nodes)
-    return {"model": name, "kv_bytes_per_token": kv_bytes_per_token(name), "requests": rows}
-
-
-def pd_summary(result: dict[str, Any], perftest: float | None) -> list[list[str]]:
-    out, name, per_token = [], result["model"], result["kv_bytes_per_token"]
-    for n in PROMPT_LENGTHS:
-        lw = [r for r in result["requests"] if r["tokens"] == n and r["mode"] == "layerwise"]
-        wh = [r for r in result["requests"] if r["tokens"] == n and r["mode"] == "whole"]
-        if lw:
-            med = {
-                k: statistics.median(r[k] for r in lw) for k in ("ttft", "queue", "prefill", "tail")
-            }
-            other = med["ttft"] - med["queue"] - med["prefill"] - med["tail"]
-            ratio = med["tail"] / med["prefill"] if med["prefill"] else float("inf")
-            ok = "" if n < 1024 else ("ok" if ratio <= 0.10 else "FAIL")
-            out.append(
-                [
-                    f"TTFT {name} {n} tok (layer-wise): ttft/queue/prefill/tail/other ms",
-                    "/".join(f"{v * 1e3:.1f}" for v in (*med.values(), other)),
-                    f"tail/prefill {ratio:.2f} (<= 0.10 for >= 1k)",
-                    ok,
-                ]
-            )
-        if wh:
-            tail = statistics.median(r["tail"] for r in wh)
-            payload = n * per_token
-            gbs = payload / tail / 1e9 if tail > 0 else float("inf")
-            target, ok = "", ""
-            if perftest and payload >= 16 * 2**20:
-                target, ok = (
-                    f">= 0.8x perftest: {gbs / perftest:.2f}x",
-                    ("ok" if gbs >= 0.8 * perftest else "FAIL"),
-                )
-            out.append(
-                [
-                    f"KV push {name} {n} tok ({payload / 2**20:.0f} MiB), GB/s",
-                    f"{gbs:.1f}",
-                    target,
-                    ok,
-                ]
-            )
-    return out
-
-
 # ---- decode tokens/s ------------------------------------------------------------------------
-def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
+def sync() -> None:
     import torch
+
+    if DEVICE["name"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
 
     from shared.engine.config import EngineConfig
     from shared.engine.core import EngineCore
@@ -310,8 +126,8 @@ def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
         num_kv_blocks=2048,
         max_batch_size=128,
         max_num_tokens=8192,
-        device="cuda",
-        dtype="bfloat16",
+        device=DEVICE["name"],
+        dtype=DEVICE["dtype"],
         cuda_graphs=graphs,
     )
     core = EngineCore(config)
@@ -319,16 +135,16 @@ def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
     rate = 0.0
     for _ in range(2):  # the first round captures the graphs, the second is timed
         for _ in range(batch):
-            prompt = [rng.randrange(300, 30000) for _ in range(DECODE_PROMPT)]
-            core.add_request(prompt, SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True))
+            prompt = prompt_ids(rng, DECODE["prompt"], "smollm2-135m")
+            core.add_request(prompt, SamplingParams(max_tokens=DECODE["tokens"], ignore_eos=True))
         first = 0
         while first < batch:
             first += len(core.step())
-        torch.cuda.synchronize()
+        sync()
         t0, tokens = time.perf_counter(), 0
         while core.has_work:
             tokens += sum(len(d.token_ids) for d in core.step())
-        torch.cuda.synchronize()
+        sync()
         rate = tokens / (time.perf_counter() - t0)
     assert core.shutdown()
     return rate
@@ -337,22 +153,27 @@ def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
 def hf_decode_rate(model: Any, batch: int) -> float:
     import torch
 
-    ids = torch.randint(300, 30000, (batch, DECODE_PROMPT), device="cuda")
+    rng = random.Random(batch)
+    ids = torch.tensor([prompt_ids(rng, DECODE["prompt"], "smollm2-135m") for _ in range(batch)])
+    ids = ids.to(DEVICE["name"])
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS, **kwargs)
-        torch.cuda.synchronize()
-    return batch * DECODE_TOKENS / (time.perf_counter() - t0)
+        model.generate(
+            ids, max_new_tokens=DECODE["tokens"], min_new_tokens=DECODE["tokens"], **kwargs
+        )
+        sync()
+    return batch * DECODE["tokens"] / (time.perf_counter() - t0)
 
 
 def decode_section(path: Path, budget: Budget) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    dtype = getattr(torch, DEVICE["dtype"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE["name"]).eval()
     rates: dict[str, dict[str, float]] = {}
     for b in DECODE_BATCHES:
         if budget.left() < 25:
@@ -362,7 +183,11 @@ def decode_section(path: Path, budget: Budget) -> dict[str, Any]:
             "eager": engine_decode_rate(path, b, False),
             "transformers": hf_decode_rate(hf, b),
         }
-    return {"prompt_tokens": DECODE_PROMPT, "new_tokens": DECODE_TOKENS, "tokens_per_s": rates}
+    return {
+        "prompt_tokens": DECODE["prompt"],
+        "new_tokens": DECODE["tokens"],
+        "tokens_per_s": rates,
+    }
 
 
 def decode_summary(result: dict[str, Any]) -> list[list[str]]:
@@ -417,24 +242,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("gpu_check_out"))
     p.add_argument("--budget", type=float, default=170.0, help="seconds for the whole run")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: test the plumbing")
     a = p.parse_args(argv)
     if a.dry_run:
         return dry_run()
     import torch
 
+    if a.smoke:
+        use_smoke()
+        PROMPT_LENGTHS[:] = [32, 64]
+        REPS[0] = 1
+        DECODE_BATCHES[:] = [1, 4]
+        DECODE.update(prompt=8, tokens=8)
     budget = Budget(a.budget)
     a.out.mkdir(parents=True, exist_ok=True)
+    cuda = DEVICE["name"] == "cuda"
     result: dict[str, Any] = {
         "summary": [],
         "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
     }
-    copy = section(result, "copy_gbs", copy_bandwidth, a.out)
-    if isinstance(copy, float):
-        result["summary"].append(["D2D copy (torch, 1 GiB), GB/s", f"{copy:.0f}", "ceiling", ""])
-    binary = perftest_binary()
-    perf = section(result, "perftest_gbs", lambda: perftest_cuda(binary) if binary else None, a.out)
-    perf = perf if isinstance(perf, float) else None
+    perf = None
+    if cuda:
+        copy = section(result, "copy_gbs", copy_bandwidth, a.out)
+        if isinstance(copy, float):
+            row = ["D2D copy (torch, 1 GiB), GB/s", f"{copy:.0f}", "ceiling", ""]
+            result["summary"].append(row)
+        binary = perftest_binary()
+        perf = section(result, "perftest_gbs", lambda: binary and perftest_cuda(binary), a.out)
+        perf = perf if isinstance(perf, float) else None
     result["summary"].append(
         [
             "ucx_perftest -m cuda 64 MiB, GB/s",

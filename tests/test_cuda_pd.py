@@ -38,13 +38,13 @@ def node_metrics(cluster: Cluster) -> list[dict[str, float]]:
     return out
 
 
-def transports_seen(log_dir: Path) -> dict[str, int]:
+def transports_seen(texts: list[str]) -> dict[str, int]:
     """Transports named in UCX's protocol-selection lines (UCX_PROTO_INFO=y) for messages
-    from or to CUDA memory, counted over every node's UCX log."""
+    from or to CUDA memory, counted over the nodes' UCX logs and output."""
     seen: dict[str, int] = {}
-    for log in log_dir.glob("ucx.*"):
+    for text in texts:
         cuda_section = False
-        for line in log.read_text(errors="replace").splitlines():
+        for line in text.splitlines():
             if "from cuda" in line or "to cuda" in line or "cuda/GPU" in line:
                 cuda_section = True
             elif re.search(r"from host|to host", line):
@@ -57,7 +57,10 @@ def transports_seen(log_dir: Path) -> dict[str, int]:
 
 
 def test_pd_on_one_gpu_matches_colocated(
-    checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     path = checkpoint("llama")
     prompts = random_prompts(8, 512, min_len=16, max_len=300, seed=90)
@@ -77,7 +80,7 @@ def test_pd_on_one_gpu_matches_colocated(
     monkeypatch.setenv("UCX_LOG_FILE", str(tmp_path / "ucx.%h.%p.log"))
     cluster = Cluster(str(path), 1, 1, 0, ENGINE)
     try:
-        (target,) = cluster.start(timeout=180, echo=False)
+        (target,) = cluster.start(timeout=180, echo=True)  # echoed: UCX may print to stdout
 
         async def body() -> list[object]:
             # one at a time: the colocated run batched them, the sampler's streams do not care
@@ -100,6 +103,7 @@ def test_pd_on_one_gpu_matches_colocated(
             time.sleep(0.1)
     finally:
         assert cluster.stop() == 0, "a node exited non-zero (conservation at shutdown?)"
-    seen = transports_seen(tmp_path)
+    logs = [p.read_text(errors="replace") for p in tmp_path.glob("ucx.*")]
+    seen = transports_seen([*logs, capfd.readouterr().out])
     record("UCX transports for CUDA memory (protocol lines)", seen or "none reported")
     record("KV bytes pushed", int(pushed))
