@@ -6,6 +6,8 @@ runner (the flag is ignored there); the CUDA twin of this test is tests/test_cud
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -127,3 +129,15 @@ def test_runner_refuses_a_pool_without_the_scratch_block() -> None:
             scratch_block=NUM_BLOCKS,
             use_graphs=True,
         )
+
+
+@pytest.mark.parametrize(("flag", "want"), [([], True), (["--no-cuda-graphs"], False)])
+def test_cli_flag_sets_the_config_and_cpu_ignores_it(flag: list[str], want: bool) -> None:
+    from pdserve.cli import _engine_config, build_parser
+
+    args = build_parser().parse_args(["prefill", "--device", "cpu", *flag])
+    config = _engine_config(args)
+    assert config.cuda_graphs is want
+    engine = EngineCore(replace(config, num_kv_blocks=NUM_BLOCKS))
+    assert engine.decode_runner is None  # CPU: the eager path, the pool without a scratch block
+    assert engine.kv_pool.shape[2] == NUM_BLOCKS
