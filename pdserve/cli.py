@@ -26,6 +26,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto")
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode steps through CUDA graphs (CUDA only; ignored on CPU)",
+    )
     g.add_argument("--log-level", default="info")
 
 
@@ -54,6 +60,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not a.no_prefix_caching,
         device=a.device,
         dtype=a.dtype,
+        cuda_graphs=a.cuda_graphs,
     )
 
 

@@ -41,6 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    cuda_graphs: bool = True  # decode steps through CUDA graphs on CUDA; ignored on CPU
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -41,6 +41,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from shared.engine.utils import cdiv
 from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
 from shared.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,10 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_mb * 2**20 // self._bytes_per_block()
         )
-        self.kv_pool = allocate_kv_pool(self.layout, num_blocks, self.device)
+        # CUDA graphs pad decode batches with dummy rows whose K/V land in one scratch block
+        # past the BlockManager's blocks (never allocated, never counted); CPU runs eagerly
+        graphs = config.cuda_graphs and self.device.type == "cuda" and not context_only
+        self.kv_pool = allocate_kv_pool(self.layout, num_blocks + int(graphs), self.device)
         self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, self.max_num_sequences, config.enable_prefix_caching
@@ -106,6 +110,17 @@ class EngineCore:
             }
         )
         self.sampler = Sampler(self.max_num_sequences, self.device)
+        self.decode_runner: DecodeGraphRunner | None = None
+        if graphs:
+            self.decode_runner = engine_decode_runner(
+                self.model,
+                self.kv_pool,
+                max_batch_size=config.max_batch_size,
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                dummy_slot_row=self.sampler.dummy_slot_row,
+                scratch_block=num_blocks,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_size, config.max_num_tokens),
             self.kv_manager,
@@ -199,11 +214,8 @@ class EngineCore:
         for s in out.scheduled:
             if s.request.state == LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE:
                 s.request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
-        forward = ForwardBatch.build(
-            [self._entry(s) for s in out.scheduled], self.config.block_size, self.device
-        )
         hook = self.layer_hook_factory(out.scheduled) if self.layer_hook_factory else None
-        logits = self.model.forward(forward, self.kv_pool, layer_hook=hook)
+        logits = self._forward(batch, [self._entry(s) for s in out.scheduled], hook)
         sample_rows = [i for i, s in enumerate(out.scheduled) if s.completes_context]
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -212,8 +224,21 @@ class EngineCore:
         if not sample_rows:
             return []
         to_sample = [batch[i] for i in sample_rows]
-        tokens = self.sampler.sample(to_sample, logits[sample_rows])
+        pad = list(range(len(batch), logits.shape[0]))  # CUDA-graph padding: the scratch row
+        rows = [*to_sample, *[None] * len(pad)]
+        tokens = self.sampler.sample(rows, logits[sample_rows + pad])[: len(to_sample)]
         return [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
+
+    def _forward(
+        self, batch: list[LlmRequest], entries: list[SeqEntry], hook: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        """Logits of the batch's rows; a CUDA-graph step appends its padding rows after them."""
+        if self.decode_runner is not None and hook is None:
+            logits = self.decode_runner.run(batch, entries)
+            if logits is not None:
+                return logits
+        forward = ForwardBatch.build(entries, self.config.block_size, self.device)
+        return self.model.forward(forward, self.kv_pool, layer_hook=hook)
 
     def _entry(self, s: ScheduledRequest) -> SeqEntry:
         r = s.request

@@ -298,6 +298,7 @@ class Model(nn.Module):
         *,
         all_logits: bool = False,
         layer_hook: LayerHook | None = None,
+        scratch: GatherScratch | None = None,
     ) -> torch.Tensor:
         """Compute the batch's new tokens, writing their K/V into `kv_pool`.
 
@@ -306,13 +307,14 @@ class Model(nn.Module):
         after layer i has written this batch's K/V into `kv_pool[i]`, before layer i's attention.
         On CUDA the write is only *enqueued* on the current stream at that point: a hook that
         reads the pool from another stream or over the network must order itself after it
-        (e.g. record an event on the current stream).
+        (e.g. record an event on the current stream). `scratch` replaces the model's own K/V
+        gather buffer (a CUDA graph must own the memory its kernels write).
         """
         self._check_pool(kv_pool)
         with torch.inference_mode():
             x = self.model.embed_tokens(batch.input_ids)
             rope = self.model.rotary_emb(batch.positions, x.dtype)
-            step = StepContext(batch, kv_pool, rope, layer_hook, self._scratch)
+            step = StepContext(batch, kv_pool, rope, layer_hook, scratch or self._scratch)
             for layer in self.model.layers:
                 x = layer(x, step)
             if not all_logits:
