@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
 
-    bench = sub.add_parser("bench", help="benchmarks: transfer, serve, ttft, engine")
-    bench.add_argument("name", choices=["transfer", "serve", "ttft", "engine"])
+    bench = sub.add_parser("bench", help="benchmarks: transfer, serve, ttft, engine, peer")
+    bench.add_argument("name", choices=["transfer", "serve", "ttft", "engine", "peer"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
 
     gen = sub.add_parser("generate", help="stream a completion from a decode node")
@@ -247,6 +247,7 @@ BENCHMARKS = {
     "serve": "benchmarks.serve",
     "ttft": "benchmarks.ttft",
     "engine": "benchmarks.engine_throughput",
+    "peer": "benchmarks.peer",
 }
 
 

@@ -1,0 +1,125 @@
+"""`pdserve bench peer`: pdserve measured against vLLM on the same machine, weights, prompts and
+cores, in one run: the offline engines (phase `engine`), OpenAI-HTTP serving under `vllm bench
+serve` (phase `serve`), and P/D against vLLM's own P/D (NixlConnector; phase `pd`).
+
+    python -m benchmarks.peer [--phases engine,serve,pd] [--out bench_out/peer] [--quick]
+
+The vLLM venv is set up once under ~/.cache/pdserve/peers/vllm (benchmarks/peers/vllm_setup.py).
+`--quick` (CI) never installs anything: without that venv it writes a `skipped` result and
+says why; with it, it runs a tiny engine comparison on a tiny random-weight llama and checks the
+shape of what it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_util import load_average
+from benchmarks.common import environment, write_json
+from benchmarks.peers import vllm_offline, vllm_report, vllm_setup
+
+SKIP_MESSAGE = (
+    "vLLM venv not found at {venv}: `pdserve bench peer --quick` never installs vLLM (CI must not "
+    "download it); run `pdserve bench peer` once (or `python -m benchmarks.peers.vllm_setup`) to "
+    "create it"
+)
+QUICK_MODEL = {  # head_dim 64: vLLM's CPU attention has kernels for it, not for tiny head dims
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 1024,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench peer", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CI: shape check, skip without vLLM")
+    p.add_argument("--out", type=Path, default=Path("bench_out/peer"))
+    p.add_argument("--phases", default="engine,serve,pd")
+    p.add_argument("--cores", default="0-1", help="taskset list both systems get (engine, serve)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--requests", type=int, default=64, help="engine requests per batch limit")
+    p.add_argument(
+        "--batch1-requests", type=int, default=16, help="engine requests at batch limit 1"
+    )
+    p.add_argument("--model-dir", type=Path, default=None, help="HF dir (default: SmolLM2)")
+    p.add_argument("--rates", default="0.5,1,2,4", help="serve: request rates (req/s)")
+    p.add_argument("--serve-prompts", type=int, default=48, help="serve: requests per rate")
+    p.add_argument("--pd-lengths", default="16,128,512,1024,2048,4000")
+    p.add_argument("--pd-repeats", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def model_vocab(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def quick(a: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "benchmark": "peer",
+        "quick": True,
+        "environment": environment(),
+        "load_average": load_average(),
+    }
+    if not vllm_setup.venv_ready():
+        result["skipped"] = SKIP_MESSAGE.format(venv=vllm_setup.VENV)
+        print(result["skipped"])
+        write_json(a.out / "peer.json", result)
+        return result
+    from tests.checkpoints import build_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_checkpoint("llama", Path(tmp) / "peer-llama", seed=0, **QUICK_MODEL)
+        w = vllm_offline.EngineWorkload(
+            requests=4, prompt_range=(16, 48), output_range=(4, 8), kv_gib=1
+        )
+        rows = vllm_offline.run_phase(
+            model, QUICK_MODEL["vocab_size"], vllm_setup.venv_python(), a.cores,
+            ["float32"], {4: 4}, w, a.out / "runs",
+        )  # fmt: skip
+    result["engine"] = {"workload": w.__dict__, "rows": rows}
+    vllm_report.write(a.out, result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    if a.quick:
+        return quick(a)
+    python = vllm_setup.ensure_venv()
+    model = a.model_dir or vllm_setup.ensure_model_dir()
+    phases = a.phases.split(",")
+    result: dict[str, Any] = {
+        "benchmark": "peer",
+        "quick": False,
+        "model": str(model),
+        "cores": a.cores,
+        "environment": environment(),
+        "load_average": load_average(),
+    }
+    work = a.out / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    if "engine" in phases:
+        batches = {int(b): (a.batch1_requests if b == "1" else a.requests)
+                   for b in a.batches.split(",")}  # fmt: skip
+        w = vllm_offline.EngineWorkload(requests=max(batches.values()))
+        rows = vllm_offline.run_phase(
+            model, model_vocab(model), python, a.cores, a.dtypes.split(","), batches, w, work
+        )
+        result["engine"] = {"workload": w.__dict__, "rows": rows}
+        vllm_report.write(a.out, result)
+    result["load_average_end"] = load_average()
+    vllm_report.write(a.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

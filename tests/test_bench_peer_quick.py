@@ -1,0 +1,41 @@
+"""`pdserve bench peer --quick`: with the vLLM venv present, a tiny engine comparison whose JSON
+and PNG have the documented shape; without it (CI), a `skipped` result that says why and how to
+create the venv — CI never downloads vLLM. No timing assertions (shared, noisy machines)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import peer
+from benchmarks.peers import vllm_setup
+
+
+def test_peer_quick(tmp_path: Path) -> None:
+    result = peer.main(["--quick", "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "peer.json").read_text())
+    assert on_disk["benchmark"] == "peer" and on_disk["quick"] is True
+    assert len(on_disk["load_average"]) == 3
+    if not vllm_setup.venv_ready():
+        assert (
+            "never installs vLLM" in on_disk["skipped"]
+            and str(vllm_setup.VENV) in result["skipped"]
+        )
+        pytest.skip(on_disk["skipped"])
+    assert (tmp_path / "peer_engine.png").stat().st_size > 0
+    (row,) = on_disk["engine"]["rows"]
+    assert row["dtype"] == "float32" and row["max_batch_size"] == 4 and row["requests"] == 4
+    assert row["pdserve_tokens_per_s"] > 0 and row["vllm_tokens_per_s"] > 0
+    assert row["ratio"] == pytest.approx(row["pdserve_tokens_per_s"] / row["vllm_tokens_per_s"])
+    assert 0 <= row["agreement"]["identical"] <= row["agreement"]["of"] == 4
+    assert sorted(row["order"]) == ["pdserve", "vllm"]
+
+
+def test_peer_quick_skips_without_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CI path, also on a machine that has the venv: the venv's place is an empty folder."""
+    monkeypatch.setattr(vllm_setup, "VENV", tmp_path / "no-venv")
+    result = peer.main(["--quick", "--out", str(tmp_path / "out")])
+    assert "skipped" in result and str(tmp_path / "no-venv") in result["skipped"]
+    assert "engine" not in json.loads((tmp_path / "out" / "peer.json").read_text())
