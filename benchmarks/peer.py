@@ -20,7 +20,8 @@ from typing import Any
 
 from benchmarks.bench_util import load_average
 from benchmarks.common import environment, write_json
-from benchmarks.peers import vllm_offline, vllm_report, vllm_setup
+from benchmarks.peers import vllm_offline, vllm_online, vllm_report, vllm_setup
+from benchmarks.peers.vllm_servers import ServerConfig
 
 SKIP_MESSAGE = (
     "vLLM venv not found at {venv}: `pdserve bench peer --quick` never installs vLLM (CI must not "
@@ -51,8 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--batch1-requests", type=int, default=16, help="engine requests at batch limit 1"
     )
     p.add_argument("--model-dir", type=Path, default=None, help="HF dir (default: SmolLM2)")
+    p.add_argument("--serve-dtype", default="bfloat16", help="serve and pd phases")
     p.add_argument("--rates", default="0.5,1,2,4", help="serve: request rates (req/s)")
-    p.add_argument("--serve-prompts", type=int, default=48, help="serve: requests per rate")
+    p.add_argument("--serve-prompts", type=int, default=32, help="serve: requests per rate")
+    p.add_argument("--input-len", type=int, default=256, help="serve: random prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="serve: output tokens")
+    p.add_argument("--slo", default="ttft:2000,tpot:100", help="goodput SLO (ms)")
     p.add_argument("--pd-lengths", default="16,128,512,1024,2048,4000")
     p.add_argument("--pd-repeats", type=int, default=3)
     return p.parse_args(argv)
@@ -116,6 +121,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         result["engine"] = {"workload": w.__dict__, "rows": rows}
         vllm_report.write(a.out, result)
+    online = [p for p in phases if p in ("serve", "pd")]
+    if online:
+        cfg = ServerConfig(model_dir=model, vllm_python=python, dtype=a.serve_dtype)
+        oc = vllm_online.OnlineConfig(
+            rates=tuple(float(r) for r in a.rates.split(",")),
+            num_prompts=a.serve_prompts,
+            input_len=a.input_len,
+            output_len=a.output_len,
+            slo=tuple(a.slo.split(",")),
+            pd_lengths=tuple(int(n) for n in a.pd_lengths.split(",")),
+            pd_repeats=a.pd_repeats,
+        )
+        sessions = vllm_online.run_phases(online, cfg, a.cores, oc, model_vocab(model), work)
+        result["serve"] = {
+            "dtype": a.serve_dtype,
+            "config": {**oc.__dict__, "interference": oc.interference.__dict__},
+            "sweep": {k: v["sweep"] for k, v in sessions.items() if "sweep" in v},
+            "interference": {k: v["interference"] for k, v in sessions.items()
+                             if "interference" in v},
+            "load_average": {k: [v["load_average_start"], v["load_average_end"]]
+                             for k, v in sessions.items()},
+        }  # fmt: skip
+        ttft = {k: v["ttft"] for k, v in sessions.items() if "ttft" in v}
+        if ttft:
+            result["pd"] = {"dtype": a.serve_dtype, "ttft": ttft}
     result["load_average_end"] = load_average()
     vllm_report.write(a.out, result)
     return result
