@@ -40,12 +40,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.bench_net import NetPlan, loopback, netns_pair, netns_supported, perftest
-from benchmarks.bench_peer import GRPC_CHUNK
-from benchmarks.bench_util import (
+from benchmarks.peers.baselines import GRPC_CHUNK
+from benchmarks.support.net import NetPlan, loopback, netns_pair, netns_supported, perftest
+from benchmarks.support.util import (
     PeerError,
     PeerProcess,
     child_env,
+    environment,
     exit_on_sigterm,
     figure,
     human_bytes,
@@ -53,8 +54,8 @@ from benchmarks.bench_util import (
     mem_available_bytes,
     ratio,
     summarize,
+    write_json,
 )
-from benchmarks.common import environment, write_json
 from shared.engine.kv_cache import KvLayout
 from shared.engine.utils import cdiv
 
@@ -346,7 +347,7 @@ def measure_idle(recv: PeerProcess, send: PeerProcess, seconds: float) -> dict[s
 
 # ---- driver -------------------------------------------------------------------------------------
 def start_peers(plan: NetPlan, out: Path) -> tuple[PeerProcess, PeerProcess]:
-    python = [sys.executable, "-m", "benchmarks.bench_peer"]
+    python = [sys.executable, "-m", "benchmarks.peers.transfer_peer"]
     recv = PeerProcess(
         "receiver",
         [*plan.receiver_prefix, *python, "--role", "receiver", "--host", plan.receiver_host],

@@ -21,12 +21,11 @@ import ctypes
 import logging
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import libucx
 import numpy as np
-import torch
 
 from transfer.env import configure_ucx_env
 from transfer.protocol import resolve_bind_address
@@ -393,26 +392,14 @@ def recv_probed_iov(worker_handle: int, p: Probe, iov: np.ndarray) -> RawRequest
     )
 
 
-def pool_iov(
-    kv_pool: torch.Tensor, layer: int, ids: Sequence[int], n_layers: int = 1
-) -> np.ndarray:
-    """iov (IOV_DTYPE) over kv_pool[layer : layer + n_layers][:, :, ids] of a contiguous
-    [L, 2, NB, ...] pool, in payload order (per layer: K blocks, then V blocks); a run of
-    adjacent ids is one entry."""
-    item = kv_pool.element_size()
-    layer_s, kv_s, block_s = (kv_pool.stride(i) * item for i in range(3))
-    block_ids = np.asarray(ids, dtype=np.int64)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(block_ids) != 1) + 1))
-    lengths = np.diff(np.concatenate((starts, [len(block_ids)]))) * block_s
-    runs = kv_pool.data_ptr() + block_ids[starts] * block_s  # offsets inside one layer's K
-    # (n_layers, 2, runs): layer-major, then K/V, then the runs in payload order
-    offsets = (layer + np.arange(n_layers))[:, None, None] * layer_s + np.array([0, kv_s])[
-        None, :, None
-    ]
-    iov = np.empty((n_layers, 2, len(starts)), dtype=IOV_DTYPE)
-    iov["buffer"] = offsets + runs[None, None, :]
-    iov["length"] = lengths[None, None, :]
-    return iov.reshape(-1)
+def iov(base: int, spans: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """An iov list (IOV_DTYPE) over `spans` ((offsets, lengths) from KvLayout.block_spans)
+    of the memory starting at address `base`."""
+    offsets, lengths = spans
+    out = np.empty(len(offsets), dtype=IOV_DTYPE)
+    out["buffer"] = base + offsets
+    out["length"] = lengths
+    return out
 
 
 _PLAIN = _RequestParam()  # contiguous buffer, no callback: completion is polled
