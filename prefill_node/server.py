@@ -137,7 +137,10 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 f"prefill node has {len(self.jobs)} requests pending (max_pending); retry",
             )
         timeout = context.time_remaining() or self.config.default_timeout
-        job = self._new_job(request)
+        try:
+            job = self._new_job(request)
+        except ValueError as e:  # a malformed TransferDestination (address, id, token)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {e}")
         try:
             return await asyncio.wait_for(self._run(job, request), timeout)
         except RequestRejected as e:

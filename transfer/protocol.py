@@ -121,6 +121,24 @@ def resolve_bind_address(host: str) -> tuple[int, bytes]:
     return family, ip.packed
 
 
+def pack_sockaddr(family: int, packed_ip: bytes, port: int) -> bytes:
+    """A struct sockaddr_in / sockaddr_in6 (what a UCP listener binds to)."""
+    if family == socket.AF_INET:
+        return struct.pack("=H", family) + struct.pack("!H", port) + packed_ip + bytes(8)
+    return struct.pack("=H", family) + struct.pack("!HI", port, 0) + packed_ip + bytes(4)
+
+
+def parse_sockaddr(raw: bytes) -> tuple[str, int]:
+    """(ip, port) of a struct sockaddr_storage."""
+    (family,) = struct.unpack_from("=H", raw, 0)
+    (port,) = struct.unpack_from("!H", raw, 2)
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
+    return f"<family {family}>", port
+
+
 @dataclass(frozen=True)
 class TransferDestination:
     """Where a prefill node pushes one request's KV; created by the decode node (`expect`) and

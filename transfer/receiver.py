@@ -294,7 +294,7 @@ class KvReceiver:
         except ProtocolError as e:
             self._count_reject(e.reason)
             if e.reason not in proto.NOISE_REASONS:  # from this transfer's own sender
-                self._fail(t, TransferError(f"transfer {t.transfer_id:#x}: bad KV message: {e}"))
+                self._fail_bad(t, str(e))
             return
         t.claim(prefix.seq, announced)
         self._landings.open_window(t, prefix.seq + 1 + SEQ_WINDOW)
