@@ -246,7 +246,7 @@ BENCHMARKS = {
     "transfer": "benchmarks.transfer",
     "serve": "benchmarks.serve",
     "ttft": "benchmarks.ttft",
-    "engine": "benchmarks.engine_throughput",
+    "engine": "benchmarks.engine",
 }
 
 
