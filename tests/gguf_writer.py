@@ -55,8 +55,10 @@ def gguf_name(hf_name: str) -> str:
 
 def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's permutation: per head, rows (x0..x_{d/2-1}, y0..) become interleaved pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 
@@ -79,7 +81,9 @@ def _add_gpt2_tokenizer(writer: gguf.GGUFWriter, *, add_bos: bool, chat_template
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.CONTROL if t in specials else TokenType.NORMAL for t in tokens])
+    writer.add_token_types(
+        [TokenType.CONTROL if t in specials else TokenType.NORMAL for t in tokens]
+    )
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     writer.add_bos_token_id(vocab[BOS_TOKEN])
     writer.add_eos_token_id(vocab[EOS_TOKEN])
@@ -104,9 +108,10 @@ def write_gguf(
     drop_tensors: tuple[str, ...] = (),
 ) -> Path:
     config = json.loads((checkpoint / "config.json").read_text())
-    arch = arch_name or {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[
-        config["architectures"][0]
-    ]
+    arch = (
+        arch_name
+        or {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[config["architectures"][0]]
+    )
     writer = gguf.GGUFWriter(str(out_file), arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads

@@ -180,7 +180,9 @@ def _tensor_plan(
         raise gguf.error(f"has tensor(s) the {gguf.architecture} model does not use: {unknown[:5]}")
     missing = sorted(set(params) - {hf for _, hf in plan})
     if missing:
-        raise gguf.error(f"lacks tensor(s) for {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+        raise gguf.error(
+            f"lacks tensor(s) for {missing[:5]}" + (" ..." if len(missing) > 5 else "")
+        )
     return plan
 
 

@@ -101,7 +101,9 @@ def _token_id(gguf: GgufFile, key: str, vocab: int) -> int | None:
     if value is None:
         return None
     if not 0 <= int(value) < vocab:
-        raise gguf.error(f"tokenizer.ggml.{key}_token_id {value} outside the vocabulary [0, {vocab})")
+        raise gguf.error(
+            f"tokenizer.ggml.{key}_token_id {value} outside the vocabulary [0, {vocab})"
+        )
     return int(value)
 
 
@@ -196,7 +198,9 @@ def _add_special_tokens(
     special += [tokens[i] for i in ids.values() if i is not None and tokens[i] not in special]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     vocab = tok.get_vocab(with_added_tokens=True)
-    user = [t for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED and t in vocab]
+    user = [
+        t for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED and t in vocab
+    ]
     if user:
         tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 

@@ -230,7 +230,12 @@ def _eos_token_ids(path: Path, config: ModelConfig) -> frozenset[int]:
 
 # generation_config.json keys that are request defaults (vLLM's set of overridable fields)
 _GENERATION_DEFAULT_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
 )
 
 
