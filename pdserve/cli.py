@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--max-tokens", type=int, default=32, help="with --run")
 
+    ex = sub.add_parser("export-hf", help="write a model as a Hugging Face directory")
+    ex.add_argument("--model", required=True, help="tiny, smollm2, a GGUF file or an HF directory")
+    ex.add_argument("out_dir", help="directory to write (created if missing)")
+    ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
     pf = sub.add_parser("prefill", help="run one prefill node")
     _engine_args(pf)
     pf.add_argument("--host", default="127.0.0.1")
@@ -284,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(a)
     if a.command == "bench":
         return cmd_bench(a)
+    if a.command == "export-hf":
+        from pdserve.export_hf import run as run_export
+
+        return run_export(a)
     if a.command == "proxy":
         from pdserve.proxy import run as run_proxy
 
