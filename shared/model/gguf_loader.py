@@ -15,8 +15,11 @@ truncated file) raises a `GgufError` naming the file, before any request is serv
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,7 @@ DEQUANTIZABLE = frozenset(
     {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits.keys()}
 )
 ROPE_FREQS = "rope_freqs.weight"
+LOAD_THREADS = 4
 _TOP = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -132,22 +136,38 @@ def gguf_eos_token_ids(gguf: GgufFile) -> tuple[int, ...]:
 
 
 def load_gguf_weights(model: Model, gguf: GgufFile, *, progress: bool = True) -> None:
+    """Dequantize every tensor into its parameter, on a few threads (numpy and torch release
+    the GIL, so both cores work), at most a few tensors in flight so peak memory stays about
+    one model in the node's dtype."""
     params = dict(model.named_parameters())
     plan = _tensor_plan(gguf, params, model.config)
     bar = tqdm(
-        plan, desc=f"loading {gguf.path.name}", unit="tensor", file=sys.stderr,
+        total=len(plan), desc=f"loading {gguf.path.name}", unit="tensor", file=sys.stderr,
         disable=not progress, mininterval=0.5, leave=False,
     )  # fmt: skip
-    with torch.no_grad():
-        for tensor, hf_name in bar:
-            values = _dequantized(gguf, tensor, model.config)
-            param = params[hf_name]
-            if tuple(values.shape) != tuple(param.shape):
-                raise gguf.error(
-                    f"tensor {tensor.name!r} has shape {tuple(values.shape)}, the metadata "
-                    f"implies {tuple(param.shape)} for {hf_name}"
-                )
-            param.copy_(torch.from_numpy(values))
+
+    def store(tensor: ReaderTensor, hf_name: str) -> None:
+        values = _dequantized(gguf, tensor, model.config)
+        param = params[hf_name]
+        if tuple(values.shape) != tuple(param.shape):
+            raise gguf.error(
+                f"tensor {tensor.name!r} has shape {tuple(values.shape)}, the metadata "
+                f"implies {tuple(param.shape)} for {hf_name}"
+            )
+        with torch.no_grad():
+            param.copy_(torch.from_numpy(values))  # rows of a fused buffer never overlap
+
+    workers = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="gguf-load") as pool:
+        pending: deque[Future[None]] = deque()
+        for tensor, hf_name in plan:
+            pending.append(pool.submit(store, tensor, hf_name))
+            if len(pending) > 2 * workers:
+                pending.popleft().result()
+                bar.update()
+        while pending:
+            pending.popleft().result()
+            bar.update()
     bar.close()
     factors = gguf.tensors.get(ROPE_FREQS)
     if factors is not None:
