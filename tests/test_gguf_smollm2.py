@@ -9,6 +9,7 @@ prefill budget of 64 tokens splits the longer prompts into chunks, and outputs a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,16 @@ def prompts_for(loaded: LoadedModel) -> list[list[int]]:
     assert len(prompts) >= 16
     assert sum(len(p) > CHUNK for p in prompts) >= 4
     return prompts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # On a shared, oversubscribed machine two OpenMP threads spin-wait on each other and a
+    # forward pass gets ~15x slower; one thread keeps this module's runtime predictable.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
