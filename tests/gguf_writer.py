@@ -106,6 +106,7 @@ def write_gguf(
     add_bos: bool = True,
     chat_template: bool = True,
     drop_tensors: tuple[str, ...] = (),
+    sampling: dict[str, float] | None = None,
 ) -> Path:
     config = json.loads((checkpoint / "config.json").read_text())
     arch = (
@@ -127,6 +128,9 @@ def write_gguf(
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     _add_gpt2_tokenizer(writer, add_bos=add_bos, chat_template=chat_template)
+    for key, value in (sampling or {}).items():  # e.g. {"temp": 0.7}: general.sampling.temp
+        add = writer.add_int32 if isinstance(value, int) else writer.add_float32
+        add(f"general.sampling.{key}", value)
     for hf_name, w in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
         name = gguf_name(hf_name)
         if name in drop_tensors:

@@ -124,3 +124,9 @@ def test_every_declared_eos_stops(gguf_file: Callable[[str, Q], Path]) -> None:
 def test_bfloat16_node_dtype(gguf_file: Callable[[str, Q], Path]) -> None:
     loaded = load_model(str(gguf_file("llama", Q.Q4_0)), dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+
+
+def test_sampling_defaults_from_metadata(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    source = checkpoint("llama", vocab_size=gpt2_vocab_size())
+    file = write_gguf(source, tmp_path / "m.gguf", sampling={"temp": 0.5, "top_k": 20})
+    assert load_model(str(file)).generation_defaults == {"temperature": 0.5, "top_k": 20}

@@ -132,6 +132,26 @@ def gguf_eos_token_ids(gguf: GgufFile) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# llama.cpp's recommended-sampling keys, as the request defaults generation_config.json gives
+_SAMPLING_KEYS = {
+    "general.sampling.temp": ("temperature", float),
+    "general.sampling.top_p": ("top_p", float),
+    "general.sampling.top_k": ("top_k", int),
+    "general.sampling.min_p": ("min_p", float),
+    "general.sampling.penalty_repeat": ("repetition_penalty", float),
+}
+
+
+def gguf_generation_defaults(gguf: GgufFile) -> dict[str, Any]:
+    """Sampling defaults the file recommends (`general.sampling.*`); empty when it names none."""
+    out: dict[str, Any] = {}
+    for key, (name, kind) in _SAMPLING_KEYS.items():
+        value = gguf.get(key)
+        if value is not None:
+            out[name] = kind(value)
+    return out
+
+
 # ---------------------------------------------------------------------------------- weights
 
 

@@ -27,7 +27,12 @@ from shared.model.chat_template import ChatTemplate
 from shared.model.config import ModelConfig, eos_token_ids_or_none
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from shared.model.gguf_file import GgufError, open_gguf
-from shared.model.gguf_loader import gguf_eos_token_ids, gguf_model_config, load_gguf_weights
+from shared.model.gguf_loader import (
+    gguf_eos_token_ids,
+    gguf_generation_defaults,
+    gguf_model_config,
+    load_gguf_weights,
+)
 from shared.model.gguf_tokenizer import GgufTokenizerInfo, build_gguf_tokenizer
 from shared.model.llama import Model
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
@@ -140,6 +145,7 @@ def load_gguf(
         name or path.stem,
         frozenset(eos),
         chat_template=template,
+        generation_defaults=gguf_generation_defaults(gguf),
     )
 
 
