@@ -130,3 +130,21 @@ def test_sampling_defaults_from_metadata(checkpoint: Callable[..., Path], tmp_pa
     source = checkpoint("llama", vocab_size=gpt2_vocab_size())
     file = write_gguf(source, tmp_path / "m.gguf", sampling={"temp": 0.5, "top_k": 20})
     assert load_model(str(file)).generation_defaults == {"temperature": 0.5, "top_k": 20}
+
+
+def test_run_prompt_applies_the_chat_template_with_one_bos(
+    gguf_file: Callable[[str, Q], Path],
+) -> None:
+    from pdserve.cli import run_prompt
+    from tests.checkpoints import BOS_TOKEN, special_ids
+
+    # the file adds BOS when encoding, and its template writes bos_token itself
+    file = gguf_file("llama", Q.F32)
+    ids = run_prompt(str(file), "Hi")
+    loaded = load_model(str(file))
+    assert loaded.tokenizer.encode("x")[0] == special_ids()[BOS_TOKEN]
+    assert isinstance(ids, list) and ids.count(special_ids()[BOS_TOKEN]) == 1
+    assert (
+        loaded.tokenizer.decode(ids, skip_special_tokens=False) == "<s><|user|>Hi</s><|assistant|>"
+    )
+    assert run_prompt("tiny", "Hi") == "Hi"  # no template: the raw text
