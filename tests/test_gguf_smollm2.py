@@ -176,3 +176,33 @@ def test_gguf_path_from_wheel() -> None:
     path = smollm2_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert isinstance(path, Path) and path.stat().st_size > 50_000_000
+
+
+def test_export_hf_runs_in_transformers(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.export_hf import export_loaded
+
+    export_loaded(loaded, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for prompt, want in list(zip(prompts, reference, strict=True))[::4]:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=MAX_TOKENS, min_new_tokens=0,
+            )  # fmt: skip
+        assert gen[0, len(prompt) :].tolist() == want
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    for text in (*_RAW, "<|im_start|>user\nhi<|im_end|>"):
+        assert tokenizer(text).input_ids == loaded.tokenizer.encode(text)
+    messages = [{"role": "user", "content": _QUESTIONS[0]}]
+    assert loaded.chat_template is not None
+    assert tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == loaded.chat_template.render(messages)
