@@ -7,8 +7,10 @@ config.json's. `tokenizer.json` is read with the `tokenizers` package; without o
 tokenizer stands in when the vocabulary can hold the 256 bytes (so an exported test model still
 serves), otherwise loading fails with an error naming the missing file.
 
-Every problem (missing file, missing / unexpected tensor, shape mismatch) is raised at load time
-with the file and tensor named, never at the first request.
+A GGUF file is read by `shared.model.gguf_loader` / `gguf_tokenizer` (config, weights, tokenizer,
+chat template and sampling defaults from its metadata). Every problem (missing file, not GGUF,
+truncated, unsupported architecture or tensor type, missing / unexpected tensor, shape mismatch)
+is raised at load time with the file and tensor named, never at the first request.
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ GGUF_SUFFIX = ".gguf"
 
 
 def gguf_file_for(path: Path) -> Path | None:
-    """The GGUF file `path` names: itself when it is a file, the one
-    `.gguf` in a directory without config.json, None for a Hugging Face directory."""
+    """The GGUF file `path` names: itself when it is a file, the one `.gguf` in a directory
+    without config.json, None for a Hugging Face directory (or a path that does not exist)."""
     if path.is_file():
         return path
     if not path.is_dir() or (path / "config.json").is_file():
