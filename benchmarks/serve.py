@@ -13,7 +13,7 @@ one colocated node, each node pinned to its own core, the same client and worklo
 
 Setups: `pd` (prefill on core 0, decode on core 1), `colocated` (core 0, one thread: the same
 compute as one P/D role) and `colocated_2core` (both cores, two threads: the same hardware as
-the whole P/D pair). pdserve has no colocated server, so `benchmarks.bench_colocated` provides one
+the whole P/D pair). pdserve has no colocated server, so `benchmarks.peers.colocated` provides one
 with the same Generation service.
 
     python -m benchmarks.serve [--quick] [--request-rate 4] [--input-len 512] ...
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import bench_nodes
-from benchmarks.bench_load import (
+from benchmarks.support import nodes as bench_nodes
+from benchmarks.support.load import (
     RequestRecord,
     RequestSpec,
     arrival_offsets,
@@ -40,9 +40,16 @@ from benchmarks.bench_load import (
     run_requests,
     serving_metrics,
 )
-from benchmarks.bench_models import BenchModel, resolve
-from benchmarks.bench_util import exit_on_sigterm, figure, load_average, ratio, summarize
-from benchmarks.common import environment, write_json
+from benchmarks.support.models import BenchModel, resolve
+from benchmarks.support.util import (
+    environment,
+    exit_on_sigterm,
+    figure,
+    load_average,
+    ratio,
+    summarize,
+    write_json,
+)
 
 SETUPS = ["pd", "colocated", "colocated_2core"]
 ENTRY = {"pd": "decode", "colocated": "colocated", "colocated_2core": "colocated"}
@@ -276,7 +283,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few small requests (CI smoke test)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--model", default="tiny", help="tiny or medium (see bench_models)")
+    p.add_argument("--model", default="tiny", help="tiny or medium (see benchmarks.support.models)")
     p.add_argument("--setups", default=None, help=f"comma list of {SETUPS}")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=None, help="req/s; inf: all at once")

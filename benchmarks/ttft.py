@@ -1,8 +1,8 @@
 """Time to first token, broken down: P/D (layer-wise and whole-request push) vs colocated.
 
 One prefill node (core 0) serves two decode nodes (core 1): one asks for layer-wise pushes, one
-for whole-request pushes; a colocated node (the benchmark's own, `bench_colocated`) runs on
-core 0. Every node has one torch thread, so a prompt's prefill gets the same core in every
+for whole-request pushes; a colocated node (the benchmark's own, `benchmarks.peers.colocated`)
+runs on core 0. Every node has one torch thread, so a prompt's prefill gets the same core in every
 mode. Requests go one at a time (an idle system: TTFT without queueing), the three modes
 round-robin per prompt length and repeat, every prompt distinct (no prefix-cache hits).
 
@@ -27,11 +27,17 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import bench_nodes
-from benchmarks.bench_load import RequestRecord, RequestSpec, random_prompts, stream_request
-from benchmarks.bench_models import BenchModel, resolve
-from benchmarks.bench_util import exit_on_sigterm, figure, load_average, ratio
-from benchmarks.common import environment, write_json
+from benchmarks.support import nodes as bench_nodes
+from benchmarks.support.load import RequestRecord, RequestSpec, random_prompts, stream_request
+from benchmarks.support.models import BenchModel, resolve
+from benchmarks.support.util import (
+    environment,
+    exit_on_sigterm,
+    figure,
+    load_average,
+    ratio,
+    write_json,
+)
 
 MODES = {"pd_layerwise": "decode", "pd_whole": "decode-whole", "colocated": "colocated"}
 FULL_LENGTHS = [128, 256, 512, 1024, 2048, 4096, 8192]

@@ -16,7 +16,11 @@ from shared.serving.tls import ClientTls, ServerTls
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="tiny", help="'tiny' (built in) or a local HF directory")
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0: size from --kv-cache-mb")
     g.add_argument("--kv-cache-mb", type=int, default=256)
@@ -71,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local cluster (separate processes)")
-    up.add_argument("--model", default="tiny")
+    up.add_argument("--model", default="tiny", help="as for prefill/decode, e.g. smollm2")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument("--port", type=int, default=50051, help="first decode node's gRPC port")
@@ -79,9 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--run",
         metavar="PROMPT",
         default=None,
-        help="start, stream one greedy completion of PROMPT, then stop (the newcomer's demo)",
+        help="start, stream one greedy answer to PROMPT (as a chat user message when the model "
+        "has a chat template), then stop (the newcomer's demo)",
     )
     up.add_argument("--max-tokens", type=int, default=32, help="with --run")
+
+    ex = sub.add_parser("export-hf", help="write a model as a Hugging Face directory")
+    ex.add_argument("--model", required=True, help="tiny, smollm2, a GGUF file or an HF directory")
+    ex.add_argument("out_dir", help="directory to write (created if missing)")
+    ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     pf = sub.add_parser("prefill", help="run one prefill node")
     _engine_args(pf)
@@ -147,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_up(a: argparse.Namespace) -> int:
     from pdserve.cluster import Cluster
 
+    prompt: str | list[int] | None = None
+    if a.run is not None:
+        try:
+            prompt = run_prompt(a.model, a.run)
+        except (ValueError, OSError) as e:
+            print(f"pdserve up: model {a.model!r}: {e}", file=sys.stderr)
+            return 2
     cluster = Cluster(a.model, a.prefill, a.decode, a.port, [])
     stop = False
 
@@ -160,8 +177,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}")
         others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
         print(f"endpoint: {endpoints[0]}{others}")
-        if a.run is not None:
-            code = _stream_to_stdout(endpoints[0], a.run, max_tokens=a.max_tokens)
+        if prompt is not None:
+            code = _stream_to_stdout(endpoints[0], prompt, max_tokens=a.max_tokens)
             print("stopping...", flush=True)
             return max(code, cluster.stop())
         print(f'try: pdserve generate "Hello" --target {endpoints[0]}   (Ctrl-C stops)', flush=True)
@@ -177,6 +194,19 @@ def cmd_up(a: argparse.Namespace) -> int:
     code = cluster.stop()
     print("stopped" + ("" if code == 0 else f" (a node exited with {code})"), flush=True)
     return code
+
+
+def run_prompt(model: str, text: str) -> str | list[int]:
+    """`--run`'s prompt: `text` as one user message through the model's chat template (with
+    the generation prompt), as token ids encoded without special tokens since the template
+    writes any BOS itself; the raw text when the model has no template."""
+    from shared.model.loader import load_tokenizer_and_template
+
+    tokenizer, template = load_tokenizer_and_template(model)
+    if template is None:
+        return text
+    rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -197,7 +227,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _stream_to_stdout(
-    target: str, prompt: str, *, tls: ClientTls | None = None, **sampling: object
+    target: str, prompt: str | list[int], *, tls: ClientTls | None = None, **sampling: object
 ) -> int:
     """Stream a completion's text as it arrives; a summary line goes to stderr."""
     import contextlib
@@ -246,7 +276,7 @@ BENCHMARKS = {
     "transfer": "benchmarks.transfer",
     "serve": "benchmarks.serve",
     "ttft": "benchmarks.ttft",
-    "engine": "benchmarks.engine_throughput",
+    "engine": "benchmarks.engine",
     "peer": "benchmarks.peer",
 }
 
@@ -267,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(a)
     if a.command == "bench":
         return cmd_bench(a)
+    if a.command == "export-hf":
+        from pdserve.export_hf import run as run_export
+
+        return run_export(a)
     if a.command == "proxy":
         from pdserve.proxy import run as run_proxy
 

@@ -11,55 +11,20 @@ the compute stream, ordered after the layer) and sent from the copy.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from prefill_node.job import FINAL, PrefillJob
 from shared.engine.scheduler import ScheduledRequest
 from shared.engine.utils import cdiv
-from transfer.protocol import TransferDestination
-from transfer.ucx import KvSender
-
-
-@dataclass
-class LayerMessage:
-    layer: int
-    dest_block_ids: list[int]
-    src_block_ids: list[int]
-    payload: torch.Tensor | None  # packed copy (CUDA pools); None: send from the pool
-
-
-FINAL = None  # queued after the last message of a request
-
-
-@dataclass
-class PushState:
-    """One request's push; created on the event loop, advanced by the engine thread."""
-
-    request_id: str
-    destination: TransferDestination
-    first_block_index: int
-    layerwise: bool
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[LayerMessage | None] = field(default_factory=asyncio.Queue)
-    sent_upto: int = 0  # prompt blocks [0, sent_upto) are queued for every layer
-    cancelled: bool = False
-    completed: bool = False  # every message sent and the first token known
-    first_message_at: float | None = None  # wall clock, for the TTFT breakdown
-
-    def put(self, item: LayerMessage | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def dest_ids(self, start: int, stop: int) -> list[int]:
-        offset = self.first_block_index
-        return list(self.destination.block_ids[start - offset : stop - offset])
+from transfer.ucx import KvMessage, KvSender
 
 
 @dataclass
 class _Work:
-    state: PushState
+    job: PrefillJob
     src: list[int]
     dst: list[int]
     final: bool
@@ -69,34 +34,34 @@ class _Work:
 
 def plan_push(
     scheduled: Sequence[ScheduledRequest],
-    pushes: dict[str, PushState],
+    jobs: dict[str, PrefillJob],
     block_table: Callable[[str], list[int]],
     block_size: int,
 ) -> list[_Work]:
     work = []
     for s in scheduled:
-        state = pushes.get(s.request.request_id)
-        if state is None or state.cancelled:
+        job = jobs.get(s.request.request_id)
+        if job is None or job.cancelled:
             continue
         r = s.request
         done = r.num_computed_tokens + s.num_new_tokens
         final = s.completes_context
         upto = cdiv(r.prompt_len, block_size) if final else done // block_size
-        start = max(state.sent_upto, state.first_block_index)
+        start = max(job.sent_upto, job.first_block_index)
         if upto <= start and not final:
             continue
         table = block_table(r.request_id)
         src = table[start:upto] if upto > start else []
-        dst = state.dest_ids(start, upto) if src else []
-        work.append(_Work(state, src, dst, final, upto, table))
+        dst = job.dest_ids(start, upto) if src else []
+        work.append(_Work(job, src, dst, final, upto, table))
     return work
 
 
-def _message(kv_pool: torch.Tensor, layer: int, dst: list[int], src: list[int]) -> LayerMessage:
+def _message(kv_pool: torch.Tensor, layer: int, dst: list[int], src: list[int]) -> KvMessage:
     if not kv_pool.is_cuda:
-        return LayerMessage(layer, dst, src, None)
+        return KvMessage(layer=layer, blocks=dst, src=src)
     with torch.inference_mode(False):  # the hook runs inside the engine's inference_mode
-        return LayerMessage(layer, dst, src, KvSender.pack(kv_pool, layer, src))
+        return KvMessage(layer=layer, blocks=dst, payload=KvSender.pack(kv_pool, layer, src))
 
 
 def make_layer_hook(
@@ -112,25 +77,25 @@ def make_layer_hook(
 
     def hook(layer: int) -> None:
         for w in work:
-            if w.state.layerwise and w.src:
+            if w.job.layerwise and w.src:
                 if layer == 0:
-                    pin(w.state.request_id, w.src)
+                    pin(w.job.request_id, w.src)
                 if w.final or kv_pool.is_cuda:
-                    w.state.put(_message(kv_pool, layer, w.dst, w.src))
+                    w.job.put(_message(kv_pool, layer, w.dst, w.src))
                 elif layer == last_layer:
                     # An earlier chunk's blocks go once all its layers are done, as one message
                     # (queued together, the sender coalesces them): they still move while the
                     # next chunk computes, and every message costs the loop (which shares the
                     # compute's core) ~0.1 ms. The last chunk goes layer by layer: its transfer
                     # is what overlaps the end of the prompt's compute.
-                    _queue_all_layers(w.state, kv_pool, num_layers, w.dst, w.src)
+                    _queue_all_layers(w.job, kv_pool, num_layers, w.dst, w.src)
             if layer != last_layer:
                 continue
-            if not w.state.layerwise and w.final:
+            if not w.job.layerwise and w.final:
                 _queue_whole_request(w, kv_pool, num_layers, pin)
-            w.state.sent_upto = max(w.state.sent_upto, w.upto)
+            w.job.sent_upto = max(w.job.sent_upto, w.upto)
             if w.final:
-                w.state.put(FINAL)
+                w.job.put(FINAL)
 
     return hook
 
@@ -140,16 +105,16 @@ def _queue_whole_request(
 ) -> None:
     """Whole-request mode (the baseline layer-wise is measured against): everything is sent
     after the last layer of the last chunk, one message per layer."""
-    start = w.state.first_block_index
+    start = w.job.first_block_index
     src = w.table[start : w.upto]
-    dst = w.state.dest_ids(start, w.upto)
-    pin(w.state.request_id, src)
-    _queue_all_layers(w.state, kv_pool, num_layers, dst, src)
+    dst = w.job.dest_ids(start, w.upto)
+    pin(w.job.request_id, src)
+    _queue_all_layers(w.job, kv_pool, num_layers, dst, src)
 
 
 def _queue_all_layers(
-    state: PushState, kv_pool: torch.Tensor, num_layers: int, dst: list[int], src: list[int]
+    job: PrefillJob, kv_pool: torch.Tensor, num_layers: int, dst: list[int], src: list[int]
 ) -> None:
     """One message per layer, queued together (so the sender coalesces them into one)."""
     for layer in range(num_layers):
-        state.put(_message(kv_pool, layer, dst, src))
+        job.put(_message(kv_pool, layer, dst, src))

@@ -34,7 +34,7 @@ def random_max_tokens(n: int, *, lo: int = 1, hi: int = 64, seed: int = 1) -> li
 
 @cache
 def _hf_model(path: str):
-    from tests.checkpoints import load_hf_model
+    from benchmarks.support.checkpoints import load_hf_model
 
     return load_hf_model(Path(path))
 

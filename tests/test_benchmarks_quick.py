@@ -21,6 +21,7 @@ def _written(out: Path, name: str, result: dict[str, Any]) -> dict[str, Any]:
 
 def test_transfer_quick(tmp_path: Path) -> None:
     from benchmarks import transfer
+    from benchmarks.support.transfer_methods import PDSERVE_PARTS
 
     result = _written(
         tmp_path, "transfer_loopback", transfer.main(["--quick", "--out", str(tmp_path)])
@@ -42,7 +43,7 @@ def test_transfer_quick(tmp_path: Path) -> None:
             assert set(m["latency_s"]) == LATENCY_KEYS and m["latency_s"]["p50"] > 0
             assert m["gbps_p50"] > 0
             assert m["correct"] is True, f"{name}: blocks landed in the wrong place"
-        assert set(methods["pdserve_layerwise"]["breakdown_p50_s"]) == set(transfer.PDSERVE_PARTS)
+        assert set(methods["pdserve_layerwise"]["breakdown_p50_s"]) == set(PDSERVE_PARTS)
         assert methods["ucx_perftest"].get("gbps_p50", 0) > 0, methods["ucx_perftest"]
         nixl = methods["nixl"]
         assert "skipped" in nixl or nixl["correct"] is True

@@ -52,7 +52,7 @@ pytestmark = pytest.mark.skipif(
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("PDSERVE_DOCKER_CACHE", "/var/cache/pdserve-docker"))
 IMAGE = os.environ.get("PDSERVE_DOCKER_IMAGE", "pdserve:ci")
-MODEL_NAME = "qwen2"  # a checkpoint built by tests/checkpoints.py, mounted at /models/qwen2
+MODEL_NAME = "qwen2"  # built by benchmarks/support/checkpoints.py, mounted at /models/qwen2
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -187,7 +187,7 @@ def free_port() -> int:
 
 def make_model_dir(root: Path) -> Path:
     """A small qwen2 checkpoint under root/qwen2, readable by the image's non-root user."""
-    from tests.checkpoints import build_checkpoint
+    from benchmarks.support.checkpoints import build_checkpoint
 
     build_checkpoint(MODEL_NAME, root / MODEL_NAME)
     for path in [root, *root.rglob("*")]:

@@ -23,7 +23,7 @@ def _run(coro_fn):  # type: ignore[no-untyped-def]
 
 
 def test_listener_binds_only_the_configured_address() -> None:
-    from transfer.ucx import KvReceiver, KvSender
+    from transfer.ucx import KvMessage, KvReceiver, KvSender
 
     pool = allocate_kv_pool(LAYOUT, 8, "cpu")
     source = allocate_kv_pool(LAYOUT, 8, "cpu")
@@ -43,9 +43,11 @@ def test_listener_binds_only_the_configured_address() -> None:
             # ...and it still takes KV over UCX.
             dest = receiver.expect("bound", [3, 5])
             landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 20))
+            push = sender.open(dest)
             for layer in range(LAYOUT.num_layers):
                 payload = KvSender.pack(source, layer, [0, 1])
-                await sender.send(dest, layer, [3, 5], payload, last=layer == 1)
+                message = KvMessage(layer=layer, blocks=[3, 5], payload=payload, last=layer == 1)
+                await push.send(message)
             await landed
             assert torch.equal(pool[:, :, [3, 5]], source[:, :, [0, 1]])
         finally:

@@ -198,7 +198,7 @@ def test_forged_kv_messages_are_dropped_and_counted(checkpoint: Callable[..., Pa
                 ]
                 for data in (os.urandom(300), os.urandom(70_000), b"tiny"):
                     reply = await peer.call(
-                        op="raw",
+                        cmd="raw",
                         address=node.receiver.address,
                         messages=[[secrets.randbits(64), data.hex()]],
                     )

@@ -9,6 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.support.checkpoints import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    EOT_TOKEN,
+    build_tokenizer,
+    special_ids,
+)
 from shared.model.tokenizer import (
     REPLACEMENT_CHAR,
     ByteTokenizer,
@@ -16,7 +23,6 @@ from shared.model.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
 )
-from tests.checkpoints import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, build_tokenizer, special_ids
 
 TEXTS = [
     "hello world",

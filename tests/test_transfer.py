@@ -1,10 +1,12 @@
 """KV transfer plane over real UCX, two processes: the receiver (decode side) lives in this process
-on its own event loop; senders run in fresh interpreters (tests/transfer_peer.py), because a
-process that forks after UCX is initialised breaks its children."""
+on its own event loop; senders run in fresh interpreters (the transfer peer the benchmarks use,
+benchmarks/peers/transfer_peer.py), because a process that forks after UCX is initialised breaks
+its children."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -17,20 +19,16 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from benchmarks.peers.transfer_peer import dest_from_json, dest_to_json, sender_pool
+from benchmarks.support.util import REPLY_PREFIX
 from shared.engine.kv_cache import KvLayout, allocate_kv_pool
-from tests.transfer_peer import (
-    LAYOUT,
-    REPLY_PREFIX,
-    SENDER_BLOCKS,
-    dest_from_json,
-    dest_to_json,
-    sender_pool,
-)
 from transfer import protocol as proto
 from transfer.errors import TransferCancelled, TransferError, TransferTimeout
 from transfer.protocol import TransferDestination
 
 T = TypeVar("T")
+LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+SENDER_BLOCKS = 16
 RECEIVER_BLOCKS = 24
 BLOCK_BYTES = LAYOUT.block_bytes_per_layer
 
@@ -74,10 +72,11 @@ class Peer:
 
     @classmethod
     async def spawn(cls, role: str) -> Peer:
+        """A peer with a pool of SENDER_BLOCKS blocks of LAYOUT (a sender's: `sender_pool`)."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.transfer_peer",
+            "benchmarks.peers.transfer_peer",
             "--role",
             role,
             stdin=asyncio.subprocess.PIPE,
@@ -85,7 +84,10 @@ class Peer:
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         peer = cls(proc, {})
-        peer.first = await peer._reply(30)
+        setup = {"layout": dataclasses.asdict(LAYOUT), "num_blocks": SENDER_BLOCKS}
+        if role == "sender":
+            setup["fill"] = "random"
+        peer.first = await peer.call(30, cmd="setup", **setup)
         return peer
 
     def post(self, **cmd: Any) -> None:
@@ -112,7 +114,7 @@ class Peer:
     async def stop(self) -> None:
         if self.proc.returncode is None:
             try:
-                await self.call(timeout=10, op="exit")
+                await self.call(timeout=10, cmd="quit")
                 await asyncio.wait_for(self.proc.wait(), 10)
             except (RuntimeError, TimeoutError, BrokenPipeError, ConnectionResetError):
                 pass
@@ -130,7 +132,7 @@ class Harness:
         self.pool = allocate_kv_pool(LAYOUT, RECEIVER_BLOCKS, "cpu")
         gen = torch.Generator().manual_seed(99)
         self.pool.copy_(torch.randn(self.pool.shape, generator=gen))  # not zeros: see "untouched"
-        self.source = sender_pool()
+        self.source = sender_pool(LAYOUT, SENDER_BLOCKS)
         from transfer.ucx import KvReceiver
 
         self.receiver = KvReceiver(self.pool, LAYOUT)
@@ -141,12 +143,12 @@ class Harness:
         return self.loop.run_until_complete(asyncio.wait_for(aw, timeout))
 
     async def send(self, dest: TransferDestination, messages: list, **kw: Any) -> dict[str, Any]:
-        return await self.sender.call(op="send", dest=dest_to_json(dest), messages=messages, **kw)
+        return await self.sender.call(cmd="send", dest=dest_to_json(dest), messages=messages, **kw)
 
     async def raw(self, *messages: tuple[int, bytes]) -> dict[str, Any]:
         """Send (tag, bytes) messages from the peer, back to back, as they are."""
         reply = await self.sender.call(
-            op="raw",
+            cmd="raw",
             address=self.receiver.address,
             messages=[[tag, data.hex()] for tag, data in messages],
         )
@@ -406,7 +408,7 @@ def test_idle_listener_does_not_spin(h: Harness) -> None:
 
 
 def test_sender_sees_decode_death_quickly(h: Harness) -> None:
-    from transfer.ucx import KvSender
+    from transfer.ucx import KvMessage, KvSender
 
     everything = list(range(SENDER_BLOCKS))  # 16 blocks: one message is rendezvous-sized
 
@@ -414,22 +416,25 @@ def test_sender_sees_decode_death_quickly(h: Harness) -> None:
         decode = await Peer.spawn("receiver")
         sender = KvSender(LAYOUT)
         try:
-            reply = await decode.call(op="expect", blocks=everything)
+            reply = await decode.call(cmd="expect", block_ids=everything)
             dest = dest_from_json(reply["dest"])
+            push = sender.open(dest)
             payload = KvSender.pack(h.source, 0, everything)
-            assert await sender.send(dest, 0, everything, payload) >= 8192  # rendezvous
+            message = KvMessage(layer=0, blocks=everything, payload=payload)
+            assert await push.send(message) >= 8192  # rendezvous
             # Stopped, not dead: the message is not taken, and the send's deadline says so;
             # meanwhile the sender sleeps instead of spinning on the stalled request.
             decode.signal(signal.SIGSTOP)
             payload = KvSender.pack(h.source, 1, everything)
             cpu, wall = time.process_time(), time.monotonic()
             with pytest.raises(TransferTimeout):
-                await sender.send(dest, 1, everything, payload, timeout=1.0)
+                await push.send(KvMessage(layer=1, blocks=everything, payload=payload), timeout=1.0)
             stalled_cpu = (time.process_time() - cpu) / (time.monotonic() - wall)
             assert stalled_cpu < 0.2, f"stalled send used {stalled_cpu:.0%} of a core"
             # A send pending while the process dies fails within a few seconds.
             payload = KvSender.pack(h.source, 2, everything)
-            pending = asyncio.ensure_future(sender.send(dest, 2, everything, payload))
+            message = KvMessage(layer=2, blocks=everything, payload=payload)
+            pending = asyncio.ensure_future(push.send(message))
             await asyncio.sleep(0.3)
             assert not pending.done()
             decode.signal(signal.SIGKILL)
@@ -442,7 +447,8 @@ def test_sender_sees_decode_death_quickly(h: Harness) -> None:
             # The broken endpoint was dropped; reconnecting to a dead node fails fast too.
             started = time.monotonic()
             with pytest.raises(TransferError):
-                await sender.send(dest, 0, [2], KvSender.pack(h.source, 0, [2]))
+                payload = KvSender.pack(h.source, 0, [2])
+                await push.send(KvMessage(layer=0, blocks=[2], payload=payload))
             assert time.monotonic() - started < 3
         finally:
             await sender.close()
@@ -455,7 +461,7 @@ def test_stalled_sender_mid_payload_holds_the_fence_until_endpoints_reset(h: Har
     """A payload receive already posted into the pool cannot be cancelled; if its sender stops
     half-way, the transfer's blocks stay fenced (not reusable) until `release` force-closes
     the KV endpoints, which ends the receive. The receiver then serves new transfers."""
-    from transfer.ucx import KvReceiver, KvSender
+    from transfer.ucx import KvMessage, KvReceiver, KvSender
 
     big = KvLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=256, dtype="float32")
     nbytes = 4 * big.block_bytes_per_layer  # 8 MiB: rendezvous, many fragments
@@ -479,7 +485,7 @@ def test_stalled_sender_mid_payload_holds_the_fence_until_endpoints_reset(h: Har
             )
             body = payload(dest, 0, nbytes)
             stalled.post(
-                op="stall",
+                cmd="stall",
                 address=receiver.address,
                 messages=[[dest.transfer_id, header.hex()], [body[0], body[1].hex()]],
             )
@@ -502,7 +508,8 @@ def test_stalled_sender_mid_payload_holds_the_fence_until_endpoints_reset(h: Har
             try:
                 dest = receiver.expect("after", [5, 6])
                 landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 20))
-                await sender.send_blocks(dest, 0, [5, 6], source, [1, 2], last=True)
+                push = sender.open(dest, source)
+                await push.send(KvMessage(layer=0, blocks=[5, 6], src=[1, 2], last=True))
                 await landed
                 assert same(pool[:, :, [5, 6]], source[:, :, [1, 2]])
             finally:
@@ -525,7 +532,7 @@ def test_sender_refuses_layout_mismatch(h: Harness) -> None:
     async def main() -> None:
         sender = KvSender(LAYOUT)
         with pytest.raises(TransferError, match="layout mismatch"):
-            await sender.send(dest, 0, [0], KvSender.pack(h.source, 0, [0]))
+            sender.open(dest)
         await sender.close()
 
     h.run(main())
@@ -536,7 +543,7 @@ def test_same_process_under_uvloop() -> None:
     logged, not fatal; `last` with blocks missing fails at once; a closed sender refuses."""
     import uvloop
 
-    from transfer.ucx import KvReceiver, KvSender
+    from transfer.ucx import KvMessage, KvReceiver, KvSender
 
     layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
     pool = allocate_kv_pool(layout, 8, "cpu")
@@ -554,23 +561,27 @@ def test_same_process_under_uvloop() -> None:
         try:
             dest = receiver.expect("uv", [5, 1, 3], on_layer=on_layer)
             landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 10))
+            push = sender.open(dest)
             for layer in range(2):
                 payload = KvSender.pack(source, layer, [0, 1, 2])
-                await sender.send(dest, layer, [5, 1, 3], payload, last=layer == 1)
+                message = KvMessage(layer=layer, blocks=[5, 1, 3], payload=payload, last=layer == 1)
+                await push.send(message)
             stats = await landed
             assert seen == [0, 1] and stats.messages == 2
             assert torch.equal(pool[:, :, [5, 1, 3]], source[:, :, [0, 1, 2]])
 
             dest = receiver.expect("uv-short", [6, 7])
             landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 10))
-            await sender.send(dest, 0, [6, 7], KvSender.pack(source, 0, [0, 1]), last=True)
+            push = sender.open(dest)
+            payload = KvSender.pack(source, 0, [0, 1])
+            await push.send(KvMessage(layer=0, blocks=[6, 7], payload=payload, last=True))
             with pytest.raises(TransferError, match="last message"):
                 await landed
         finally:
             await sender.close()
             await receiver.close()
         with pytest.raises(TransferError, match="closed"):
-            await sender.send(dest, 0, [6], KvSender.pack(source, 0, [0]))
+            await push.send(KvMessage(layer=0, blocks=[6], payload=KvSender.pack(source, 0, [0])))
 
     uvloop.run(main())
 
@@ -596,7 +607,7 @@ def test_one_message_for_consecutive_layers() -> None:
     receiver claims, lands and reports every layer of it."""
     import uvloop
 
-    from transfer.ucx import KvReceiver, KvSender
+    from transfer.ucx import KvMessage, KvReceiver, KvSender
 
     layout = KvLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
     pool = allocate_kv_pool(layout, 10, "cpu")
@@ -611,15 +622,16 @@ def test_one_message_for_consecutive_layers() -> None:
             layers: list[int] = []
             dest = receiver.expect("multi", dst, on_layer=layers.append)
             landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 10))
-            first = sender.post_blocks(dest, 0, dst, source, src, n_layers=3)
-            last = sender.post_blocks(dest, 3, dst, source, src, last=True)
+            push = sender.open(dest, source)
+            first = push.post(KvMessage(layer=0, blocks=dst, src=src, n_layers=3))
+            last = push.post(KvMessage(layer=3, blocks=dst, src=src, last=True))
             assert await first == 3 * len(dst) * layout.block_bytes_per_layer
             await last
             stats = await landed
             assert stats.messages == 2 and layers == [0, 1, 2, 3]
             assert torch.equal(pool[:, :, dst], source[:, :, src])
             with pytest.raises(ValueError, match="outside"):
-                sender.post_blocks(dest, 2, dst, source, src, n_layers=3)
+                push.post(KvMessage(layer=2, blocks=dst, src=src, n_layers=3))
         finally:
             await sender.close()
             await receiver.close()

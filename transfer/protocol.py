@@ -37,8 +37,12 @@ import ipaddress
 import socket
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transfer.errors import ProtocolError
+
+if TYPE_CHECKING:  # the wire format itself needs no torch
+    from shared.engine.kv_cache import KvLayout
 
 MAGIC = b"PDKV"
 VERSION = 2
@@ -67,6 +71,9 @@ REJECT_BAD_LENGTH = "bad_length"  # message/payload size inconsistent with heade
 REJECT_RECV_ERROR = "recv_error"  # UCX failed the receive (peer died mid-message)
 REJECT_BAD_SEQ = "bad_seq"  # a message number used twice, or too far ahead
 MAX_SEQ = (1 << 32) - 1
+# Rejections of a message that does not carry the transfer's token: noise (forged, misrouted,
+# garbage), dropped without failing the transfer. Every other rejection blames its sender.
+NOISE_REASONS = frozenset({REJECT_BAD_HEADER, REJECT_UNKNOWN_TRANSFER, REJECT_BAD_TOKEN})
 
 
 def header_size(n_blocks: int) -> int:
@@ -112,6 +119,24 @@ def resolve_bind_address(host: str) -> tuple[int, bytes]:
         ip = ipaddress.ip_address(sockaddr[0])
     family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
     return family, ip.packed
+
+
+def pack_sockaddr(family: int, packed_ip: bytes, port: int) -> bytes:
+    """A struct sockaddr_in / sockaddr_in6 (what a UCP listener binds to)."""
+    if family == socket.AF_INET:
+        return struct.pack("=H", family) + struct.pack("!H", port) + packed_ip + bytes(8)
+    return struct.pack("=H", family) + struct.pack("!HI", port, 0) + packed_ip + bytes(4)
+
+
+def parse_sockaddr(raw: bytes) -> tuple[str, int]:
+    """(ip, port) of a struct sockaddr_storage."""
+    (family,) = struct.unpack_from("=H", raw, 0)
+    (port,) = struct.unpack_from("!H", raw, 2)
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
+    return f"<family {family}>", port
 
 
 @dataclass(frozen=True)
@@ -224,3 +249,41 @@ def decode_block_ids(buf: bytes | memoryview, prefix: HeaderPrefix) -> tuple[int
     if len(buf) < end:
         raise ProtocolError(REJECT_BAD_HEADER, f"header needs {end} bytes, have {len(buf)}")
     return struct.unpack_from(f"<{prefix.n_blocks}I", buf, FIXED_HEADER_BYTES)
+
+
+def validate_header(
+    head: bytes,
+    *,
+    transfer_id: int,
+    token: bytes,
+    layout: KvLayout,
+    fingerprint: bytes,
+    max_blocks: int,
+) -> tuple[HeaderPrefix, tuple[int, ...]]:
+    """Check one whole header message against the transfer its tag names, and return it decoded
+    with its block ids. Pure: no I/O, no transfer state (claims and seqs are the landing's).
+    Raises ProtocolError; a reason in NOISE_REASONS means the message lacks the token."""
+    prefix = decode_prefix(head)
+    if prefix.transfer_id != transfer_id:
+        raise ProtocolError(REJECT_UNKNOWN_TRANSFER, "header/tag mismatch")
+    if not hmac.compare_digest(prefix.token, token):
+        raise ProtocolError(REJECT_BAD_TOKEN)
+    if prefix.layout_fingerprint != fingerprint:
+        raise ProtocolError(REJECT_LAYOUT)
+    if not (prefix.n_layers >= 1 and prefix.layer + prefix.n_layers <= layout.num_layers):
+        raise ProtocolError(REJECT_BAD_LAYER, f"layers {prefix.layer}..+{prefix.n_layers}")
+    if not 0 < prefix.n_blocks <= max_blocks:
+        raise ProtocolError(REJECT_BAD_BLOCK, f"{prefix.n_blocks} blocks")
+    if len(head) != prefix.header_len:
+        raise ProtocolError(
+            REJECT_BAD_LENGTH,
+            f"header message {len(head)} B, header_len says {prefix.header_len} B",
+        )
+    expected = layout.payload_bytes(prefix.n_layers, prefix.n_blocks)
+    if prefix.payload_bytes != expected:
+        raise ProtocolError(
+            REJECT_BAD_LENGTH,
+            f"header says {prefix.payload_bytes} B payload, {prefix.n_layers} layers of "
+            f"{prefix.n_blocks} blocks need {expected} B",
+        )
+    return prefix, decode_block_ids(head, prefix)

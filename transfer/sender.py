@@ -1,15 +1,13 @@
-"""Prefill side of the KV push: one header + one payload message per (chunk, layer).
+"""Prefill side of the KV push: one header + one payload message per (chunk, layer run).
 
-`post_blocks` sends a layer's blocks straight out of the KV pool (CPU pools): the payload is one
-UCX message gathered from the blocks by an iov list (runs of adjacent blocks become one entry),
-so this side makes no copy of its own; UCX copies once into its transport. The caller must keep
-those blocks unchanged and allocated until the send completes (the prefill node pins them when
-it queues the message). CUDA pools, and payloads a caller packed itself (`pack`), go as one
-contiguous buffer; the pack's CUDA event is waited for before UCX reads the buffer.
-
-Several messages may be in flight per transfer (each has its own `seq` and payload tag, see
-`transfer.protocol`); the receiver lands them in any order. `quiesce(transfer_id)` waits until
-UCX has finished reading for a transfer.
+`push = sender.open(dest, kv_pool)` starts one transfer; `push.post(KvMessage(...))` /
+`await push.send(...)` send messages; `await push.quiesce(timeout)` waits until UCX no longer
+reads for it. A message of pool blocks (`src`, CPU pools) is one UCX message gathered from the
+blocks by an iov list (from `KvLayout.block_spans`), so this side makes no copy of its own; the
+caller keeps those blocks unchanged and allocated until the send completes (the prefill node pins
+them). CUDA pools, and payloads a caller packed itself (`KvSender.pack`), go as one contiguous
+buffer; the pack's CUDA event is waited for before UCX reads it. Each message has its own `seq`
+and payload tag (`transfer.protocol`).
 
 Endpoints: one per decode node address, connected on first use, cached, and discarded after any
 error (the next send reconnects). A dead decode node fails pending and later sends with
@@ -24,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -54,22 +52,27 @@ class _Peer:
     broken: bool = False
 
 
-@dataclass(eq=False)
-class _Outgoing:
-    """One transfer's sending side: the next seq and the UCX operations still reading."""
+@dataclass(frozen=True, kw_only=True)
+class KvMessage:
+    """What one KV message carries: `n_layers` layers, from `layer` on, of the blocks `blocks`
+    of the destination. The bytes come either from the push's pool (`src`: block i of `src` goes
+    to block i of `blocks`, read in place) or from a packed copy (`payload`, see `KvSender.pack`;
+    one layer)."""
 
-    next_seq: int = 0
-    reading: set[asyncio.Future] = field(default_factory=set)
+    layer: int
+    blocks: Sequence[int]
+    src: Sequence[int] | None = None
+    payload: torch.Tensor | None = None
+    n_layers: int = 1
+    last: bool = False  # the final message of the whole transfer
 
 
 @dataclass(eq=False)
 class _Send:
     """One posted message (header + payload) of a transfer: completion, errors, deadline."""
 
-    sender: KvSender
+    push: KvPush
     engine: UcxWorker
-    out: _Outgoing
-    dest: TransferDestination
     seq: int
     header: np.ndarray
     iov: np.ndarray | None  # None: `source` is a packed contiguous payload
@@ -81,12 +84,17 @@ class _Send:
     peer: _Peer | None = None
     timer: asyncio.TimerHandle | None = None
 
+    @property
+    def _what(self) -> str:
+        dest = self.push.dest
+        return f"KV send to {dest.address} (transfer {dest.transfer_id:#x})"
+
     def start(self) -> None:
         if self.result.done():
             return  # the caller gave up while a CUDA pack was finishing
-        sender, engine, dest = self.sender, self.engine, self.dest
+        push, engine, dest = self.push, self.engine, self.push.dest
         try:
-            self.peer = peer = sender._peer(engine, dest.address)
+            self.peer = peer = push.sender._peer(engine, dest.address)
             ep = peer.endpoint
             tag = proto.payload_tag(dest.token, dest.transfer_id, self.seq)
             ops = [engine.send(ep, self.header, proto.message_tag(dest.transfer_id))]
@@ -98,9 +106,9 @@ class _Send:
             self.result.set_exception(e)
             return
         self.pending = len(ops)
-        self.out.reading.update(ops)
+        push.reading.update(ops)
         for op in ops:
-            op.add_done_callback(self.out.reading.discard)
+            op.add_done_callback(push.reading.discard)
             op.add_done_callback(self._on_done)
         if not self.result.done():
             self.timer = asyncio.get_running_loop().call_later(self.limit, self._on_timeout)
@@ -110,54 +118,156 @@ class _Send:
         if self.result.done():
             return
         if error is not None:
-            self._fail(
-                TransferError(
-                    f"KV send to {self.dest.address} (transfer {self.dest.transfer_id:#x}) "
-                    f"failed: {error}"
-                ),
-                error,
-            )
+            self._fail(TransferError(f"{self._what} failed: {error}"), error)
             return
         self.pending -= 1
         if self.pending == 0:
             if self.timer is not None:
                 self.timer.cancel()
-            self.sender.bytes_sent_total += self.nbytes + len(self.header)
-            self.sender.messages_total += 1
+            sender = self.push.sender
+            sender.bytes_sent_total += self.nbytes + len(self.header)
+            sender.messages_total += 1
             self.result.set_result(self.nbytes)
 
     def _on_timeout(self) -> None:
         if not self.result.done():
-            self._fail(
-                TransferTimeout(
-                    f"KV send to {self.dest.address} (transfer {self.dest.transfer_id:#x}) not "
-                    f"taken within {self.limit:.3g}s"
-                ),
-                None,
-            )
+            self._fail(TransferTimeout(f"{self._what} not taken within {self.limit:.3g}s"), None)
 
     def _fail(self, error: TransferError, cause: BaseException | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.sender.errors_total += 1
+        sender = self.push.sender
+        sender.errors_total += 1
         if self.peer is not None:
-            self.sender._discard(self.peer)
+            sender._discard(self.peer)
         error.__cause__ = cause
         self.result.set_exception(error)
+
+
+class KvPush:
+    """One transfer's sending side (`KvSender.open`): numbers its messages and tracks what UCX
+    still reads. Several messages may be in flight; the receiver lands them in any order."""
+
+    def __init__(
+        self, sender: KvSender, dest: TransferDestination, kv_pool: torch.Tensor | None
+    ) -> None:
+        self.sender = sender
+        self.dest = dest
+        self.kv_pool = kv_pool
+        self.reading: set[asyncio.Future] = set()  # UCX operations still reading our buffers
+        self._next_seq = 0
+
+    def post(self, message: KvMessage, *, timeout: float | None = None) -> asyncio.Future[int]:
+        """Start sending `message`; the future gives its payload bytes once UCX has sent them,
+        or raises like `send`. Pool blocks are read in place until then: the caller keeps them
+        unchanged and allocated. CUDA pools are packed first (one layer per message)."""
+        ids, iov, source = self._prepare(message)
+        engine = self.sender._ensure_engine(source.device)
+        seq = self._next_seq
+        self._next_seq += 1
+        nbytes = self.sender.layout.payload_bytes(message.n_layers, len(ids))
+        header = proto.encode_header(
+            self.dest.transfer_id,
+            self.dest.token,
+            self.sender.fingerprint_bytes,
+            message.layer,
+            ids,
+            nbytes,
+            last=message.last,
+            seq=seq,
+            n_layers=message.n_layers,
+        )
+        send = _Send(
+            self,
+            engine,
+            seq,
+            np.frombuffer(header, dtype=np.uint8),
+            iov,
+            source,
+            nbytes,
+            self.sender.send_timeout if timeout is None else timeout,
+            asyncio.get_running_loop().create_future(),
+        )
+        ready = _ready_events.get(source) if iov is None else None
+        if ready is not None and not ready.query():
+            # UCX reads device memory on its own streams: post once the pack's copy is done
+            waiting = asyncio.ensure_future(asyncio.to_thread(ready.synchronize))
+            waiting.add_done_callback(lambda _: send.start())
+        else:
+            send.start()
+        return send.result
+
+    async def send(self, message: KvMessage, *, timeout: float | None = None) -> int:
+        """Send `message` and return its payload bytes. Raises TransferError if the decode node
+        is gone, TransferTimeout if it does not take the message within `timeout` (default: the
+        sender's send_timeout), ValueError if the message does not fit the layout. A message
+        for a transfer the decode node already dropped is drained and counted there, and
+        succeeds here: cancellation travels over gRPC, not this plane."""
+        return await self.post(message, timeout=timeout)
+
+    async def quiesce(self, timeout: float) -> bool:
+        """Wait (at most `timeout`) until UCX no longer reads any buffer of this push; returns
+        whether it got there. Reads that outlive it can only reach a transfer the decode node
+        has already failed (and fenced), so callers may then release their blocks."""
+        if not self.reading:
+            return True
+        _, pending = await asyncio.wait(set(self.reading), timeout=timeout)
+        if pending:
+            log.warning(
+                "transfer %#x: %d KV sends still posted after %.3gs",
+                self.dest.transfer_id,
+                len(pending),
+                timeout,
+            )
+        return not pending
+
+    def _prepare(self, m: KvMessage) -> tuple[tuple[int, ...], np.ndarray | None, torch.Tensor]:
+        """(destination ids, iov over the pool or None, the tensor UCX reads)."""
+        layout = self.sender.layout
+        if not (m.layer >= 0 and m.n_layers >= 1 and m.layer + m.n_layers <= layout.num_layers):
+            raise ValueError(
+                f"layers {m.layer}..{m.layer + m.n_layers - 1} outside "
+                f"0..{layout.num_layers - 1}"
+            )
+        ids = tuple(int(b) for b in m.blocks)
+        if not ids:
+            raise ValueError("a KV message needs at least one block")
+        if (m.src is None) == (m.payload is None):
+            raise ValueError("a KV message reads either `src` pool blocks or a packed `payload`")
+        if m.src is not None:
+            pool = self.kv_pool
+            if pool is None:
+                raise ValueError("`src` blocks need a push opened with a kv_pool")
+            src = tuple(int(b) for b in m.src)
+            if len(src) != len(ids):
+                raise ValueError(f"{len(src)} source blocks for {len(ids)} destination blocks")
+            if not pool.is_cuda:
+                spans = layout.block_spans(pool.shape[2], m.layer, m.n_layers, src)
+                return ids, ucp.iov(pool.data_ptr(), spans), pool
+            if m.n_layers != 1:
+                raise ValueError("CUDA pools push one layer per message")
+            payload = KvSender.pack(pool, m.layer, src)
+        else:
+            payload = m.payload
+        shape = layout.payload_shape(1, len(ids))[1:]
+        if m.n_layers != 1 or tuple(payload.shape) != shape or payload.dtype != layout.torch_dtype:
+            raise ValueError(
+                f"payload {tuple(payload.shape)} {payload.dtype} x {m.n_layers} layers does not "
+                f"match {shape} {layout.torch_dtype} for {len(ids)} blocks"
+            )
+        return ids, None, payload.contiguous()
 
 
 class KvSender:
     """Prefill-side endpoint of the KV push; lives on the prefill node's event loop."""
 
     def __init__(self, layout: KvLayout, send_timeout: float = DEFAULT_SEND_TIMEOUT_S) -> None:
-        self._layout = layout
-        self._fingerprint = layout.fingerprint()
-        self._fingerprint_bytes = proto.fingerprint_bytes(self._fingerprint)
-        self._send_timeout = send_timeout
+        self.layout = layout
+        self.fingerprint_bytes = proto.fingerprint_bytes(layout.fingerprint())
+        self.send_timeout = send_timeout
         self._engine: UcxWorker | None = None
         self._closed = False
         self._peers: dict[str, _Peer] = {}
-        self._transfers: dict[int, _Outgoing] = {}
         self.bytes_sent_total = 0
         self.messages_total = 0
         self.errors_total = 0
@@ -174,106 +284,17 @@ class KvSender:
             _ready_events[out] = ready
         return out
 
-    def post_blocks(
-        self,
-        dest: TransferDestination,
-        layer: int,
-        dest_block_ids: Sequence[int],
-        kv_pool: torch.Tensor,
-        src_block_ids: Sequence[int],
-        last: bool = False,
-        timeout: float | None = None,
-        n_layers: int = 1,
-    ) -> asyncio.Future[int]:
-        """Start pushing kv_pool[layer : layer + n_layers][:, :, src_block_ids] into dest's
-        `dest_block_ids` (block i to block i); the future gives the payload bytes once UCX has
-        sent them, or raises like `send`. CPU pools are read in place until then; CUDA pools
-        are packed first (one layer per message)."""
-        if kv_pool.is_cuda and n_layers != 1:
-            raise ValueError("CUDA pools push one layer per message")
-        if kv_pool.is_cuda:
-            return self.post(
-                dest, layer, dest_block_ids, self.pack(kv_pool, layer, src_block_ids), last, timeout
+    def open(self, dest: TransferDestination, kv_pool: torch.Tensor | None = None) -> KvPush:
+        """A push into `dest`, reading `src` blocks from `kv_pool`. Raises TransferError if the
+        decode node's KV layout is not this one."""
+        if dest.layout_fingerprint != self.layout.fingerprint():
+            raise TransferError(
+                f"KV layout mismatch: decode node {dest.layout_fingerprint}, this node "
+                f"{self.layout.fingerprint()} ({self.layout.describe()})"
             )
-        src = tuple(int(b) for b in src_block_ids)
-        ids = self._check_ids(dest, layer, dest_block_ids, n_layers)
-        if len(src) != len(ids):
-            raise ValueError(f"{len(src)} source blocks for {len(ids)} destination blocks")
-        iov = ucp.pool_iov(kv_pool, layer, src, n_layers)
-        return self._post(dest, layer, ids, iov, kv_pool, last, timeout, n_layers)
-
-    def post(
-        self,
-        dest: TransferDestination,
-        layer: int,
-        dest_block_ids: Sequence[int],
-        payload: torch.Tensor,
-        last: bool = False,
-        timeout: float | None = None,
-    ) -> asyncio.Future[int]:
-        """Start pushing a packed payload (2, n, block_size, kv_heads, head_dim)."""
-        ids = self._check_ids(dest, layer, dest_block_ids)
-        layout = self._layout
-        shape = (2, len(ids), layout.block_size, layout.num_kv_heads, layout.head_dim)
-        if tuple(payload.shape) != shape or payload.dtype != layout.torch_dtype:
-            raise ValueError(
-                f"payload {tuple(payload.shape)} {payload.dtype} does not match "
-                f"{shape} {layout.torch_dtype} for {len(ids)} blocks"
-            )
-        payload = payload.contiguous()
-        return self._post(dest, layer, ids, None, payload, last, timeout)
-
-    async def send(
-        self,
-        dest: TransferDestination,
-        layer: int,
-        dest_block_ids: Sequence[int],
-        payload: torch.Tensor,
-        last: bool = False,
-        timeout: float | None = None,
-    ) -> int:
-        """Push one layer's packed blocks into dest's blocks `dest_block_ids` (payload block i
-        goes to dest_block_ids[i]). `last` marks the final message of the whole transfer.
-        Returns the payload bytes. Raises TransferError if the layouts differ or the decode node
-        is gone, TransferTimeout if it does not take the message within `timeout` (default: the
-        sender's send_timeout), ValueError if the payload does not fit the layout. A message for
-        a transfer the decode node already dropped is drained and counted there, and succeeds
-        here: cancellation travels over gRPC, not this plane."""
-        return await self.post(dest, layer, dest_block_ids, payload, last, timeout)
-
-    async def send_blocks(
-        self,
-        dest: TransferDestination,
-        layer: int,
-        dest_block_ids: Sequence[int],
-        kv_pool: torch.Tensor,
-        src_block_ids: Sequence[int],
-        last: bool = False,
-        timeout: float | None = None,
-        n_layers: int = 1,
-    ) -> int:
-        """`send` for blocks still in the pool (see `post_blocks`)."""
-        return await self.post_blocks(
-            dest, layer, dest_block_ids, kv_pool, src_block_ids, last, timeout, n_layers
-        )
-
-    async def quiesce(self, transfer_id: int, timeout: float) -> bool:
-        """Wait (at most `timeout`) until UCX no longer reads any buffer of the transfer, then
-        forget it. Returns whether it got there. Reads that outlive it can only reach a
-        transfer the decode node has already failed (and fenced), so callers may then release
-        their blocks."""
-        out = self._transfers.pop(transfer_id, None)
-        if out is None or not out.reading:
-            return True
-        _, pending = await asyncio.wait(set(out.reading), timeout=timeout)
-        if pending:
-            log.warning(
-                "transfer %#x: %d KV sends still posted after %.3gs",
-                transfer_id,
-                len(pending),
-                timeout,
-            )
-        return not pending
+        if kv_pool is not None:
+            self.layout.check_pool(kv_pool)
+        return KvPush(self, dest, kv_pool)
 
     async def close(self) -> None:
         """Close every endpoint (bounded wait), then the UCX worker."""
@@ -291,89 +312,6 @@ class KvSender:
         engine.close()
 
     # ---- internals ----------------------------------------------------------------------------
-    def _check_ids(
-        self,
-        dest: TransferDestination,
-        layer: int,
-        dest_block_ids: Sequence[int],
-        n_layers: int = 1,
-    ) -> tuple[int, ...]:
-        if dest.layout_fingerprint != self._fingerprint:
-            raise TransferError(
-                f"KV layout mismatch: decode node {dest.layout_fingerprint}, this node "
-                f"{self._fingerprint} ({self._layout.describe()})"
-            )
-        if not (layer >= 0 and n_layers >= 1 and layer + n_layers <= self._layout.num_layers):
-            raise ValueError(
-                f"layers {layer}..{layer + n_layers - 1} outside 0..{self._layout.num_layers - 1}"
-            )
-        ids = tuple(int(b) for b in dest_block_ids)
-        if not ids:
-            raise ValueError("a KV message needs at least one block")
-        return ids
-
-    def _post(
-        self,
-        dest: TransferDestination,
-        layer: int,
-        ids: tuple[int, ...],
-        iov: np.ndarray | None,
-        source: torch.Tensor,
-        last: bool,
-        timeout: float | None,
-        n_layers: int = 1,
-    ) -> asyncio.Future[int]:
-        """Post header + payload now (or, for a CUDA pack, once its copy has finished)."""
-        engine = self._ensure_engine(source.device)
-        out = self._transfers.setdefault(dest.transfer_id, _Outgoing())
-        seq = out.next_seq
-        out.next_seq += 1
-        nbytes = n_layers * len(ids) * self._layout.block_bytes_per_layer
-        header = np.frombuffer(
-            proto.encode_header(
-                dest.transfer_id,
-                dest.token,
-                self._fingerprint_bytes,
-                layer,
-                ids,
-                nbytes,
-                last,
-                seq,
-                n_layers,
-            ),
-            dtype=np.uint8,
-        )
-        loop = asyncio.get_running_loop()
-        send = _Send(
-            self,
-            engine,
-            out,
-            dest,
-            seq,
-            header,
-            iov,
-            source,
-            nbytes,
-            self._send_timeout if timeout is None else timeout,
-            loop.create_future(),
-        )
-        ready = _ready_events.get(source) if iov is None else None
-        if ready is not None and not ready.query():
-            # UCX reads device memory on its own streams: post once the pack's copy is done
-            waiting = asyncio.ensure_future(asyncio.to_thread(ready.synchronize))
-            waiting.add_done_callback(lambda _: send.start())
-        else:
-            send.start()
-        if last:
-            # seq numbers are per transfer; its entry stays only while reads are outstanding
-            send.result.add_done_callback(lambda _: self._forget_if_idle(dest.transfer_id))
-        return send.result
-
-    def _forget_if_idle(self, transfer_id: int) -> None:
-        out = self._transfers.get(transfer_id)
-        if out is not None and not out.reading:
-            del self._transfers[transfer_id]
-
     def _ensure_engine(self, device: torch.device) -> UcxWorker:
         if self._closed:
             raise TransferError("KvSender is closed")

@@ -1,35 +1,25 @@
 """The few UCP C calls that ucxx 0.52's Python API lacks, through ctypes on ucxx's own libucp.
 
-Why: ucxx's `UCXListener.create(worker, port, ...)` always listens on every interface (its C++
-`ListenerBuilder::host()` is not exposed to Python), and a KV receiver must bind to the address
-an operator configured. So the KV listener is created here with `ucp_listener_create` on the
-worker that ucxx made (`UCXWorker.handle`), and accepted connections become raw UCP endpoints
-(`ucp_ep_create` from the connection request, peer error handling). The receiver never sends on
-them: it only holds them (so the peer's sends can flow) and closes them.
-
-The UCP API is a stable C ABI: every parameter struct starts with a `field_mask` and later UCX
-versions only append fields, so the layouts below (UCX 1.21, pinned through ucxx 0.52.*) stay
-valid. `_Params` structs are allocated with spare room anyway.
-
-Nothing here is thread safe: use it from the thread that progresses the worker. Callbacks run
-inside `ucp_worker_progress` on that thread.
+Why: ucxx's `UCXListener.create` always listens on every interface, and a KV receiver must bind to
+the address an operator configured; ucxx has no iov datatype, and the KV push gathers from and
+scatters into pool blocks with one UCX operation each. The UCP API is a stable C ABI (parameter
+structs start with a `field_mask`, later versions only append fields), so the layouts below (UCX
+1.21, pinned through ucxx 0.52.*) stay valid; `_Params` structs get spare room anyway. Nothing here
+is thread safe: use it from the thread that progresses the worker, where callbacks run too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import socket
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import libucx
 import numpy as np
-import torch
 
 from transfer.env import configure_ucx_env
-from transfer.protocol import resolve_bind_address
+from transfer.protocol import pack_sockaddr, parse_sockaddr, resolve_bind_address
 
 log = logging.getLogger(__name__)
 
@@ -172,25 +162,6 @@ def _check(what: str, status: int) -> None:
         raise UcpError(what, status)
 
 
-# ---- socket addresses ---------------------------------------------------------------------------
-def _sockaddr(family: int, packed_ip: bytes, port: int) -> ctypes.Array:
-    if family == socket.AF_INET:
-        raw = struct.pack("=H", family) + struct.pack("!H", port) + packed_ip + bytes(8)
-    else:
-        raw = struct.pack("=H", family) + struct.pack("!HI", port, 0) + packed_ip + bytes(4)
-    return ctypes.create_string_buffer(raw, len(raw))
-
-
-def _parse_sockaddr(raw: bytes) -> tuple[str, int]:
-    (family,) = struct.unpack_from("=H", raw, 0)
-    (port,) = struct.unpack_from("!H", raw, 2)
-    if family == socket.AF_INET:
-        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
-    if family == socket.AF_INET6:
-        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
-    return f"<family {family}>", port
-
-
 # ---- requests -----------------------------------------------------------------------------------
 class RawRequest:
     """A UCP status pointer as `UcxWorker.submit` wants it (`completed`, `check_error()`).
@@ -270,7 +241,8 @@ class BoundListener:
         self._conn_cb = _CONN_CB(self._on_conn_request)
         self._err_cb = _ERR_CB(self._on_ep_error)
         family, packed_ip = resolve_bind_address(host)
-        self._addr = _sockaddr(family, packed_ip, port)
+        raw = pack_sockaddr(family, packed_ip, port)
+        self._addr = ctypes.create_string_buffer(raw, len(raw))
         params = _ListenerParams()
         params.field_mask = _LISTENER_FIELD_SOCK_ADDR | _LISTENER_FIELD_CONN_HANDLER
         params.sockaddr.addr = ctypes.addressof(self._addr)
@@ -285,7 +257,7 @@ class BoundListener:
         attr = _SockAddrAttr()
         attr.field_mask = _LISTENER_ATTR_SOCKADDR
         _check("ucp_listener_query", _ucp.ucp_listener_query(self._handle, attr))
-        self.ip, self.port = _parse_sockaddr(bytes(attr.sockaddr))
+        self.ip, self.port = parse_sockaddr(bytes(attr.sockaddr))
 
     @property
     def endpoints(self) -> list[ServerEndpoint]:
@@ -337,7 +309,7 @@ def _client_address(conn_request: int) -> str:
     attr.field_mask = _CONN_REQUEST_ATTR_CLIENT_ADDR
     if _ucp.ucp_conn_request_query(conn_request, attr) != UCS_OK:
         return "?"
-    ip, port = _parse_sockaddr(bytes(attr.sockaddr))
+    ip, port = parse_sockaddr(bytes(attr.sockaddr))
     return f"{ip}:{port}"
 
 
@@ -393,26 +365,14 @@ def recv_probed_iov(worker_handle: int, p: Probe, iov: np.ndarray) -> RawRequest
     )
 
 
-def pool_iov(
-    kv_pool: torch.Tensor, layer: int, ids: Sequence[int], n_layers: int = 1
-) -> np.ndarray:
-    """iov (IOV_DTYPE) over kv_pool[layer : layer + n_layers][:, :, ids] of a contiguous
-    [L, 2, NB, ...] pool, in payload order (per layer: K blocks, then V blocks); a run of
-    adjacent ids is one entry."""
-    item = kv_pool.element_size()
-    layer_s, kv_s, block_s = (kv_pool.stride(i) * item for i in range(3))
-    block_ids = np.asarray(ids, dtype=np.int64)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(block_ids) != 1) + 1))
-    lengths = np.diff(np.concatenate((starts, [len(block_ids)]))) * block_s
-    runs = kv_pool.data_ptr() + block_ids[starts] * block_s  # offsets inside one layer's K
-    # (n_layers, 2, runs): layer-major, then K/V, then the runs in payload order
-    offsets = (layer + np.arange(n_layers))[:, None, None] * layer_s + np.array([0, kv_s])[
-        None, :, None
-    ]
-    iov = np.empty((n_layers, 2, len(starts)), dtype=IOV_DTYPE)
-    iov["buffer"] = offsets + runs[None, None, :]
-    iov["length"] = lengths[None, None, :]
-    return iov.reshape(-1)
+def iov(base: int, spans: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """An iov list (IOV_DTYPE) over `spans` ((offsets, lengths) from KvLayout.block_spans)
+    of the memory starting at address `base`."""
+    offsets, lengths = spans
+    out = np.empty(len(offsets), dtype=IOV_DTYPE)
+    out["buffer"] = base + offsets
+    out["length"] = lengths
+    return out
 
 
 _PLAIN = _RequestParam()  # contiguous buffer, no callback: completion is polled

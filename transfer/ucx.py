@@ -12,9 +12,11 @@ from transfer.env import configure_ucx_env
 from transfer.errors import TransferCancelled, TransferError, TransferTimeout
 from transfer.protocol import TransferDestination
 from transfer.receiver import KvReceiver, TransferStats
-from transfer.sender import KvSender
+from transfer.sender import KvMessage, KvPush, KvSender
 
 __all__ = [
+    "KvMessage",
+    "KvPush",
     "KvReceiver",
     "KvSender",
     "TransferCancelled",

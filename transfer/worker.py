@@ -1,72 +1,13 @@
-"""UCX progress engine of the transfer plane: one UCX context + worker, driven by one asyncio loop.
+"""One UCX context + worker, progressed by the owner's asyncio loop (no progress thread).
 
-Why not ucxx's async API and its progress modes
------------------------------------------------
-ucxx's `Endpoint.send/recv` await `UCXRequest.wait()`, which (without Python futures) is an
-`asyncio.sleep(0)` loop: every pending request burns a core, in every progress mode, and its
-`ep.recv` posts the receive before the message comes, so a waiting receiver spins (and a timed
-out one leaves an orphaned receive that swallows the next matching message). `python -m
-transfer.measure`
-(two processes, same host, sysv shared memory, 16 MiB messages sent back to back, per-message
-median and best; 2-core VM, two quiet runs, other jobs share the machine so expect +-30%):
+Why not ucxx's async API: its requests spin the loop while they wait and its receives are posted
+before the message comes; this worker sleeps on UCX's epoll fd when idle, polls on every loop
+iteration while a transfer moves, and receives only probed messages (measurements and the full
+rationale: docs/performance.md, "Transfer plane: progress engine").
 
-    mode                                   GB/s median (best)        idle CPU, receive waiting
-    ucxx async, thread                     1.8 - 4.2  (4.4 - 10.5)   102 %
-    ucxx async, thread + python futures    6.6 - 7.2  (7.8 - 10.1)   2.6 - 3.1 %
-    ucxx async, polling                    8.2 - 8.4  (10.5 - 16.5)  99 % (spins even with
-                                                                       nothing posted: 30-60 %)
-    ucxx async, blocking                   0.3 - 8.4  (0.3 - 14.1)   52 - 99 %
-    this engine, raw tagged messages       13.1       (14.3 - 15.0)  0.5 - 0.8 %
-    this engine, KvSender -> KvReceiver    1.3 - 2.0  (2.1 - 3.1)    0.0 - 0.1 %
-      (then: pack + header + send + validate + scatter, one 16 MiB layer per transfer: two
-       extra memcpys and first-touch page faults of CPU memory on this VM, ~2-4 ms each)
-    the same after the zero-copy push         2.9        (5.8)        0.1 %
-      (header + payload gathered from / received into the pool blocks; the raw engine in
-       the same later, busier run: 3.0 (10.9))
-
-An async API on the same event loop is faster than a progress thread here (the thread modes hand
-every completion across threads, and a 2-core machine has no core to spare for a polling thread),
-provided the loop polls only while a transfer moves and sleeps otherwise.
-
-So the transfer plane uses ucxx's low-level, synchronous Cython API (`ucxx._lib.libucxx`: the
-same one ucxx's async layer is built on and ucxx tests directly) and drives the worker itself,
-on the owner's event loop, with an adaptive policy:
-
-* idle: the worker is armed (`ucp_worker_arm`) and its epoll fd is registered with the loop
-  (`add_reader`); nothing runs until UCX has an event (a connection, a message, a completion).
-  A slow safety tick (0.5 s) re-progresses in case an event is ever missed;
-* in flight: while requests are pending and UCX keeps making progress, the loop progresses the
-  worker on every iteration (`call_soon`), like ucxx's polling mode, which is what shared-memory
-  rendezvous needs to stream fragments at memory speed; other callbacks still run in between;
-* stalled: pending requests but no progress for `spin_s` (0.3 ms: the peer is busy, or gone),
-  so the worker is armed again and the loop sleeps until an event or a 1 ms tick. The tick is
-  short because shared-memory progress does not always raise an epoll event (with a 20 ms tick
-  a 32 MiB message took 4.6 or 14 ms); the spin is short because a node's loop shares its core
-  with the engine thread (a 2 ms spin raised the decode ITL p99 under incoming KV from ~1.2x to
-  1.3-1.55x of its quiet value; 0.3 ms: 1.15-1.28x, same transfer throughput).
-
-Receives are never posted ahead of their message (that is what makes ucxx spin and what leaves
-orphaned receives behind after a timeout): the receiver probes the worker's unexpected queue
-(`ucp_tag_probe_nb`, any tag, remove) after progress, and receives each matched message with its
-handle into memory of its choosing (`ucp_tag_msg_recv_nbx`, a contiguous buffer or an iov list).
-A matched receive completes as fast as the sender delivers; unwanted messages are drained with a
-1-byte truncating receive (UCX then completes the sender's request normally, rendezvous
-included). Sends and receives go through `transfer.ucp` (ctypes on ucxx's libucp, same worker):
-ucxx 0.52's Python API has no iov datatype, and the KV push gathers from and scatters into pool
-blocks with one UCX operation each. ucxx still creates the context, worker and client endpoints
-and progresses the worker.
-
-Everything here runs on the loop thread, UCX callbacks included (listener and endpoint-error
-callbacks run inside `progress_once`); nothing is thread safe. Requests keep their buffers (and
-iov lists) alive (`keep`) until UCX completes them: freeing a buffer UCX still writes into
-corrupts memory.
-
-CUDA pools: device addresses go to UCX as they are (it detects the memory type); UCX picks
-cuda_copy (staging through host memory, used with tcp across hosts) or cuda_ipc (same host, GPU to
-GPU), given UCX_TLS allows them (the default does) and the loop thread has the device's CUDA
-context current (`torch.cuda.set_device`, done by the receiver and sender). UCX does not order its
-copies with torch streams: senders wait for the pack's CUDA event before handing a buffer to UCX,
-and receivers synchronize their scatter stream before a payload's blocks count as landed.
+Everything here runs on the loop thread, UCX callbacks included; nothing is thread safe. A
+request keeps its buffers (`keep`) alive until UCX completes it: freeing one UCX still writes
+into corrupts memory.
 """
 
 from __future__ import annotations

@@ -292,6 +292,17 @@ class EngineCore:
         self.outputs.forget(request_id)
         self.recent_history.append((request_id, list(request.history)))
 
+    def context_pushed(self, request_id: str, ok: bool) -> None:
+        """The prefill node is done with `request_id` (its push ended, ok or not, or it was
+        cancelled before its context was computed): release it either way."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            self.complete_context(request_id, ok)
+        else:
+            self.abort(request_id)
+
     # ---- decode side of P/D ---------------------------------------------------------------
     def reserve_for_transfer(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""

@@ -10,13 +10,18 @@ set of blocks is `kv_pool[layer][:, block_ids]` (shape `(2, n, block_size, heads
 which is what the layer-wise KV push packs into one buffer. A token at position `p` of a sequence
 with block table `bt` lives at block `bt[p // block_size]`, offset `p % block_size`; its flat slot
 index inside one layer's K (or V) plane is `bt[p // block_size] * block_size + p % block_size`.
+
+This module is the only place that turns the layout into byte offsets: the transfer plane builds
+its UCX iov lists from `KvLayout.block_spans`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -69,7 +74,63 @@ class KvLayout:
     @property
     def block_bytes_per_layer(self) -> int:
         """Bytes of K plus V for one block in one layer."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        return 2 * self.plane_block_bytes
+
+    @property
+    def plane_block_bytes(self) -> int:
+        """Bytes of K (or V) for one block in one layer: one contiguous run in the pool."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def payload_bytes(self, n_layers: int, n_blocks: int) -> int:
+        """Bytes of `n_blocks` blocks' K and V over `n_layers` layers."""
+        return n_layers * n_blocks * self.block_bytes_per_layer
+
+    def payload_shape(self, n_layers: int, n_blocks: int) -> tuple[int, ...]:
+        """Shape of kv_pool[layer : layer + n_layers][:, :, block_ids] (a KV message's payload)."""
+        return (n_layers, 2, n_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def block_spans(
+        self,
+        num_blocks: int,
+        layer: int,
+        n_layers: int,
+        block_ids: Sequence[int],
+        merge: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, lengths), int64 byte arrays relative to the start of a contiguous pool of
+        `num_blocks` blocks, covering kv_pool[layer : layer + n_layers][:, :, block_ids] in
+        payload order (per layer: K blocks, then V blocks); with `merge` a run of adjacent ids
+        is one span, without it every block is its own. Vectorised: no Python loop per block."""
+        if not (layer >= 0 and n_layers >= 1 and layer + n_layers <= self.num_layers):
+            raise ValueError(f"layers {layer}..+{n_layers} outside 0..{self.num_layers - 1}")
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= num_blocks:
+            raise ValueError(f"block ids must be non-empty and inside 0..{num_blocks - 1}")
+        block = self.plane_block_bytes
+        kv_stride = num_blocks * block
+        layer_stride = 2 * kv_stride
+        if merge:
+            starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
+        else:
+            starts = np.arange(ids.size)
+        run_lengths = np.diff(np.concatenate((starts, [ids.size]))) * block
+        run_offsets = ids[starts] * block
+        # (n_layers, 2, runs): layer-major, then K/V, then the runs in payload order
+        planes = (layer + np.arange(n_layers))[:, None] * layer_stride + np.array([0, kv_stride])
+        offsets = planes[:, :, None] + run_offsets[None, None, :]
+        lengths = np.broadcast_to(run_lengths, offsets.shape)
+        return offsets.reshape(-1), np.ascontiguousarray(lengths).reshape(-1)
+
+    def check_pool(self, kv_pool: torch.Tensor) -> None:
+        """Raise ValueError unless `kv_pool` is a contiguous pool of this layout."""
+        if kv_pool.dim() != 6 or tuple(kv_pool.shape) != self.pool_shape(kv_pool.shape[2]):
+            raise ValueError(
+                f"kv_pool shape {tuple(kv_pool.shape)} does not match layout {self.describe()}"
+            )
+        if kv_pool.dtype != self.torch_dtype:
+            raise ValueError(f"kv_pool dtype {kv_pool.dtype} does not match layout {self.dtype}")
+        if not kv_pool.is_contiguous():
+            raise ValueError("kv_pool must be contiguous")
 
     def describe(self) -> str:
         return (

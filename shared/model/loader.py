@@ -1,4 +1,5 @@
-"""Load a model for serving: the built-in `tiny` model or a local Hugging Face checkpoint directory.
+"""Load a model for serving: the built-in `tiny` / `smollm2` models, a GGUF file (or a directory
+holding exactly one), or a local Hugging Face checkpoint directory.
 
 Never touches the network. A checkpoint directory needs `config.json` and `model.safetensors` (or a
 sharded `model.safetensors.index.json`); `generation_config.json`'s `eos_token_id` overrides
@@ -6,8 +7,10 @@ config.json's. `tokenizer.json` is read with the `tokenizers` package; without o
 tokenizer stands in when the vocabulary can hold the 256 bytes (so an exported test model still
 serves), otherwise loading fails with an error naming the missing file.
 
-Every problem (missing file, missing / unexpected tensor, shape mismatch) is raised at load time
-with the file and tensor named, never at the first request.
+A GGUF file is read by `shared.model.gguf_loader` / `gguf_tokenizer` (config, weights, tokenizer,
+chat template and sampling defaults from its metadata). Every problem (missing file, not GGUF,
+truncated, unsupported architecture or tensor type, missing / unexpected tensor, shape mismatch)
+is raised at load time with the file and tensor named, never at the first request.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from safetensors import safe_open
 
 from shared.model.chat_template import ChatTemplate
 from shared.model.config import ModelConfig, eos_token_ids_or_none
+from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
+from shared.model.gguf_file import GgufError, open_gguf
+from shared.model.gguf_loader import (
+    gguf_eos_token_ids,
+    gguf_generation_defaults,
+    gguf_model_config,
+    load_gguf_weights,
+)
+from shared.model.gguf_tokenizer import GgufTokenizerInfo, build_gguf_tokenizer
 from shared.model.llama import Model
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
@@ -84,7 +96,82 @@ def load_model(
     dtype = dtype or default_dtype(device)
     if spec == TINY_SPEC:
         return _load_tiny(device, dtype)
+    if spec == SMOLLM2_SPEC:
+        return load_gguf(smollm2_path(), device, dtype, name=SMOLLM2_SPEC)
+    gguf_file = gguf_file_for(Path(spec))
+    if gguf_file is not None:
+        return load_gguf(gguf_file, device, dtype)
     return _load_directory(Path(spec), device, dtype)
+
+
+# ------------------------------------------------------------------------------------ gguf
+
+GGUF_SUFFIX = ".gguf"
+
+
+def gguf_file_for(path: Path) -> Path | None:
+    """The GGUF file `path` names: itself when it is a file, the one `.gguf` in a directory
+    without config.json, None for a Hugging Face directory (or a path that does not exist)."""
+    if path.is_file():
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+    if len(found) > 1:
+        raise GgufError(
+            f"{path} holds {len(found)} GGUF files {[f.name for f in found]}; name one of them"
+        )
+    return found[0] if found else None
+
+
+def load_gguf(
+    path: Path, device: torch.device, dtype: torch.dtype, *, name: str | None = None
+) -> LoadedModel:
+    gguf = open_gguf(path)
+    eos = gguf_eos_token_ids(gguf)
+    config = gguf_model_config(gguf, eos_token_ids=eos)
+    tok = build_gguf_tokenizer(gguf)
+    if tok.tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+        raise gguf.error(
+            f"tokenizer has {tok.tokenizer.get_vocab_size(with_added_tokens=True)} tokens, the "
+            f"model's vocabulary only {config.vocab_size}"
+        )
+    model = Model(config, device, dtype)
+    load_gguf_weights(model, gguf)
+    template = _gguf_chat_template(gguf.get("tokenizer.chat_template"), tok)
+    tokenizer = HfTokenizer(tok.tokenizer, bos_token_id=tok.bos_token_id, eos_token_ids=eos)
+    return LoadedModel(
+        model,
+        config,
+        tokenizer,
+        name or path.stem,
+        frozenset(eos),
+        chat_template=template,
+        generation_defaults=gguf_generation_defaults(gguf),
+    )
+
+
+def _gguf_chat_template(source: object, tok: GgufTokenizerInfo) -> ChatTemplate | None:
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(source, bos_token=tok.bos_token, eos_token=tok.eos_token)
+
+
+def load_tokenizer_and_template(spec: str) -> tuple[Tokenizer, ChatTemplate | None]:
+    """The tokenizer and chat template of model `spec`, without building the model (a client
+    such as `pdserve up --run` formats a chat prompt with them)."""
+    if spec == TINY_SPEC:
+        return ByteTokenizer(bos_token_id=256, eos_token_ids=(257,), pad_token_id=258), None
+    gguf_path = smollm2_path() if spec == SMOLLM2_SPEC else gguf_file_for(Path(spec))
+    if gguf_path is not None:
+        gguf = open_gguf(gguf_path)
+        tok = build_gguf_tokenizer(gguf)
+        eos = gguf_eos_token_ids(gguf)
+        tokenizer = HfTokenizer(tok.tokenizer, bos_token_id=tok.bos_token_id, eos_token_ids=eos)
+        return tokenizer, _gguf_chat_template(gguf.get("tokenizer.chat_template"), tok)
+    path = Path(spec)
+    config = ModelConfig.from_hf_config_dict(_read_json(path / "config.json", required=True))
+    return _load_tokenizer(path, config, _eos_token_ids(path, config)), _chat_template(path)
 
 
 # ------------------------------------------------------------------------------------ tiny
@@ -124,7 +211,8 @@ def init_dummy_weights(model: Model, seed: int, std: float = TINY_INIT_STD) -> N
 def _load_directory(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model spec {str(path)!r} is neither {TINY_SPEC!r} nor an existing directory"
+            f"model spec {str(path)!r} is neither {TINY_SPEC!r}, {SMOLLM2_SPEC!r}, a GGUF file nor "
+            "an existing directory"
         )
     config_json = _read_json(path / "config.json", required=True)
     config = ModelConfig.from_hf_config_dict(config_json)
@@ -168,7 +256,12 @@ def _eos_token_ids(path: Path, config: ModelConfig) -> frozenset[int]:
 
 # generation_config.json keys that are request defaults (vLLM's set of overridable fields)
 _GENERATION_DEFAULT_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
 )
 
 

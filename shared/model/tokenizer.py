@@ -122,6 +122,11 @@ class HfTokenizer(Tokenizer):
         return cls(tok, bos_token_id=bos_token_id, eos_token_ids=eos_token_ids)
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer` (e.g. to save it as tokenizer.json)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_util import summarize
+from benchmarks.support.util import summarize
 
 
 @dataclass

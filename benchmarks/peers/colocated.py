@@ -3,7 +3,7 @@ same public `Generation` gRPC service as a decode node. pdserve itself has no su
 serving and TTFT benchmarks need one so that the colocated baseline goes through the same client,
 the same gRPC stack and the same process model as the P/D cluster.
 
-    python -m benchmarks.bench_colocated --model tiny --port 0 [engine flags of `pdserve decode`]
+    python -m benchmarks.peers.colocated --model tiny --port 0 [engine flags of `pdserve decode`]
 
 Prints the same `PDSERVE_READY {...}` line as the nodes. Timing in the final message: queue =
 arrival -> first scheduled, prefill = first scheduled -> first token, kv_transfer = 0.

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.bench_util import kill_group
+from benchmarks.support.util import kill_group
 
 NETNS_SUBNET = ("10.213.0.1", "10.213.0.2", 30)  # receiver, sender, prefix length
 

@@ -1,11 +1,12 @@
-"""Helpers the transfer, TTFT and serving benchmarks share: statistics, helper processes driven
-by JSON lines, CPU and memory readings, line plots."""
+"""Helpers every benchmark shares: output files and environment, statistics, helper processes
+driven by JSON lines, CPU and memory readings, plots."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import platform
 import queue
 import signal
 import subprocess
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 REPLY_PREFIX = "BENCH-REPLY "
 
 
@@ -229,3 +231,44 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} GiB"
+
+
+# ---- output ---------------------------------------------------------------------------------
+def environment() -> dict[str, Any]:
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+
+
+def bar_plot(
+    path: Path, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + i * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")

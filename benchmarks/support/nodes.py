@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_util import child_env, idle_cpu_percent
+from benchmarks.support.util import child_env, idle_cpu_percent
 from pdserve.cluster import NodeProcess, stop_all, wait_ready
 
 READY_TIMEOUT_S = 180.0
@@ -33,7 +33,7 @@ def core(i: int) -> str:
 @dataclass
 class NodeSpec:
     name: str  # unique in a setup: "prefill", "decode", "decode-whole", "colocated"
-    module: str  # "pdserve.cli" or "benchmarks.bench_colocated"
+    module: str  # "pdserve.cli" or "benchmarks.peers.colocated"
     args: list[str]
     cpus: str | None  # taskset list; None: unpinned
     threads: int = 1
@@ -128,4 +128,4 @@ def colocated_spec(
     model: str, engine: dict[str, Any] | None = None, cpus: str | None = None, threads: int = 1
 ) -> NodeSpec:
     args = [*engine_args(model, engine), "--port", "0"]
-    return NodeSpec("colocated", "benchmarks.bench_colocated", args, cpus or core(0), threads)
+    return NodeSpec("colocated", "benchmarks.peers.colocated", args, cpus or core(0), threads)

@@ -33,7 +33,7 @@ def resolve(name: str, cache_dir: Path) -> BenchModel:
         # 4 layers x 2 KV heads x head_dim 32 x K,V x fp32
         return BenchModel("tiny", "tiny", 4096, 256, 4 * 2 * 32 * 2 * 4)
     if name == "medium":
-        from tests.checkpoints import cached_checkpoint
+        from benchmarks.support.checkpoints import cached_checkpoint
 
         path = cached_checkpoint(cache_dir, "llama", seed=0, **MEDIUM_CONFIG)
         c = MEDIUM_CONFIG

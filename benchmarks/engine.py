@@ -5,7 +5,7 @@ baseline is what a static batch does: transformers runs each group of B requests
 order) until its longest member is done; pdserve's continuous batching refills a seat as soon as
 a request ends. Both are measured in the same run; the headline is their ratio.
 
-    python -m benchmarks.engine_throughput [--quick] [--out bench_out]
+    python -m benchmarks.engine [--quick] [--out bench_out]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import bar_plot, environment, write_json
+from benchmarks.support.util import bar_plot, environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ MODEL = {
 
 
 def build_model_dir(root: Path) -> Path:
-    from tests.checkpoints import build_checkpoint
+    from benchmarks.support.checkpoints import build_checkpoint
 
     return build_checkpoint("llama", root / "bench-llama", seed=0, **MODEL)
 

@@ -1,0 +1,49 @@
+"""One request on the prefill node, from its Prefill RPC to the end of its KV push."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from transfer.protocol import TransferDestination
+from transfer.ucx import KvMessage, KvPush
+
+FINAL = None  # queued after the last message of a request
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """One request on the prefill node: created by its RPC handler on the event loop, its push
+    planned by the engine thread's layer hook, its messages sent by the handler."""
+
+    request_id: str
+    destination: TransferDestination
+    first_block_index: int
+    layerwise: bool
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Task[object] | None = None  # the RPC handler, cancelled by CancelPrefill
+    push: KvPush | None = None  # the KV push, once the destination checked out
+    first_token: asyncio.Future[int] = field(init=False)
+    admitted_at: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue[KvMessage | None] = field(default_factory=asyncio.Queue)
+    sent_upto: int = 0  # prompt blocks [0, sent_upto) are queued for every layer
+    cancelled: bool = False
+    completed: bool = False  # every message sent and the first token known
+    first_message_at: float | None = None  # wall clock, for the TTFT breakdown
+
+    def __post_init__(self) -> None:
+        self.first_token = self.loop.create_future()
+
+    def put(self, item: KvMessage | None) -> None:
+        """From the engine thread: queue a message (or FINAL) for the handler."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def dest_ids(self, start: int, stop: int) -> list[int]:
+        offset = self.first_block_index
+        return list(self.destination.block_ids[start - offset : stop - offset])
+
+    @property
+    def pushed(self) -> bool:
+        """Whether the decode node has the whole context (the blocks may be unpinned as done)."""
+        return self.completed and not self.cancelled
