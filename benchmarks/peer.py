@@ -18,10 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_util import load_average
-from benchmarks.common import environment, write_json
 from benchmarks.peers import vllm_offline, vllm_online, vllm_report, vllm_setup
 from benchmarks.peers.vllm_servers import ServerConfig
+from benchmarks.support.util import environment, load_average, write_json
 
 SKIP_MESSAGE = (
     "vLLM venv not found at {venv}: `pdserve bench peer --quick` never installs vLLM (CI must not "
@@ -79,7 +78,7 @@ def quick(a: argparse.Namespace) -> dict[str, Any]:
         print(result["skipped"])
         write_json(a.out / "peer.json", result)
         return result
-    from tests.checkpoints import build_checkpoint
+    from benchmarks.support.checkpoints import build_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_checkpoint("llama", Path(tmp) / "peer-llama", seed=0, **QUICK_MODEL)

@@ -234,9 +234,7 @@ def test_sigterm_drains_in_flight_work_and_exits_clean(nodes: Nodes, reference: 
     wait_released(p)
 
 
-def test_decode_node_listens_only_on_its_configured_address(
-    nodes: Nodes, reference: LLM
-) -> None:
+def test_decode_node_listens_only_on_its_configured_address(nodes: Nodes, reference: LLM) -> None:
     """--host and --ucx-host 127.0.0.1: the gRPC port, /metrics, the KV listener and UCX's own
     tcp sockets are all bound to 127.0.0.1, so another address of the host (127.0.0.2 here,
     a second interface in a real deployment) reaches none of them; KV still flows."""

@@ -40,9 +40,7 @@ def flat_bytes(pool: torch.Tensor) -> torch.Tensor:
 
 def _descs(base: int, layout: KvLayout, num_blocks: int, block_ids: list[int]) -> np.ndarray:
     """One NIXL descriptor (address, length, device) per (layer, K/V, block) of `block_ids`."""
-    offsets, lengths = layout.block_spans(
-        num_blocks, 0, layout.num_layers, block_ids, merge=False
-    )
+    offsets, lengths = layout.block_spans(num_blocks, 0, layout.num_layers, block_ids, merge=False)
     n = len(offsets)
     addresses = np.uint64(base) + offsets.astype(np.uint64)
     return np.stack([addresses, lengths.astype(np.uint64), np.zeros(n, np.uint64)], axis=1)
@@ -222,7 +220,6 @@ class ReceiverBaselines:
         return {"end": await asyncio.wait_for(self.nixl_waits.pop(tag), 600)}
 
 
-
 class SenderBaselines:
     """The sending sides; the role provides layout and pool."""
 
@@ -371,4 +368,3 @@ class SenderBaselines:
         if state != "DONE":
             raise RuntimeError(f"NIXL transfer ended in state {state}")
         return {"start": t0, "end": done}
-

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.bench_util import summarize
+from benchmarks.support.util import summarize
 
 TIMEOUT_S = 600.0
 

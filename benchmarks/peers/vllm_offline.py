@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.bench_util import REPO_ROOT, child_env, load_average
+from benchmarks.support.util import REPO_ROOT, child_env, load_average
 
 DRIVERS = {
     "pdserve": ["-m", "benchmarks.peers.vllm_pdserve_engine"],

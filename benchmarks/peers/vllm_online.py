@@ -20,9 +20,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.bench_util import REPO_ROOT, child_env, load_average
 from benchmarks.peers import vllm_http, vllm_servers
 from benchmarks.peers.vllm_servers import MODEL_NAME, ServerConfig
+from benchmarks.support.util import REPO_ROOT, child_env, load_average
 
 CLIENT = REPO_ROOT / "benchmarks" / "peers" / "vllm_bench_client.py"
 METRICS = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import bar_plot, write_json
+from benchmarks.support.util import bar_plot, write_json
 
 
 def write(out: Path, result: dict[str, Any]) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks import bench_nodes
-from benchmarks.bench_util import child_env, kill_group
+from benchmarks.support import nodes as bench_nodes
+from benchmarks.support.util import child_env, kill_group
 
 READY_TIMEOUT_S = 900.0  # vLLM starts in ~25 s on an idle machine, minutes on a busy one
 MODEL_NAME = "smollm2"

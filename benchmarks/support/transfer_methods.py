@@ -252,5 +252,3 @@ def measure_idle(
         "receiver_idle_cpu_percent": idle,
         "receiver_waiting_cpu_percent": waiting,
     }
-
-
