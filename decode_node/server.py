@@ -39,6 +39,7 @@ from shared.serving.grpc_server import (
     sampling_from_proto,
     sampling_to_proto,
 )
+from shared.serving.metrics import register_scrape_counter, register_scrape_gauge
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
 
@@ -107,27 +108,31 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.metrics = NodeMetrics(
             lambda: self._snapshot(), rejected=lambda: self.receiver.rejected_total
         )
-        self.metrics.registry.gauge(
+        registry = self.metrics.registry
+        register_scrape_gauge(
+            registry,
             "pdserve_prefill_peer_healthy",
             "1 while a prefill node is routed to, 0 while it is skipped as unhealthy",
+            lambda: {(p.target,): float(p.healthy) for p in self.pool.peers},
             labelnames=("peer",),
-            fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.peers},
         )
-        registry = self.metrics.registry
-        registry.gauge(
+        register_scrape_gauge(
+            registry,
             "pdserve_kv_writes_in_flight",
             "KV payload receives posted into the pool and not completed",
-            fn=lambda: float(self.receiver.writes_in_flight),
+            lambda: float(self.receiver.writes_in_flight),
         )
-        registry.gauge(
+        register_scrape_gauge(
+            registry,
             "pdserve_kv_fenced_transfers",
             "ended transfers whose blocks a posted payload receive may still write",
-            fn=lambda: float(self.receiver.fenced_transfers),
+            lambda: float(self.receiver.fenced_transfers),
         )
-        registry.callback_counter(
+        register_scrape_counter(
+            registry,
             "pdserve_kv_endpoint_resets_total",
             "KV endpoints force-closed to end a receive whose sender stalled mid-payload",
-            fn=lambda: float(self.receiver.endpoint_resets),
+            lambda: float(self.receiver.endpoint_resets),
         )
         self.serving: NodeServing | None = None
         self.port = 0

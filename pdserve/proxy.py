@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
 
-from shared.serving.metrics import MetricsRegistry, MetricsServer, serve_metrics
+from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -243,30 +244,34 @@ class Proxy:
         self.max_attempts = max_attempts
         self.server: aio.Server | None = None
         self.health = health.HealthServicer()
-        self.metrics_server: MetricsServer | None = None
+        self.metrics_server: AsgiServer | None = None
         self.port = 0
         self._health_task: asyncio.Task[None] | None = None
-        self.registry = MetricsRegistry()
-        r = self.registry
-        self.calls = r.counter(
+        self.registry = r = CollectorRegistry()
+        self.calls = Counter(
             "pdserve_proxy_calls_total",
             "Calls finished through the proxy, by backend and gRPC status",
             labelnames=("backend", "code"),
+            registry=r,
         )
-        self.retries = r.counter(
-            "pdserve_proxy_retries_total", "Calls moved to another backend before any answer"
+        self.retries = Counter(
+            "pdserve_proxy_retries_total",
+            "Calls moved to another backend before any answer",
+            registry=r,
         )
-        r.gauge(
+        register_scrape_gauge(
+            r,
             "pdserve_proxy_backend_healthy",
             "1 while a backend gets new calls, 0 while it is skipped as unhealthy",
+            lambda: {(b.target,): float(b.healthy) for b in self.pool.backends},
             labelnames=("backend",),
-            fn=lambda: {(b.target,): float(b.healthy) for b in self.pool.backends},
         )
-        r.gauge(
+        register_scrape_gauge(
+            r,
             "pdserve_proxy_backend_inflight",
             "Calls in flight per backend",
+            lambda: {(b.target,): float(b.inflight) for b in self.pool.backends},
             labelnames=("backend",),
-            fn=lambda: {(b.target,): float(b.inflight) for b in self.pool.backends},
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -283,7 +288,8 @@ class Proxy:
             raise OSError(f"cannot bind the proxy to {host}:{port}")
         await self.server.start()
         if metrics_port >= 0:
-            self.metrics_server = await serve_metrics(self.registry, host, metrics_port)
+            app = metrics_app(self.registry, self.pool.any_healthy)
+            self.metrics_server = await AsgiServer.start(app, host, metrics_port)
         log.info(
             "proxy serving on %s:%d, backends %s", host, self.port, ",".join(self.pool.targets)
         )
