@@ -112,12 +112,12 @@ def pd_specs(
         NodeSpec(
             "decode",
             "pdserve.cli",
-            ["decode", *base, "--port", "0", "--prefill", "{port:prefill}"],
+            ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"],
             core(1),
         ),
     ]
     if whole_too:
-        args = ["decode", *base, "--port", "0", "--prefill", "{port:prefill}"]
+        args = ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"]
         specs.append(
             NodeSpec("decode-whole", "pdserve.cli", [*args, "--whole-request-push"], core(1))
         )

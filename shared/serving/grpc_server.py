@@ -36,6 +36,14 @@ GRPC_SERVER_OPTIONS = [
 ]
 
 
+class GenerateError(Exception):
+    """A generation request failed; `code` is the status to report (HTTP maps it to its own)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 def layout_info(layout: KvLayout) -> generation_pb2.KvLayoutInfo:
     return generation_pb2.KvLayoutInfo(
         num_layers=layout.num_layers,

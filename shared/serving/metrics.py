@@ -211,6 +211,7 @@ class AsgiServer:
         *,
         certfile: str | None = None,
         keyfile: str | None = None,
+        client_ca: str | None = None,
         graceful_timeout: float = 5.0,
     ) -> AsgiServer:
         """Bind (host, port) here, so a bad address fails now and port 0 is known at once."""
@@ -221,6 +222,8 @@ class AsgiServer:
             access_log=False,
             ssl_certfile=certfile,
             ssl_keyfile=keyfile,
+            ssl_ca_certs=client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
             timeout_graceful_shutdown=graceful_timeout,
             timeout_keep_alive=5,
         )
@@ -254,8 +257,11 @@ class AsgiServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
 
-    async def close(self) -> None:
-        """Stop listening; open connections get the graceful timeout, then are cut. Idempotent."""
+    async def close(self, grace: float | None = None) -> None:
+        """Stop listening; open connections get `grace` seconds (default: the one given at
+        start), then their tasks are cancelled. Idempotent."""
+        if grace is not None:
+            self._server.config.timeout_graceful_shutdown = grace
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await self._task
