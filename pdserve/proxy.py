@@ -39,6 +39,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from pdserve.http_proxy import HttpForwarder
 from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
 
 log = logging.getLogger("pdserve.proxy")
@@ -245,6 +246,8 @@ class Proxy:
         self.server: aio.Server | None = None
         self.health = health.HealthServicer()
         self.metrics_server: AsgiServer | None = None
+        self.http: HttpForwarder | None = None
+        self.http_server: AsgiServer | None = None
         self.port = 0
         self._health_task: asyncio.Task[None] | None = None
         self.registry = r = CollectorRegistry()
@@ -275,7 +278,14 @@ class Proxy:
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
-    async def start(self, host: str, port: int, metrics_port: int = -1) -> None:
+    async def start(
+        self,
+        host: str,
+        port: int,
+        metrics_port: int = -1,
+        http_port: int = -1,
+        backend_http_port: int = 8000,
+    ) -> None:
         await self.pool.refresh()
         self._set_serving(self.pool.any_healthy())
         self._health_task = asyncio.create_task(self._health_loop())
@@ -290,6 +300,14 @@ class Proxy:
         if metrics_port >= 0:
             app = metrics_app(self.registry, self.pool.any_healthy)
             self.metrics_server = await AsgiServer.start(app, host, metrics_port)
+        if http_port >= 0:  # the OpenAI-compatible API, forwarded (pdserve/http_proxy.py)
+            self.http = HttpForwarder(
+                self.pool,
+                self.registry,
+                backend_port=backend_http_port,
+                max_attempts=self.max_attempts,
+            )
+            self.http_server = await AsgiServer.start(self.http.app(), host, http_port)
         log.info(
             "proxy serving on %s:%d, backends %s", host, self.port, ",".join(self.pool.targets)
         )
@@ -303,6 +321,10 @@ class Proxy:
                 await self._health_task
         if self.server is not None:
             await self.server.stop(grace)
+        if self.http_server is not None:
+            await self.http_server.close(grace)
+        if self.http is not None:
+            await self.http.close()
         await self.pool.close()
         if self.metrics_server is not None:
             await self.metrics_server.close()
@@ -424,6 +446,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=-1, help="-1 disables /metrics")
+    p.add_argument("--http-port", type=int, default=-1, help="forward the HTTP API (-1: off)")
+    p.add_argument("--backend-http-port", type=int, default=8000, help="decode nodes' HTTP port")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     p.add_argument("--max-attempts", type=int, default=3, help="backends tried per call")
     p.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM, seconds")
@@ -451,11 +475,12 @@ def run(a: argparse.Namespace) -> int:
         stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
-        await proxy.start(a.host, a.port, a.metrics_port)
+        await proxy.start(a.host, a.port, a.metrics_port, a.http_port, a.backend_http_port)
         info = {
             "role": "proxy",
             "port": proxy.port,
             "metrics_port": proxy.metrics_server.port if proxy.metrics_server else None,
+            "http_port": proxy.http_server.port if proxy.http_server else None,
         }
         print("PDSERVE_READY " + json.dumps(info), flush=True)
         await stopping.wait()

@@ -30,6 +30,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    502: "bad_gateway",
     503: "service_unavailable",
     504: "timeout_error",
 }
