@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
+from shared.model.loader import LoadedModel
+from shared.serving.http.service import HttpApiConfig, load_chat_template
 from shared.serving.tls import ClientTls, ServerTls
 from transfer.protocol import resolve_bind_address
 
@@ -37,6 +39,18 @@ class DecodeNodeConfig:
     layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
+
+    def http_api(self, loaded: LoadedModel) -> HttpApiConfig:
+        """The HTTP API's settings; `--chat-template` is read here, at start."""
+        template = None
+        if self.chat_template is not None:
+            template = load_chat_template(self.chat_template, loaded)
+        return HttpApiConfig(
+            served_model_name=self.served_model_name,
+            api_key=self.api_key,
+            chat_template=template,
+            max_request_bytes=self.max_request_bytes,
+        )
 
     @property
     def kv_bind_host(self) -> str:

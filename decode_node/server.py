@@ -40,8 +40,7 @@ from shared.serving.grpc_server import (
     sampling_from_proto,
     sampling_to_proto,
 )
-from shared.serving.http import HttpApiConfig, serve_http_api
-from shared.serving.http.service import load_chat_template
+from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer, register_scrape_counter, register_scrape_gauge
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
@@ -163,7 +162,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if self.config.http_port >= 0:
             self.http = await serve_http_api(
                 self,
-                self._http_config(),
+                self.config.http_api(self.core.loaded),
                 self.metrics.registry,
                 self.config.host,
                 self.config.http_port,
@@ -197,18 +196,6 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     @property
     def http_port(self) -> int | None:
         return None if self.http is None else self.http.port
-
-    def _http_config(self) -> HttpApiConfig:
-        c = self.config
-        template = None
-        if c.chat_template is not None:
-            template = load_chat_template(c.chat_template, self.core.loaded)
-        return HttpApiConfig(
-            served_model_name=c.served_model_name,
-            api_key=c.api_key,
-            chat_template=template,
-            max_request_bytes=c.max_request_bytes,
-        )
 
     async def _close_http(self, grace: float) -> None:
         """In-flight HTTP streams get `grace`, like gRPC calls; then they are cancelled."""

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from shared.serving.tls import ServerTls
 from tests.pd_harness import PdCluster, pd_cluster
 
 MODEL = "tiny"
@@ -264,3 +267,26 @@ def test_200_concurrent_streams(run) -> None:
         assert [reason for reason, _ in results] == ["length"] * 200
 
     run(body)
+
+
+def test_tls_with_the_grpc_options(tmp_path: Path) -> None:
+    from tests.test_tls import make_pki
+
+    pki = make_pki(tmp_path)
+
+    async def main() -> None:
+        tls = ServerTls(pki["server.pem"], pki["server.key"])
+        async with pd_cluster(MODEL, decode_overrides={"http_port": 0, "tls": tls}) as cluster:
+            decode = cluster.decodes[0]
+            assert decode.http is not None and decode.http.scheme == "https"
+            verify = ssl.create_default_context(cafile=pki["ca.pem"])
+            async with httpx.AsyncClient(base_url=decode.http.url, verify=verify) as client:
+                resp = await client.post("/v1/completions", json=_completion(max_tokens=3))
+                assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+            plain = f"http://127.0.0.1:{decode.http_port}"
+            async with httpx.AsyncClient(base_url=plain) as client:
+                with pytest.raises(httpx.HTTPError):
+                    await client.get("/v1/models")
+            await cluster.assert_idle_and_conserved()
+
+    asyncio.run(main())
