@@ -112,6 +112,8 @@ async def run_requests(
         else create_channel(target)
     )
     send = stream_request_openai if http else stream_request
+    if http:  # the served model's name, asked once, outside every request's timing
+        conn.headers["x-pdserve-model"] = (await conn.get("/v1/models")).json()["data"][0]["id"]
     limit = asyncio.Semaphore(max_concurrency or len(specs) or 1)
     started = time.perf_counter()
 
@@ -175,7 +177,7 @@ async def stream_request_openai(client: Any, spec: RequestSpec, timeout: float) 
     import httpx
 
     body = {
-        "model": "",  # filled from /v1/models once per client
+        "model": client.headers["x-pdserve-model"],  # from /v1/models (run_requests)
         "prompt": spec.prompt,
         "max_tokens": spec.max_tokens,
         "temperature": 0.0,
@@ -185,36 +187,27 @@ async def stream_request_openai(client: Any, spec: RequestSpec, timeout: float) 
     }
     record = RequestRecord(spec, start=time.perf_counter())
     try:
-        body["model"] = await _served_model(client)
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            usage = None
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    record.chunk_times.append(time.perf_counter())
-                    record.chunk_tokens.append(1)
-                usage = chunk.get("usage") or usage
+            usage, pending = None, b""
+            # raw bytes, not aiter_lines + json per chunk: the client must not be what is timed
+            async for data in resp.aiter_raw():
+                now = time.perf_counter()
+                *events, pending = (pending + data).split(b"\n\n")
+                for event in events:
+                    if event.startswith(b'data: {"') and b'"choices":[]' not in event:
+                        record.chunk_times.append(now)
+                        record.chunk_tokens.append(1)
+                    elif b'"usage"' in event:
+                        usage = json.loads(event[6:])["usage"]
         if usage and record.chunk_tokens:
             record.chunk_tokens[-1] += usage["completion_tokens"] - len(record.chunk_tokens)
     except (httpx.HTTPError, RuntimeError, ValueError) as e:
         record.error = f"{type(e).__name__}: {e}"
     record.end = time.perf_counter()
     return record
-
-
-_MODELS: dict[int, str] = {}
-
-
-async def _served_model(client: Any) -> str:
-    if id(client) not in _MODELS:
-        resp = await client.get("/v1/models")
-        _MODELS[id(client)] = resp.json()["data"][0]["id"]
-    return _MODELS[id(client)]
 
 
 # ---- metrics ------------------------------------------------------------------------------------

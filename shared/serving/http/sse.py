@@ -20,32 +20,24 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
 class ChunkWriter:
     """Builds one request's chunks (completion or chat), tracking running usage per choice."""
 
     def __init__(
         self, rid: str, model: str, created: int, *, chat: bool, usage: bool, continuous: bool
     ) -> None:
-        self.rid, self.model, self.created = rid, model, created
         self.chat, self.usage, self.continuous = chat, usage, continuous
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.last: dict[int, Piece] = {}
+        # every chunk starts the same: serialise that part once, not once per token
+        head = {"id": rid, "object": self.object, "created": created, "model": model}
+        self._head = b"data: " + json.dumps(head, separators=(",", ":"))[:-1].encode()
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {
-            "id": self.rid,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.continuous and choices:
-            chunk["usage"] = usage_of(self.last).model_dump()
-        return chunk
+    def _chunk(self, choices: list[dict[str, Any]], usage: bool = False) -> bytes:
+        tail: dict[str, Any] = {"choices": choices}
+        if usage or (self.continuous and choices):
+            tail["usage"] = usage_of(self.last).model_dump()
+        return self._head + b"," + json.dumps(tail, separators=(",", ":"))[1:].encode() + b"\n\n"
 
     def piece(self, piece: Piece) -> bytes:
         first = piece.index not in self.last
@@ -54,7 +46,7 @@ class ChunkWriter:
         if self.chat:
             if first:  # OpenAI's first chat chunk names the role
                 role = {"role": "assistant", "content": ""}
-                out += event(self._chunk([self._choice(piece.index, role, None)]))
+                out += self._chunk([self._choice(piece.index, role, None)])
             body: dict[str, Any] = {"content": piece.text} if piece.text else {}
             choice = self._choice(piece.index, body, piece.finish_reason)
         else:
@@ -64,7 +56,7 @@ class ChunkWriter:
                 "logprobs": None,
                 "finish_reason": piece.finish_reason,
             }
-        return out + event(self._chunk([choice]))
+        return out + self._chunk([choice])
 
     @staticmethod
     def _choice(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
@@ -73,9 +65,7 @@ class ChunkWriter:
     def final(self) -> bytes:
         if not self.usage:
             return b""
-        chunk = self._chunk([])
-        chunk["usage"] = usage_of(self.last).model_dump()
-        return event(chunk)
+        return self._chunk([], usage=True)
 
 
 async def sse_stream(
