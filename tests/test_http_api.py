@@ -299,3 +299,21 @@ def test_tls_with_the_grpc_options(tmp_path: Path) -> None:
             await cluster.assert_idle_and_conserved()
 
     asyncio.run(main())
+
+
+def test_no_healthy_prefill_node_is_503_with_retry_after(run) -> None:
+    async def body(cluster: PdCluster, client: httpx.AsyncClient) -> None:
+        decode = cluster.decodes[0]
+        for peer in decode.pool.peers:
+            decode.pool.mark_unhealthy(peer, "test: as after failed health checks")
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.headers["retry-after"]
+        resp = await client.post("/v1/completions", json=_completion(max_tokens=2))
+        assert _error(resp, 503)["code"] == "unavailable"
+        assert resp.headers["retry-after"] == "1"
+        deadline = time.monotonic() + 30  # the next health round finds the node alive again
+        while (await client.get("/health")).status_code != 200:
+            assert time.monotonic() < deadline, "the prefill node never came back"
+            await asyncio.sleep(0.1)
+
+    run(body)
