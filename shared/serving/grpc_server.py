@@ -187,6 +187,17 @@ class NodeServing:
             await self.metrics_server.close()
 
 
+# (metric, help, EngineSnapshot field) of the gauges read from the engine's latest snapshot
+_SNAPSHOT_GAUGES = (
+    ("pdserve_seats_in_use", "Seats (seq slots) held", "seats_in_use"),
+    ("pdserve_seats_total", "Seat pool size", "seats_total"),
+    ("pdserve_kv_blocks_in_use", "KV blocks referenced or pinned", "blocks_in_use"),
+    ("pdserve_kv_blocks_total", "KV pool size", "blocks_total"),
+    ("pdserve_kv_blocks_pinned", "KV blocks pinned by an in-flight transfer", "blocks_pinned"),
+    ("pdserve_kv_blocks_cached", "KV blocks published in the prefix cache", "blocks_cached"),
+)
+
+
 class NodeMetrics:
     """The metrics every node exports; engine gauges read the engine loop's latest snapshot."""
 
@@ -196,28 +207,8 @@ class NodeMetrics:
         rejected: Callable[[], float] = lambda: 0.0,
     ):
         self.registry = r = CollectorRegistry()
-        gauges: list[tuple[str, str, Callable[[], float]]] = [
-            ("pdserve_seats_in_use", "Seats (seq slots) held", lambda: snapshot().seats_in_use),
-            ("pdserve_seats_total", "Seat pool size", lambda: snapshot().seats_total),
-            (
-                "pdserve_kv_blocks_in_use",
-                "KV blocks referenced or pinned",
-                lambda: snapshot().blocks_in_use,
-            ),
-            ("pdserve_kv_blocks_total", "KV pool size", lambda: snapshot().blocks_total),
-            (
-                "pdserve_kv_blocks_pinned",
-                "KV blocks pinned by an in-flight transfer",
-                lambda: snapshot().blocks_pinned,
-            ),
-            (
-                "pdserve_kv_blocks_cached",
-                "KV blocks published in the prefix cache",
-                lambda: snapshot().blocks_cached,
-            ),
-        ]
-        for name, doc, fn in gauges:
-            register_scrape_gauge(r, name, doc, fn)
+        for name, doc, attr in _SNAPSHOT_GAUGES:
+            register_scrape_gauge(r, name, doc, lambda attr=attr: getattr(snapshot(), attr))
         register_scrape_gauge(
             r,
             "pdserve_requests",
@@ -225,11 +216,8 @@ class NodeMetrics:
             lambda: {(k,): v for k, v in snapshot().requests_by_state.items()},
             labelnames=("state",),
         )
-        self.kv_transfer_seconds = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "KV transfer time per request",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.kv_transfer_seconds = self._latency(
+            "pdserve_kv_transfer_seconds", "KV transfer time per request"
         )
         self.kv_transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes_total", "KV bytes moved over UCX", registry=r
@@ -240,17 +228,9 @@ class NodeMetrics:
             "KV messages dropped by validation (bad token, ids, sizes, late), never written",
             rejected,
         )
-        self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "pdserve_inter_token_latency_seconds",
-            "Time between streamed tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = self._latency("pdserve_time_to_first_token_seconds", "Time to first token")
+        self.itl = self._latency(
+            "pdserve_inter_token_latency_seconds", "Time between streamed tokens"
         )
         self.requests_total = Counter(
             "pdserve_requests_total",
@@ -258,3 +238,6 @@ class NodeMetrics:
             labelnames=("outcome",),
             registry=r,
         )
+
+    def _latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
