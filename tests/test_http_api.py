@@ -317,3 +317,48 @@ def test_no_healthy_prefill_node_is_503_with_retry_after(run) -> None:
             await asyncio.sleep(0.1)
 
     run(body)
+
+
+def test_chat_with_a_template_file_and_content_parts(run, tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+
+    async def body(cluster: PdCluster, client: httpx.AsyncClient) -> None:
+        def chat(content: object, **fields: object) -> dict[str, object]:
+            messages = [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": content},
+            ]
+            return {"model": MODEL, "messages": messages, "temperature": 0, **fields}
+
+        plain = await client.post("/v1/chat/completions", json=chat("a\nb", max_tokens=4))
+        parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        split = await client.post("/v1/chat/completions", json=chat(parts, max_tokens=4))
+        assert plain.status_code == 200 and split.status_code == 200, split.text
+        assert plain.json()["object"] == "chat.completion"
+        assert plain.json()["choices"][0]["message"] == split.json()["choices"][0]["message"]
+        rendered = "[system] be brief\n[user] a\nb\n[assistant] "
+        tok = cluster.decodes[0].core.tokenizer
+        want = len(tok.encode(rendered, add_special_tokens=False))
+        assert plain.json()["usage"]["prompt_tokens"] == want
+        # only text parts: anything else is refused by name
+        image = [{"type": "image_url", "image_url": {"url": "x"}}]
+        error = _error(await client.post("/v1/chat/completions", json=chat(image)), 400)
+        assert error["param"].startswith("messages.1.content")
+        bad_role = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
+        error = _error(await client.post("/v1/chat/completions", json=bad_role), 400)
+        assert error["param"] == "messages.0.role"
+        empty = {"model": MODEL, "messages": []}
+        _error(await client.post("/v1/chat/completions", json=empty), 400)
+        stream = await client.post(
+            "/v1/chat/completions", json=chat("hi", max_tokens=3, stream=True)
+        )
+        chunks = [json.loads(e) for e in _events(stream.content)[:-1]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+    run(body, chat_template=str(template))
