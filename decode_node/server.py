@@ -225,8 +225,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
         prompt, params = self._parse(request)
-        async for stream, delta in self.generate(rid, prompt, params, deadline):
-            yield self._response(stream, delta)
+        # closed explicitly: a cancelled call releases the request now, not when collected
+        async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
+            async for stream, delta in gen:
+                yield self._response(stream, delta)
 
     async def generate(
         self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None

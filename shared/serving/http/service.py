@@ -89,7 +89,7 @@ def to_sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     defaults: dict[str, Any],
     prompt_len: int,
-    max_model_len: int,
+    context_limit: int,
 ) -> SamplingParams:
     """The one mapping from an OpenAI request to SamplingParams: request, else the model's
     generation_config.json, else OpenAI's defaults. Engine-level ranges are checked later."""
@@ -103,7 +103,7 @@ def to_sampling_params(
         )
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
-        room = max(1, max_model_len - prompt_len)
+        room = max(1, context_limit - prompt_len)
         chat = isinstance(req, ChatCompletionRequest)
         fallback = room if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = min(int(defaults.get("max_new_tokens") or fallback), room)
@@ -208,9 +208,12 @@ class OpenAIService:
         self, req: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]]
     ) -> list[Job]:
         core = self.backend.core
+        # a default max_tokens must also fit this node's whole KV pool (validate_request)
+        pool_tokens = core.kv_manager.blocks.num_blocks * core.config.block_size
+        limit = min(core.max_model_len, pool_tokens)
         jobs = []
         for i, prompt in enumerate(prompts):
-            params = to_sampling_params(req, self.defaults, len(prompt), core.max_model_len)
+            params = to_sampling_params(req, self.defaults, len(prompt), limit)
             jobs.append(Job(i, prompt, self.backend.validate(prompt, params)))
         return jobs
 
