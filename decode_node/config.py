@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.engine.config import EngineConfig
-from shared.model.loader import LoadedModel
-from shared.serving.http.service import HttpApiConfig, load_chat_template
 from shared.serving.tls import ClientTls, ServerTls
 from transfer.protocol import resolve_bind_address
+
+if TYPE_CHECKING:  # FastAPI and pydantic load with the node, not with every CLI command
+    from shared.model.loader import LoadedModel
+    from shared.serving.http.service import HttpApiConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class DecodeNodeConfig:
 
     def http_api(self, loaded: LoadedModel) -> HttpApiConfig:
         """The HTTP API's settings; `--chat-template` is read here, at start."""
+        from shared.serving.http.service import HttpApiConfig, load_chat_template
+
         template = None
         if self.chat_template is not None:
             template = load_chat_template(self.chat_template, loaded)
