@@ -5,6 +5,7 @@ request on the decode node and the prefill node behind it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -83,3 +84,54 @@ async def _exercise(cluster: PdCluster, client: httpx.AsyncClient, direct: str) 
     await busy
     done = await client.post("/v1/completions", json=_completion(max_tokens=3, stream=True))
     assert done.text.endswith("data: [DONE]\n\n")
+
+
+def test_http_requests_spread_over_decode_replicas() -> None:
+    """Two decode replicas on one HTTP port (127.0.0.1 and 127.0.0.2, as replicas behind one
+    service name): concurrent streams go to both, least loaded first."""
+    from dataclasses import replace
+
+    from decode_node.server import DecodeNode
+    from shared.engine.core import EngineCore
+    from shared.model.loader import load_model
+
+    async def main() -> None:
+        async with pd_cluster(MODEL, decode_overrides={"http_port": 0}) as cluster:
+            first = cluster.decodes[0]
+            config = replace(first.config, host="127.0.0.2", http_port=first.http_port)
+            second = DecodeNode(config, EngineCore(config.engine, load_model(MODEL)))
+            await second.start()
+            backends = [f"127.0.0.1:{first.port}", f"127.0.0.2:{second.port}"]
+            proxy = Proxy(backends, health_interval=0.5)
+            await proxy.start("127.0.0.1", 0, http_port=0, backend_http_port=first.http_port)
+            try:
+                assert proxy.http_server is not None
+                url = f"http://127.0.0.1:{proxy.http_server.port}"
+                limits = httpx.Limits(max_connections=16)
+                async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+                    await _hold_streams(client, [first, second])
+                await cluster.assert_idle_and_conserved()
+                await second.thread.call(lambda core: core.check_conservation())
+            finally:
+                await proxy.stop(1.0)
+                conserved = await second.stop(grace=1.0)
+            assert conserved, "the second replica did not get all seats and blocks back"
+
+    asyncio.run(main())
+
+
+async def _hold_streams(client: httpx.AsyncClient, decodes: list) -> None:
+    long = _completion(max_tokens=3000, ignore_eos=True, stream=True)
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(6):
+            resp = await stack.enter_async_context(
+                client.stream("POST", "/v1/completions", json=long)
+            )
+            assert resp.status_code == 200  # headers follow the first token: admitted
+        counts = sorted(len(d.streams) for d in decodes)
+        assert counts == [3, 3], f"streams per replica: {counts}"
+    for decode in decodes:  # leaving the streams cancels them on both replicas
+        deadline = time.monotonic() + 30
+        while decode.streams:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
