@@ -32,6 +32,7 @@ from shared.engine.request import FinishReason, LlmRequest
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
 from shared.serving.grpc_server import (
+    GenerateError,
     NodeMetrics,
     NodeServing,
     layout_info,
@@ -39,6 +40,8 @@ from shared.serving.grpc_server import (
     sampling_from_proto,
     sampling_to_proto,
 )
+from shared.serving.http import serve_http_api
+from shared.serving.metrics import AsgiServer, register_scrape_counter, register_scrape_gauge
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
 
@@ -50,12 +53,6 @@ _FINISH = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
     FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORTED,
 }
-
-
-class GenerateError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class _PrefillFailed(Exception):
@@ -107,29 +104,34 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.metrics = NodeMetrics(
             lambda: self._snapshot(), rejected=lambda: self.receiver.rejected_total
         )
-        self.metrics.registry.gauge(
+        registry = self.metrics.registry
+        register_scrape_gauge(
+            registry,
             "pdserve_prefill_peer_healthy",
             "1 while a prefill node is routed to, 0 while it is skipped as unhealthy",
+            lambda: {(p.target,): float(p.healthy) for p in self.pool.replicas},
             labelnames=("peer",),
-            fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.replicas},
         )
-        registry = self.metrics.registry
-        registry.gauge(
+        register_scrape_gauge(
+            registry,
             "pdserve_kv_writes_in_flight",
             "KV payload receives posted into the pool and not completed",
-            fn=lambda: float(self.receiver.writes_in_flight),
+            lambda: float(self.receiver.writes_in_flight),
         )
-        registry.gauge(
+        register_scrape_gauge(
+            registry,
             "pdserve_kv_fenced_transfers",
             "ended transfers whose blocks a posted payload receive may still write",
-            fn=lambda: float(self.receiver.fenced_transfers),
+            lambda: float(self.receiver.fenced_transfers),
         )
-        registry.callback_counter(
+        register_scrape_counter(
+            registry,
             "pdserve_kv_endpoint_resets_total",
             "KV endpoints force-closed to end a receive whose sender stalled mid-payload",
-            fn=lambda: float(self.receiver.endpoint_resets),
+            lambda: float(self.receiver.endpoint_resets),
         )
         self.serving: NodeServing | None = None
+        self.http: AsgiServer | None = None
         self.port = 0
         self.accepting = True
         self._tasks: set[asyncio.Future[None]] = set()
@@ -157,6 +159,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             self.config.metrics_port,
         )
         self.port = self.serving.port
+        if self.config.http_port >= 0:
+            self.http = await serve_http_api(
+                self,
+                self.config.http_api(self.core.loaded),
+                self.metrics.registry,
+                self.config.host,
+                self.config.http_port,
+                self.config.tls,
+            )
         log.info(
             "decode node serving on %s:%d (KV listener %s)",
             self.config.host,
@@ -170,7 +181,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.accepting = False
         conserved = True
         if self.serving is not None:
-            await self.serving.stop_admitting(grace)
+            await asyncio.gather(self.serving.stop_admitting(grace), self._close_http(grace))
         # first: closing the receiver ends every posted KV write, so that the conservation
         # check runs on blocks nothing can write any more
         await self.receiver.close()
@@ -181,6 +192,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if self.serving is not None:
             await self.serving.close_metrics()
         return conserved
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
+    async def _close_http(self, grace: float) -> None:
+        """In-flight HTTP streams get `grace`, like gRPC calls; then they are cancelled."""
+        if self.http is not None:
+            await self.http.close(grace)
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -205,6 +225,17 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
         prompt, params = self._parse(request)
+        # closed explicitly: a cancelled call releases the request now, not when collected
+        async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
+            async for stream, delta in gen:
+                yield self._response(stream, delta)
+
+    async def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
+    ) -> AsyncIterator[tuple[_Stream, TokenDelta]]:
+        """The one request path, for gRPC and HTTP alike: admit, reserve, dispatch the prefill,
+        stream the deltas; release on both nodes on every exit (finish, error, the consumer
+        cancelled or closed). Raises GenerateError with the status to report."""
         if not self.accepting:
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, "decode node is shutting down")
         if rid in self.streams:
@@ -220,17 +251,31 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         stream = _Stream(rid, len(prompt), deadline=deadline)
         self.streams[rid] = stream
         try:
-            first = await self._admit_and_transfer(stream, prompt, params, deadline)
-            yield self._response(stream, first)
-            delta = first
+            delta = await self._admit_and_transfer(stream, prompt, params, deadline)
+            stream.completion_tokens += len(delta.token_ids)
+            yield stream, delta
             while delta.finish_reason is None:
                 delta = await self._next_delta(stream, deadline)
-                yield self._response(stream, delta)
+                stream.completion_tokens += len(delta.token_ids)
+                yield stream, delta
         except GenerateError:
             stream.failed = True
             raise
         finally:
             await asyncio.shield(self._release(stream))
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
+        """Engine-level checks before anything is allocated; the seed resolved."""
+        try:
+            self.core.validate_request(prompt, params)
+        except RequestRejected as e:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return params.with_resolved_seed()
+
+    @property
+    def healthy(self) -> bool:
+        """Serving and at least one prefill node routed to (HTTP /health)."""
+        return self.accepting and self.pool.any_healthy()
 
     async def _next_delta(self, stream: _Stream, deadline: float | None) -> TokenDelta:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -257,12 +302,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
             )
-        params = sampling_from_proto(request.sampling)
-        try:
-            self.core.validate_request(prompt, params)
-        except RequestRejected as e:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        return prompt, params.with_resolved_seed()
+        return prompt, self.validate(prompt, sampling_from_proto(request.sampling))
 
     # ---- admission and transfer -----------------------------------------------------------
     async def _admit_and_transfer(
@@ -448,7 +488,6 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
 
     # ---- responses and release ------------------------------------------------------------
     def _response(self, stream: _Stream, delta: TokenDelta) -> generation_pb2.GenerateResponse:
-        stream.completion_tokens += len(delta.token_ids)
         msg = generation_pb2.GenerateResponse(
             request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
         )

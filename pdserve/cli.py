@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument("--port", type=int, default=50051, help="first decode node's gRPC port")
     up.add_argument(
+        "--http-port", type=int, default=8000, help="first decode node's HTTP port (-1: off)"
+    )
+    up.add_argument(
         "--run",
         metavar="PROMPT",
         default=None,
@@ -118,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the KV listener binds (default: --ucx-host; 0.0.0.0 for every interface)",
     )
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
+    _http_args(dc)
     dc.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
     dc.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds")
     dc.add_argument("--prefill-retries", type=int, default=1)
@@ -154,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible HTTP API, also /metrics /health /version (0: ephemeral, -1: off)",
+    )
+    p.add_argument("--served-model-name", default="", help="the `model` HTTP requests name")
+    p.add_argument("--api-key", default=None, help="require this HTTP bearer token")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="override the model's")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     from pdserve.cluster import Cluster
 
@@ -164,7 +181,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         except (ValueError, OSError) as e:
             print(f"pdserve up: model {a.model!r}: {e}", file=sys.stderr)
             return 2
-    cluster = Cluster(a.model, a.prefill, a.decode, a.port, [])
+    cluster = Cluster(a.model, a.prefill, a.decode, a.port, [], http_port=a.http_port)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -177,6 +194,10 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}")
         others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
         print(f"endpoint: {endpoints[0]}{others}")
+        if cluster.http_endpoints:
+            http = cluster.http_endpoints
+            more = f" (all: {', '.join(http)})" if len(http) > 1 else ""
+            print(f"HTTP (OpenAI API): {http[0]}/v1{more}")
         if prompt is not None:
             code = _stream_to_stdout(endpoints[0], prompt, max_tokens=a.max_tokens)
             print("stopping...", flush=True)
@@ -328,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
                 ucx_port=a.ucx_port,
                 ucx_bind_host=a.ucx_bind,
                 metrics_port=a.metrics_port,
+                http_port=a.http_port,
+                served_model_name=a.served_model_name,
+                api_key=a.api_key,
+                chat_template=a.chat_template,
+                max_request_bytes=a.max_request_bytes,
                 kv_transfer_timeout=a.kv_transfer_timeout,
                 prefill_timeout=a.prefill_timeout,
                 prefill_retries=a.prefill_retries,

@@ -70,10 +70,25 @@ def stop_all(nodes: list[NodeProcess], grace: float = 15.0) -> int:
 
 
 class Cluster:
-    def __init__(self, model: str, num_prefill: int, num_decode: int, port: int, extra: list[str]):
+    """`port`/`http_port`: the first decode node's (the next ones count up; 0: ephemeral; an
+    http_port of -1: no HTTP API). `extra` goes to every node, `decode_extra` to decodes only."""
+
+    def __init__(
+        self,
+        model: str,
+        num_prefill: int,
+        num_decode: int,
+        port: int,
+        extra: list[str],
+        *,
+        http_port: int = -1,
+        decode_extra: list[str] | None = None,
+    ):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
         self.model = model
+        self.http_port = http_port
+        self.decode_extra = list(decode_extra or [])
         self.num_prefill = num_prefill
         self.num_decode = num_decode
         self.port = port
@@ -98,7 +113,10 @@ class Cluster:
                     str(self.port + i if self.port else 0),
                     "--prefill",
                     targets,
+                    "--http-port",
+                    str(self.http_port + i if self.http_port > 0 else self.http_port),
                     *self.extra,
+                    *self.decode_extra,
                 ],
                 echo,
             )
@@ -107,6 +125,15 @@ class Cluster:
         self.nodes.extend(decodes)
         wait_ready(decodes, timeout)
         return [f"127.0.0.1:{d.info['port']}" for d in decodes]
+
+    @property
+    def http_endpoints(self) -> list[str]:
+        """http://HOST:PORT of every decode node serving the HTTP API."""
+        return [
+            f"{d.info.get('http_scheme', 'http')}://127.0.0.1:{d.info['http_port']}"
+            for d in self.nodes
+            if d.role == "decode" and d.info.get("http_port")
+        ]
 
     def stop(self) -> int:
         return stop_all(self.nodes)

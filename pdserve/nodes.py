@@ -71,6 +71,8 @@ def run_decode(config: DecodeNodeConfig) -> int:
                 port=node.port,
                 ucx_address=node.receiver.address,
                 metrics_port=node.serving.metrics_port if node.serving else None,
+                http_port=node.http_port,
+                http_scheme=node.http.scheme if node.http else None,
             )
 
         return await _serve_until_signal(start, node.stop)
