@@ -36,14 +36,20 @@ from shared.serving.grpc_server import (
     NodeServing,
     layout_info,
     model_info,
+)
+from shared.serving.wire import (
+    WireError,
+    add_servicer,
     sampling_from_proto,
     sampling_to_proto,
+    validate_request,
 )
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
-SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE = SERVICE_DESCRIPTOR.full_name
 
 _FINISH = {
     FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
@@ -149,7 +155,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         await self.pool.start()
         self.serving = await NodeServing.start(
             [SERVICE],
-            lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),
+            lambda s: add_servicer(s, self, SERVICE_DESCRIPTOR),
             self.config.host,
             self.config.port,
             self.config.tls,
@@ -259,8 +265,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             )
         params = sampling_from_proto(request.sampling)
         try:
+            validate_request(request.request_id, params, self.core.model_config.vocab_size)
             self.core.validate_request(prompt, params)
-        except RequestRejected as e:
+        except (WireError, RequestRejected) as e:
             raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return prompt, params.with_resolved_seed()
 

@@ -11,6 +11,7 @@ import time
 from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
 from shared.engine.config import EngineConfig
+from shared.engine.sampling_params import SamplingParams
 from shared.serving.tls import ClientTls, ServerTls
 
 
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default="127.0.0.1:50051")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
@@ -154,7 +155,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
         print(f"endpoint: {endpoints[0]}{others}")
         if a.run is not None:
-            code = _stream_to_stdout(endpoints[0], a.run, max_tokens=a.max_tokens)
+            code = _stream_to_stdout(endpoints[0], a.run, SamplingParams(max_tokens=a.max_tokens))
             print("stopping...", flush=True)
             return max(code, cluster.stop())
         print(f'try: pdserve generate "Hello" --target {endpoints[0]}   (Ctrl-C stops)', flush=True)
@@ -174,9 +175,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     tls = ClientTls(a.tls_ca, a.tls_cert, a.tls_key) if a.tls_ca else None
-    return _stream_to_stdout(
-        a.target,
-        a.prompt,
+    params = SamplingParams(
         max_tokens=a.max_tokens,
         temperature=a.temperature,
         top_p=a.top_p,
@@ -184,13 +183,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
         seed=a.seed,
         stop=tuple(a.stop),
         ignore_eos=a.ignore_eos,
-        timeout=a.timeout,
-        tls=tls,
     )
+    return _stream_to_stdout(a.target, a.prompt, params, timeout=a.timeout, tls=tls)
 
 
 def _stream_to_stdout(
-    target: str, prompt: str, *, tls: ClientTls | None = None, **sampling: object
+    target: str,
+    prompt: str,
+    params: SamplingParams,
+    *,
+    timeout: float | None = None,
+    tls: ClientTls | None = None,
 ) -> int:
     """Stream a completion's text as it arrives; a summary line goes to stderr."""
     import contextlib
@@ -207,7 +210,7 @@ def _stream_to_stdout(
         finish = ""
         usage = timing = None
         async with contextlib.aclosing(
-            generate_stream(target, prompt, channel=channel, **sampling)  # type: ignore[arg-type]
+            generate_stream(target, prompt, params, timeout=timeout, channel=channel)
         ) as stream:
             async for chunk in stream:
                 sys.stdout.write(chunk.text)
