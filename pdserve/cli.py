@@ -12,6 +12,7 @@ from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling_params import SamplingParams
+from shared.serving import limits
 from shared.serving.tls import ClientTls, ServerTls
 
 
@@ -102,11 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the KV listener binds (default: --ucx-host; 0.0.0.0 for every interface)",
     )
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
-    dc.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
-    dc.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds")
+    dc.add_argument(
+        "--kv-transfer-timeout", type=float, default=limits.KV_TRANSFER_TIMEOUT_S, help="seconds"
+    )
+    dc.add_argument(
+        "--prefill-timeout", type=float, default=limits.PREFILL_TIMEOUT_S, help="seconds"
+    )
     dc.add_argument("--prefill-retries", type=int, default=1)
     dc.add_argument("--max-inflight", type=int, default=256)
-    dc.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
+    dc.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=limits.HEALTH_CHECK_INTERVAL_S,
+        help="seconds",
+    )
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
     _server_tls_args(dc)
     dc.add_argument("--prefill-tls-ca", default="", help="CA that signed the prefill nodes' certs")

@@ -26,6 +26,7 @@ from shared.engine.request import LlmRequest, LlmRequestState
 from shared.engine.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
+from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.wire import WireError, add_servicer, check_request_id, sampling_from_proto
 from transfer import protocol as proto
 from transfer.errors import retrieve_exception
@@ -36,7 +37,6 @@ from transfer.ucx import KvSender, TransferError
 log = logging.getLogger(__name__)
 SERVICE_DESCRIPTOR = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
 SERVICE = SERVICE_DESCRIPTOR.full_name
-_QUIESCE_S = 5.0  # how long a finished request waits for UCX to stop reading its blocks
 
 
 class _Pending:
@@ -310,7 +310,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         if state is not None:
             state.cancelled = True
             # UCX may still read the request's pinned blocks: wait (bounded) before unpinning
-            await self.sender.quiesce(state.destination.transfer_id, _QUIESCE_S)
+            await self.sender.quiesce(state.destination.transfer_id, PUSH_QUIESCE_S)
         if self.thread is not None:
             with contextlib.suppress(RuntimeError):
                 await self.thread.call(lambda core: _release(core, rid, ok))

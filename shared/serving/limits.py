@@ -12,12 +12,18 @@ from shared.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRING
 __all__ = [
     "DRAIN_GRACE_S",
     "GRPC_CHANNEL_OPTIONS",
+    "HEALTH_CHECK_INTERVAL_S",
+    "KV_FENCE_TIMEOUT_S",
+    "KV_TRANSFER_TIMEOUT_S",
     "MAX_MESSAGE_BYTES",
     "MAX_REQUEST_ID_CHARS",
     "MAX_SEED",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
     "ORPHAN_DRAIN_GRACE_S",
+    "PREFILL_DEFAULT_DEADLINE_S",
+    "PREFILL_TIMEOUT_S",
+    "PUSH_QUIESCE_S",
 ]
 
 # gRPC messages, both directions, on every server and channel (client, node-to-node, proxy).
@@ -42,3 +48,11 @@ DRAIN_GRACE_S = 5.0
 # ... and when its parent died (lifeline closed): nobody is waiting for it, and it must be gone
 # within 2 s so that a killed `pdserve up` frees its ports at once.
 ORPHAN_DRAIN_GRACE_S = 0.5
+
+# Default timeouts of the nodes (DecodeNodeConfig, PrefillNodeConfig, the CLI's flags), seconds.
+KV_TRANSFER_TIMEOUT_S = 30.0  # decode: from prefill dispatch to the last KV byte placed
+KV_FENCE_TIMEOUT_S = 5.0  # decode: a posted payload write may hold ended blocks this long
+PREFILL_TIMEOUT_S = 60.0  # decode: the Prefill RPC, queueing on the prefill node included
+HEALTH_CHECK_INTERVAL_S = 2.0  # decode: between health checks of each prefill node
+PREFILL_DEFAULT_DEADLINE_S = 120.0  # prefill: a Prefill call that carries no deadline
+PUSH_QUIESCE_S = 5.0  # prefill: a finished push waits this long for UCX to stop reading blocks
