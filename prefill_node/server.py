@@ -173,13 +173,16 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         loop = asyncio.get_running_loop()
         params = sampling_from_proto(request.sampling, seed=request.seed)
         d = request.destination
-        destination = TransferDestination(
-            address=d.ucx_address,
-            transfer_id=d.transfer_id,
-            token=bytes(d.transfer_token),
-            block_ids=tuple(d.block_ids),
-            layout_fingerprint=d.layout_fingerprint,
-        )
+        try:
+            destination = TransferDestination(
+                address=d.ucx_address,
+                transfer_id=d.transfer_id,
+                token=bytes(d.transfer_token),
+                block_ids=tuple(d.block_ids),
+                layout_fingerprint=d.layout_fingerprint,
+            )
+        except ValueError as e:  # a malformed address or token: the caller's fault
+            raise RequestRejected(f"destination: {e}") from None
         pending = _Pending(loop)
         self.pending[rid] = pending
         state = PushState(rid, destination, d.first_block_index, request.layerwise, loop)

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pdserve.client import generate
-from proto.pdserve.v1 import generation_pb2
+from proto.pdserve.v1 import generation_pb2, prefill_pb2
 from tests.engine_helpers import hf_greedy
 from tests.pd_harness import PdCluster, pd_cluster
 
@@ -42,10 +42,12 @@ REQUEST_DEADLINE_S = 20.0
 PROBE = [5, 6, 7]
 VOCAB = 512  # tests/checkpoints.py's llama
 METHOD = "/pdserve.v1.Generation/Generate"
+PREFILL = "/pdserve.v1.Prefill/Prefill"
 
 U32 = st.integers(0, 2**32 - 1)
 F32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
 any_text = st.text(max_size=300)
+MOSTLY = st.sampled_from([True] * 5 + [False])  # integers would favour 0 (hypothesis' bias)
 printable = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=140)
 
 
@@ -204,16 +206,24 @@ class Live:
     async def _open_channel(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(self.cluster.targets[0])
 
-    async def send(self, data: bytes) -> tuple[grpc.StatusCode, list[Any]]:
-        call = self.channel.unary_stream(
-            METHOD, response_deserializer=generation_pb2.GenerateResponse.FromString
-        )(data, timeout=REQUEST_DEADLINE_S)
+    async def send(
+        self, data: bytes, target: str | None = None, method: str = METHOD
+    ) -> tuple[grpc.StatusCode, list[Any]]:
+        """Raw bytes to `method`: Generate on the decode node, or a unary call elsewhere.
+        Returns the status and the responses (the status details when it is not OK)."""
         responses: list[Any] = []
         try:
-            async for response in call:
-                responses.append(response)
+            if method == METHOD:
+                call = self.channel.unary_stream(
+                    METHOD, response_deserializer=generation_pb2.GenerateResponse.FromString
+                )(data, timeout=REQUEST_DEADLINE_S)
+                async for response in call:
+                    responses.append(response)
+            else:
+                async with grpc.aio.insecure_channel(target or "") as ch:
+                    responses.append(await ch.unary_unary(method)(data, timeout=REQUEST_DEADLINE_S))
         except grpc.aio.AioRpcError as e:
-            return e.code(), responses
+            return e.code(), [e.details()]
         return grpc.StatusCode.OK, responses
 
     async def still_serving(self) -> None:
@@ -281,4 +291,75 @@ def test_generated_requests_get_documented_statuses_and_leave_nothing_behind(
         assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{reason}: {code.name} for {data!r}"
     if code == grpc.StatusCode.OK:
         _check_stream(data, responses)
+    live.runner.run(live.still_serving())
+
+
+# ---- the prefill node's internal API: what a caller that is not a decode node could send ----
+PREFILL_DOCUMENTED = DOCUMENTED | {
+    grpc.StatusCode.UNAVAILABLE,  # the destination could not be reached
+    grpc.StatusCode.FAILED_PRECONDITION,  # layout fingerprint mismatch
+}
+
+
+@st.composite
+def prefill_requests(draw: st.DrawFn, receiver: str, fingerprint: str) -> bytes:
+    """Mostly well-formed calls (so they reach the engine and the push), each field
+    occasionally replaced by anything at all."""
+
+    def mostly(good: Any, anything: st.SearchStrategy[Any]) -> Any:
+        return good if draw(MOSTLY) else draw(anything)
+
+    prompt = mostly(draw(st.lists(st.integers(0, 511), min_size=1, max_size=80)), st.lists(U32))
+    blocks = -(-len(prompt) // 16)
+    first = mostly(draw(st.integers(0, max(0, blocks - 1))), st.one_of(st.integers(0, 8), U32))
+    count = mostly(max(0, blocks - first), st.integers(0, 12))
+    bad_address = st.one_of(
+        st.sampled_from(["", "nohost", ":1", "127.0.0.1:0", "127.0.0.1:70000", "[::1]:x"]),
+        st.just("127.0.0.1:1"),  # nothing listens: connection refused
+        any_text,
+    )
+    # the real KV listener, with a token it never issued: it must drop every message
+    address = mostly(receiver, bad_address)
+    rid = mostly(draw(printable.filter(lambda r: 0 < len(r) <= 128)), any_text)
+    msg = prefill_pb2.PrefillRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        seed=draw(st.integers(0, 2**64 - 1)),
+        layerwise=draw(st.booleans()),
+        deadline_unix=draw(st.one_of(st.just(0.0), st.floats(allow_nan=True))),
+        destination=prefill_pb2.KvDestination(
+            ucx_address=address,
+            transfer_id=draw(st.integers(0, 2**64 - 1)),
+            transfer_token=mostly(draw(st.binary(min_size=16, max_size=16)), st.binary()),
+            block_ids=draw(
+                st.lists(st.one_of(st.integers(0, 1023), U32), min_size=count, max_size=count)
+            ),
+            first_block_index=first,
+            layout_fingerprint=mostly(fingerprint, any_text),
+        ),
+    )
+    if draw(MOSTLY):
+        msg.sampling.CopyFrom(draw(sampling()))
+    data = msg.SerializeToString()
+    if not draw(MOSTLY) and data:
+        data = data[: draw(st.integers(0, len(data) - 1))]
+    return data
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_generated_prefill_calls_get_documented_statuses_and_leave_nothing_behind(
+    live: Live, data: st.DataObject
+) -> None:
+    c = live.cluster
+    request = data.draw(
+        prefill_requests(c.decodes[0].receiver.address, c.prefills[0].layout.fingerprint())
+    )
+    code, out = live.runner.run(live.send(request, f"127.0.0.1:{c.prefills[0].port}", PREFILL))
+    event(f"{code.name}: {str(out[0])[:24] if code != grpc.StatusCode.OK else ''}")
+    assert code in PREFILL_DOCUMENTED, f"{code.name} for {request!r}"
     live.runner.run(live.still_serving())
