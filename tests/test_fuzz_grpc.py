@@ -119,7 +119,7 @@ def edge_requests(draw: st.DrawFn) -> generation_pb2.GenerateRequest:
 
 INF = float("inf")
 BAD_VALUES: dict[str, list[Any]] = {
-    "temperature": [INF, -INF, float("nan")],
+    "temperature": [INF, -INF, float("nan"), 1e-40],
     "top_p": [INF, -INF, float("nan"), 1.5],
     "top_k": [VOCAB + 1, 2**32 - 1],
     "max_tokens": [0, 2**32 - 1],
@@ -267,6 +267,8 @@ def _out_of_bounds(data: bytes) -> str | None:
     s = r.sampling
     if not all(math.isfinite(x) for x in (s.temperature, s.top_p)):
         return "non-finite float"
+    if 0 < s.temperature < 1e-5:
+        return "temperature so small that logits / temperature overflows"
     if len(r.request_id) > 128 or any(not " " <= c <= "~" for c in r.request_id):
         return "request_id"
     if s.top_k > VOCAB or s.max_tokens == 0 or r.WhichOneof("prompt") is None:

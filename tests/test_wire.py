@@ -52,6 +52,8 @@ def test_every_float_must_be_finite(name: str, value: float) -> None:
     ("params", "field"),
     [
         (SamplingParams(top_k=VOCAB + 1), "sampling.top_k"),
+        (SamplingParams(temperature=1e-40), "sampling.temperature"),  # overflows the logits
+        (SamplingParams(temperature=9e-6), "sampling.temperature"),
         (SamplingParams(seed=2**64), "sampling.seed"),
         (SamplingParams(seed=-1), "sampling.seed"),
         (SamplingParams(max_tokens=0), "sampling.max_tokens"),
@@ -67,7 +69,7 @@ def test_sampling_bounds_name_the_field(params: SamplingParams, field: str) -> N
 
 
 def test_sampling_at_the_bounds_is_accepted() -> None:
-    validate_request("", SamplingParams(top_k=VOCAB, seed=2**64 - 1), VOCAB)
+    validate_request("", SamplingParams(top_k=VOCAB, seed=2**64 - 1, temperature=1e-5), VOCAB)
     validate_request("x" * MAX_REQUEST_ID_CHARS, SamplingParams(stop=("s" * 256,) * 16), VOCAB)
 
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field, fields, replace
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# Below this (but above 0) logits / temperature overflows float32 and sampling draws from NaN
+# probabilities (found by fuzzing: 1e-40 sampled token 258 every step instead of the argmax).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,11 @@ class SamplingParams:
                 raise ValueError(f"sampling.{f.name} must be a finite number, got {value}")
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(
+                f"sampling.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling.top_p must be in [0, 1] (0 = off), got {self.top_p}")
         if self.top_k < 0:

@@ -1,13 +1,13 @@
 """Every bound pdserve puts on what crosses its public surfaces, and its serving timeouts.
 
 One place to read and change them; the README's "Bounds" table lists the same values. The
-sampling bounds that the colocated engine enforces too (stop strings) live with SamplingParams,
-since shared/engine may not import serving code; they are re-exported here.
+sampling bounds that the colocated engine enforces too (stop strings, minimum temperature) live
+with SamplingParams, since shared/engine may not import serving code; they are re-exported here.
 """
 
 from __future__ import annotations
 
-from shared.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from shared.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE
 
 __all__ = [
     "DRAIN_GRACE_S",
@@ -20,6 +20,7 @@ __all__ = [
     "MAX_SEED",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
+    "MIN_TEMPERATURE",
     "ORPHAN_DRAIN_GRACE_S",
     "PREFILL_DEFAULT_DEADLINE_S",
     "PREFILL_TIMEOUT_S",
