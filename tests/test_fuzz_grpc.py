@@ -10,11 +10,9 @@ default, so the suite stays fast; try 2000 for a longer run).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
-import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from hypothesis import strategies as st
 from pdserve.client import generate
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
 from tests.engine_helpers import hf_greedy
+from tests.fuzz_loop import LoopThread
 from tests.pd_harness import PdCluster, pd_cluster
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
@@ -176,23 +175,6 @@ def wire_bytes(draw: st.DrawFn) -> bytes:
             data += field + _varint(len(raw)) + raw
     event(how)
     return data
-
-
-class LoopThread:
-    """The cluster's event loop on its own thread, so hypothesis can drive it synchronously."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 class Live:
