@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.engine.config import EngineConfig
+from shared.serving.limits import (
+    HEALTH_CHECK_INTERVAL_S,
+    KV_FENCE_TIMEOUT_S,
+    KV_TRANSFER_TIMEOUT_S,
+    PREFILL_TIMEOUT_S,
+)
 from shared.serving.tls import ClientTls, ServerTls
 from transfer.protocol import resolve_bind_address
 
@@ -32,13 +38,17 @@ class DecodeNodeConfig:
     chat_template: str | None = None  # a Jinja file overriding the model's own chat template
     max_request_bytes: int = 16 * 1024 * 1024  # HTTP request bodies over this get 413
     max_inflight: int = 256  # admitted requests (any state) before RESOURCE_EXHAUSTED
-    kv_transfer_timeout: float = 30.0  # from prefill dispatch to the last KV byte placed
+    kv_transfer_timeout: float = (
+        KV_TRANSFER_TIMEOUT_S  # from prefill dispatch to the last KV byte placed
+    )
     # after a transfer ends, how long a payload write still posted into its blocks (sender
     # stalled mid-message) may hold them before every KV endpoint is force-closed to end it
-    kv_fence_timeout: float = 5.0
-    prefill_timeout: float = 60.0  # the Prefill RPC, queueing on the prefill node included
+    kv_fence_timeout: float = KV_FENCE_TIMEOUT_S
+    prefill_timeout: float = (
+        PREFILL_TIMEOUT_S  # the Prefill RPC, queueing on the prefill node included
+    )
     prefill_retries: int = 1  # re-dispatches to another healthy prefill node after a failure
-    health_check_interval: float = 2.0
+    health_check_interval: float = HEALTH_CHECK_INTERVAL_S
     layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext

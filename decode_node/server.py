@@ -37,16 +37,22 @@ from shared.serving.grpc_server import (
     NodeServing,
     layout_info,
     model_info,
-    sampling_from_proto,
-    sampling_to_proto,
 )
 from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer, register_scrape_counter, register_scrape_gauge
+from shared.serving.wire import (
+    WireError,
+    add_servicer,
+    sampling_from_proto,
+    sampling_to_proto,
+    validate_request,
+)
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
-SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE = SERVICE_DESCRIPTOR.full_name
 
 _FINISH = {
     FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
@@ -151,7 +157,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         await self.pool.start()
         self.serving = await NodeServing.start(
             [SERVICE],
-            lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),
+            lambda s: add_servicer(s, self, SERVICE_DESCRIPTOR),
             self.config.host,
             self.config.port,
             self.config.tls,
@@ -264,11 +270,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         finally:
             await asyncio.shield(self._release(stream))
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
-        """Engine-level checks before anything is allocated; the seed resolved."""
+    def validate(
+        self, prompt: list[int], params: SamplingParams, request_id: str = ""
+    ) -> SamplingParams:
+        """The wire bounds and the engine's checks, before anything is allocated (gRPC and HTTP
+        alike); the seed resolved."""
         try:
+            validate_request(request_id, params, self.core.model_config.vocab_size)
             self.core.validate_request(prompt, params)
-        except RequestRejected as e:
+        except (WireError, RequestRejected) as e:
             raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return params.with_resolved_seed()
 
@@ -302,7 +312,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
             )
-        return prompt, self.validate(prompt, sampling_from_proto(request.sampling))
+        params = sampling_from_proto(request.sampling)
+        return prompt, self.validate(prompt, params, request.request_id)
 
     # ---- admission and transfer -----------------------------------------------------------
     async def _admit_and_transfer(

@@ -11,6 +11,8 @@ import time
 from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
 from shared.engine.config import EngineConfig
+from shared.engine.sampling_params import SamplingParams
+from shared.serving import limits
 from shared.serving.tls import ClientTls, ServerTls
 
 
@@ -122,11 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
     _http_args(dc)
-    dc.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
-    dc.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds")
+    dc.add_argument(
+        "--kv-transfer-timeout", type=float, default=limits.KV_TRANSFER_TIMEOUT_S, help="seconds"
+    )
+    dc.add_argument(
+        "--prefill-timeout", type=float, default=limits.PREFILL_TIMEOUT_S, help="seconds"
+    )
     dc.add_argument("--prefill-retries", type=int, default=1)
     dc.add_argument("--max-inflight", type=int, default=256)
-    dc.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
+    dc.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=limits.HEALTH_CHECK_INTERVAL_S,
+        help="seconds",
+    )
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
     _server_tls_args(dc)
     dc.add_argument("--prefill-tls-ca", default="", help="CA that signed the prefill nodes' certs")
@@ -146,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default="127.0.0.1:50051")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
@@ -199,7 +210,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             more = f" (all: {', '.join(http)})" if len(http) > 1 else ""
             print(f"HTTP (OpenAI API): {http[0]}/v1{more}")
         if prompt is not None:
-            code = _stream_to_stdout(endpoints[0], prompt, max_tokens=a.max_tokens)
+            code = _stream_to_stdout(endpoints[0], prompt, SamplingParams(max_tokens=a.max_tokens))
             print("stopping...", flush=True)
             return max(code, cluster.stop())
         print(f'try: pdserve generate "Hello" --target {endpoints[0]}   (Ctrl-C stops)', flush=True)
@@ -232,9 +243,7 @@ def run_prompt(model: str, text: str) -> str | list[int]:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     tls = ClientTls(a.tls_ca, a.tls_cert, a.tls_key) if a.tls_ca else None
-    return _stream_to_stdout(
-        a.target,
-        a.prompt,
+    params = SamplingParams(
         max_tokens=a.max_tokens,
         temperature=a.temperature,
         top_p=a.top_p,
@@ -242,13 +251,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
         seed=a.seed,
         stop=tuple(a.stop),
         ignore_eos=a.ignore_eos,
-        timeout=a.timeout,
-        tls=tls,
     )
+    return _stream_to_stdout(a.target, a.prompt, params, timeout=a.timeout, tls=tls)
 
 
 def _stream_to_stdout(
-    target: str, prompt: str | list[int], *, tls: ClientTls | None = None, **sampling: object
+    target: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    timeout: float | None = None,
+    tls: ClientTls | None = None,
 ) -> int:
     """Stream a completion's text as it arrives; a summary line goes to stderr."""
     import contextlib
@@ -265,7 +278,7 @@ def _stream_to_stdout(
         finish = ""
         usage = timing = None
         async with contextlib.aclosing(
-            generate_stream(target, prompt, channel=channel, **sampling)  # type: ignore[arg-type]
+            generate_stream(target, prompt, params, timeout=timeout, channel=channel)
         ) as stream:
             async for chunk in stream:
                 sys.stdout.write(chunk.text)

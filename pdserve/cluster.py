@@ -4,13 +4,15 @@ UCX does not survive a fork)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.lifeline import Lifeline
 
 
 @dataclass
@@ -19,6 +21,7 @@ class NodeProcess:
     proc: subprocess.Popen[str]
     ready: threading.Event = field(default_factory=threading.Event)
     info: dict[str, object] = field(default_factory=dict)
+    lifeline: Lifeline | None = None
 
     def pump(self, echo: bool) -> None:
         assert self.proc.stdout is not None
@@ -31,14 +34,34 @@ class NodeProcess:
         self.ready.set()  # EOF: the process died; `wait_ready` tells the difference
 
 
-def spawn(role: str, args: list[str], echo: bool = True) -> NodeProcess:
-    cmd = [sys.executable, "-m", "pdserve.cli", role, *args]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy(), start_new_session=True
-    )
-    node = NodeProcess(role, proc)
+def popen_node(
+    role: str, cmd: list[str], echo: bool = True, env: dict[str, str] | None = None, **kw: Any
+) -> NodeProcess:
+    """Start a node process tied to this one by a lifeline (see pdserve/lifeline.py): it drains
+    and exits on its own once this process dies, however that happens. Its own session keeps a
+    terminal's Ctrl-C away from it: `pdserve up` stops the nodes in order instead."""
+    lifeline = Lifeline()
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=lifeline.env(env),
+            pass_fds=lifeline.pass_fds,
+            start_new_session=True,
+            **kw,
+        )
+    except BaseException:
+        lifeline.close()
+        raise
+    lifeline.opened()
+    node = NodeProcess(role, proc, lifeline=lifeline)
     threading.Thread(target=node.pump, args=(echo,), daemon=True).start()
     return node
+
+
+def spawn(role: str, args: list[str], echo: bool = True) -> NodeProcess:
+    return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo)
 
 
 def wait_ready(nodes: list[NodeProcess], timeout: float) -> None:
@@ -65,6 +88,8 @@ def stop_all(nodes: list[NodeProcess], grace: float = 15.0) -> int:
         except subprocess.TimeoutExpired:
             node.proc.kill()
             code = node.proc.wait()
+        if node.lifeline is not None:
+            node.lifeline.close()
         worst = max(worst, abs(code))
     return worst
 

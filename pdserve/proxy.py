@@ -38,23 +38,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.http_proxy import HttpForwarder
+from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
 from shared.serving.replica_pool import Replica, ReplicaPool
 
 log = logging.getLogger("pdserve.proxy")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_MESSAGE_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-SERVER_OPTIONS = [*_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 # A backend that vanished with its address (a removed container) answers a connection attempt
 # with nothing at all; gRPC's default 20 s connect timeout would hold every call sent there
 # that long before it could be retried elsewhere. Backends sit on the same network: 2 s is ample.
 CONNECT_TIMEOUT_MS = 2000
 CHANNEL_OPTIONS = [
-    *_MESSAGE_OPTIONS,
+    *GRPC_CHANNEL_OPTIONS,
     ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5000),

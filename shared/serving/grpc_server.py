@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.core import EngineCore
 from shared.engine.kv_cache import KvLayout
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineSnapshot
+from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import (
     LATENCY_BUCKETS,
     AsgiServer,
@@ -28,12 +28,7 @@ from shared.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
+GRPC_SERVER_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class GenerateError(Exception):
@@ -72,37 +67,6 @@ def model_info(core: EngineCore, role: int) -> generation_pb2.ModelInfo:
         node_role=role,
         kv_layout=layout_info(core.layout),
     )
-
-
-def sampling_from_proto(
-    s: generation_pb2.SamplingParams, seed: int | None = None
-) -> SamplingParams:
-    """The wire's sampling fields (top_p 0 = off); `seed` overrides the message's own."""
-    if seed is None and s.HasField("seed"):
-        seed = s.seed
-    return SamplingParams.from_wire(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=seed,
-        stop=tuple(s.stop),
-        ignore_eos=s.ignore_eos,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
-    msg = generation_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        stop=list(params.stop),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
 
 
 def create_grpc_server(
