@@ -27,6 +27,7 @@ from decode_node.config import DecodeNodeConfig
 from decode_node.peers import LayoutMismatch, PrefillPeer, PrefillPool
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason, LlmRequest
 from shared.engine.sampling_params import SamplingParams
@@ -35,7 +36,11 @@ from shared.serving.grpc_server import (
     NodeMetrics,
     NodeServing,
     layout_info,
+    logprob_from_proto,
+    logprob_to_proto,
     model_info,
+    prompt_logprobs_from_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     sampling_to_proto,
 )
@@ -298,9 +303,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             except _PrefillFailed as e:
                 last_error = str(e)
                 continue
-            first_token = response.first_token_id
+            first = _first_token(response, params)
             delta = await self.thread.call(
-                lambda core, token=first_token: core.complete_transfer(rid, token)
+                lambda core, first=first: core.complete_transfer(rid, *first)
             )
             stream.first_token_at = time.monotonic()
             self.metrics.ttft.observe(stream.first_token_at - stream.admitted_at)
@@ -452,6 +457,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         msg = generation_pb2.GenerateResponse(
             request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
         )
+        if delta.logprobs:
+            msg.logprobs.extend(logprob_to_proto(lp) for lp in delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            msg.prompt_logprobs.extend(prompt_logprobs_to_proto(delta.prompt_logprobs))
         if delta.finish_reason is not None:
             msg.finish_reason = _FINISH[delta.finish_reason]
             msg.usage.CopyFrom(
@@ -484,6 +493,19 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             release = EngineCore.fail_transfer if stream.failed else EngineCore.abort
             with contextlib.suppress(RuntimeError):
                 await self.thread.call(lambda core: release(core, rid))
+
+
+def _first_token(
+    response: prefill_pb2.PrefillResponse, params: SamplingParams
+) -> tuple[int, TokenLogprobs | None, list[TokenLogprobs | None] | None]:
+    """The prefill node's first token with its logprobs and the prompt's (when asked)."""
+    first = None
+    if params.logprobs is not None and response.HasField("first_token_logprobs"):
+        first = logprob_from_proto(response.first_token_logprobs)
+    prompt = None
+    if params.prompt_logprobs is not None:
+        prompt = prompt_logprobs_from_proto(response.prompt_logprobs)
+    return response.first_token_id, first, prompt
 
 
 def _reserve_and_start(

@@ -25,7 +25,14 @@ from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequest, LlmRequestState
 from shared.engine.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
-from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info, sampling_from_proto
+from shared.serving.grpc_server import (
+    NodeMetrics,
+    NodeServing,
+    logprob_to_proto,
+    model_info,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+)
 from transfer import protocol as proto
 from transfer.errors import retrieve_exception
 from transfer.protocol import TransferDestination
@@ -41,7 +48,8 @@ class _Pending:
     """What the RPC handler waits on: the first token (engine) and the push (sender task)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.first_token: asyncio.Future[int] = loop.create_future()
+        # the delta of the first token (its logprobs and the prompt's, when asked)
+        self.first_token: asyncio.Future[TokenDelta] = loop.create_future()
         self.admitted_at = time.monotonic()
 
 
@@ -113,7 +121,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         for delta in deltas:
             pending = self.pending.get(delta.request_id)
             if pending is not None and not pending.first_token.done():
-                pending.first_token.set_result(delta.token_ids[0])
+                pending.first_token.set_result(delta)
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
@@ -182,15 +190,20 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self._check_destination(prompt, state)
         req = await self.thread.call(lambda core: core.add_request(prompt, params, rid))
         sent_bytes, messages = await self._drain(state)
-        first_token = await pending.first_token
+        first = await pending.first_token
         state.completed = True
         stats = self._stats(pending, state, sent_bytes, messages, req)
-        return prefill_pb2.PrefillResponse(
+        response = prefill_pb2.PrefillResponse(
             request_id=rid,
-            first_token_id=first_token,
+            first_token_id=first.token_ids[0],
             cached_tokens=req.cached_tokens,
             stats=stats,
         )
+        if first.logprobs:
+            response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))
+        if first.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(prompt_logprobs_to_proto(first.prompt_logprobs))
+        return response
 
     def _check_destination(self, prompt: list[int], state: PushState) -> None:
         blocks = -(-len(prompt) // self.layout.block_size)

@@ -20,6 +20,7 @@ import torch
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
 from shared.engine.kv_cache import KvLayout, allocate_kv_pool, dtype_name
+from shared.engine.logprobs import TokenLogprobs, fill_prompt_logprobs
 from shared.engine.output import OutputProcessor, TokenDelta
 from shared.engine.request import (
     ALLOWED_TRANSITIONS,
@@ -67,6 +68,8 @@ class RequestOutput:
     finish_reason: FinishReason
     cached_tokens: int
     num_preemptions: int
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when asked
 
 
 class EngineCore:
@@ -105,7 +108,7 @@ class EngineCore:
                 ResourceManagerType.SEQ_SLOT_MANAGER: self.seq_slot_manager,
             }
         )
-        self.sampler = Sampler(self.max_num_sequences, self.device)
+        self.sampler = Sampler(self.max_num_sequences, self.device, self.loaded.eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_size, config.max_num_tokens),
             self.kv_manager,
@@ -140,7 +143,7 @@ class EngineCore:
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field; nothing is allocated before this passes."""
         try:
-            params.validate()
+            params.validate(self.model_config.vocab_size)
         except ValueError as e:
             raise RequestRejected(str(e)) from None
         if not prompt_token_ids:
@@ -203,7 +206,7 @@ class EngineCore:
             [self._entry(s) for s in out.scheduled], self.config.block_size, self.device
         )
         hook = self.layer_hook_factory(out.scheduled) if self.layer_hook_factory else None
-        logits = self.model.forward(forward, self.kv_pool, layer_hook=hook)
+        logits = self._forward(out.scheduled, forward, hook)
         sample_rows = [i for i, s in enumerate(out.scheduled) if s.completes_context]
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -212,8 +215,44 @@ class EngineCore:
         if not sample_rows:
             return []
         to_sample = [batch[i] for i in sample_rows]
-        tokens = self.sampler.sample(to_sample, logits[sample_rows])
-        return [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
+        sampled = self.sampler.sample_step(to_sample, logits[sample_rows])
+        return [
+            self._accept_token(r, t, lp)
+            for r, t, lp in zip(to_sample, sampled.tokens, sampled.logprobs, strict=True)
+        ]
+
+    def _forward(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        forward: ForwardBatch,
+        hook: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        """Logits of each sequence's last new token; when a request wants prompt logprobs,
+        every token's logits are computed and its prompt entries filled from them."""
+        wanting = [s.request.needs_prompt_logits for s in scheduled]
+        if not any(wanting):
+            return self.model.forward(forward, self.kv_pool, layer_hook=hook)
+        every = self.model.forward(forward, self.kv_pool, all_logits=True, layer_hook=hook)
+        chunks = []
+        row = 0
+        for s, wants in zip(scheduled, wanting, strict=True):
+            r = s.request
+            if wants:
+                assert r.prompt_logprobs is not None
+                k = r.sampling_params.prompt_logprobs or 0
+                chunks.append(
+                    (
+                        r.prompt_logprobs,
+                        r.prompt_token_ids,
+                        k,
+                        r.num_computed_tokens,
+                        s.num_new_tokens,
+                        row,
+                    )
+                )
+            row += s.num_new_tokens
+        fill_prompt_logprobs(chunks, every)
+        return every[forward.last_token_index]
 
     def _entry(self, s: ScheduledRequest) -> SeqEntry:
         r = s.request
@@ -224,21 +263,25 @@ class EngineCore:
             block_table=self.kv_manager.block_table(r.request_id),
         )
 
-    def _accept_token(self, request: LlmRequest, token: int) -> TokenDelta:
+    def _accept_token(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None = None
+    ) -> TokenDelta:
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
         if self.context_only:
-            return self._finish_context(request, token)
+            return self._finish_context(request, token, logprobs)
         if request.state == LlmRequestState.CONTEXT_INIT:
             request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
-        delta = self.outputs.process(request, token)
+        delta = self.outputs.process(request, token, logprobs)
         if delta.finish_reason is not None:
             self.finish_request(request, delta.finish_reason)
         return delta
 
     # ---- prefill side of P/D -------------------------------------------------------------
-    def _finish_context(self, request: LlmRequest, token: int) -> TokenDelta:
+    def _finish_context(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None
+    ) -> TokenDelta:
         """Last chunk computed: the seat goes back now; the blocks stay pinned until the push
         completes (`complete_context`), so nothing can evict or reuse them mid-send."""
         request.output_token_ids.append(token)
@@ -248,7 +291,14 @@ class EngineCore:
         )
         self.free_request_resources(request)
         request.transition(LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
-        return TokenDelta(request.request_id, [token], "", None)
+        return TokenDelta(
+            request.request_id,
+            [token],
+            "",
+            None,
+            logprobs=None if logprobs is None else [logprobs],
+            prompt_logprobs=request.prompt_logprobs,
+        )
 
     def complete_context(self, request_id: str, ok: bool) -> None:
         """The push finished (ok) or failed: unpin; the blocks stay in the prefix cache."""
@@ -278,7 +328,8 @@ class EngineCore:
             prompt_token_ids, params, request_id, LlmRequestState.DISAGG_GENERATION_INIT
         )
         try:
-            cached = self.kv_manager.acquire_prefix(request)
+            # the prefill node computes the prompt (and its logprobs): any hit here is usable
+            cached = self.kv_manager.acquire_prefix(request, request.prompt_len - 1)
             request.cached_tokens = cached
             new_blocks = self.kv_manager.reserve(request, request.prompt_len)
         except NoFreeBlocksError:
@@ -292,17 +343,26 @@ class EngineCore:
     def start_transfer(self, request_id: str) -> None:
         self._live(request_id).transition(LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS)
 
-    def complete_transfer(self, request_id: str, first_token: int) -> TokenDelta:
+    def complete_transfer(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> TokenDelta:
         """All KV landed: the request becomes schedulable (its seat comes at the next prepare);
-        the first token, sampled on the prefill node, is processed at once."""
+        the first token, sampled on the prefill node, is processed at once, with the logprobs
+        the prefill node computed for it and for the prompt."""
         request = self._live(request_id)
+        if prompt_logprobs is not None:
+            request.prompt_logprobs = prompt_logprobs
         # transition first: an illegal call must not drop the pins of a transfer in flight
         request.transition(LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE)
         self.kv_manager.unpin_request(request_id)
         request.num_computed_tokens = request.prompt_len
         self.kv_manager.cache_computed_blocks(request)
         request.first_token_time = time.monotonic()
-        delta = self.outputs.process(request, first_token)
+        delta = self.outputs.process(request, first_token, first_logprobs)
         if delta.finish_reason is not None:
             self.finish_request(request, delta.finish_reason)
         else:

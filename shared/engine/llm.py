@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestOutput
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason, LlmRequest
 from shared.engine.sampling_params import SamplingParams
@@ -44,10 +45,15 @@ class LLM:
         params_list = self._expand_params(prompts, sampling_params)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         texts = {r.request_id: "" for r in requests}
+        logprobs: dict[str, list[TokenLogprobs]] = {r.request_id: [] for r in requests}
+        prompt_logprobs: dict[str, list[TokenLogprobs | None] | None] = {}
         while self.core.has_work:
             for delta in self.core.step():
                 if delta.request_id in texts:
                     texts[delta.request_id] += delta.text
+                    logprobs[delta.request_id].extend(delta.logprobs or ())
+                    if delta.prompt_logprobs is not None:
+                        prompt_logprobs[delta.request_id] = delta.prompt_logprobs
         return [
             RequestOutput(
                 request_id=r.request_id,
@@ -57,6 +63,8 @@ class LLM:
                 finish_reason=r.finish_reason or FinishReason.ABORTED,
                 cached_tokens=r.cached_tokens,
                 num_preemptions=r.num_preemptions,
+                logprobs=logprobs[r.request_id] if r.sampling_params.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs.get(r.request_id),
             )
             for r in requests
         ]

@@ -220,10 +220,12 @@ class KVCacheManager(BaseResourceManager):
     def acquire_prefix(self, request: LlmRequest, max_tokens: int | None = None) -> int:
         """Take cached blocks for the request's leading full blocks; returns the tokens covered.
         At most `max_tokens` (default: all but the last token, which must be computed for its
-        logits)."""
+        logits; none while the request's prompt logprobs are still to be computed)."""
         assert request.request_id not in self.block_tables, "prefix acquired twice"
         tokens = request.all_token_ids
         limit = len(tokens) - 1 if max_tokens is None else max_tokens
+        if max_tokens is None and request.needs_prompt_logits:
+            limit = 0  # prompt logprobs need every prompt position's logits computed here
         hashes = compute_block_hashes(tokens[: max(limit, 0)], self.block_size)
         hit = self.blocks.match_prefix(hashes)
         self.blocks.acquire(hit)

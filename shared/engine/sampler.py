@@ -4,14 +4,20 @@ Randomness is a pure function of (request seed, output index): each sampled toke
 uniform from a splitmix64 counter stream, then inverts the CDF of the filtered distribution.
 So a seeded request gives the same text whatever else is in the batch, and a prefill node (which
 samples output 0) and a decode node (outputs 1..) draw from one per-request stream.
+
+Penalties, logit_bias and min_tokens (shared/engine/penalties.py) reshape the logits before the
+draw; logprobs (shared/engine/logprobs.py) are read from the raw logits, before any of that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from shared.engine.logprobs import TokenLogprobs, compute_logprobs
+from shared.engine.penalties import PenaltyState
 from shared.engine.request import LlmRequest
 
 _MASK64 = (1 << 64) - 1
@@ -29,9 +35,26 @@ def stream_uniform(seed: int, index: int) -> float:
     return (splitmix64(splitmix64(seed) ^ index) >> 11) / float(1 << 53)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The stream of completion `index` of an n > 1 request; completion 0 keeps the seed."""
+    return seed if index == 0 else splitmix64(seed ^ splitmix64(index)) >> 1
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row: None unless its request asked
+
+
 class Sampler:
-    def __init__(self, max_num_sequences: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        max_num_sequences: int,
+        device: torch.device | str = "cpu",
+        eos_token_ids: Iterable[int] = (),
+    ):
         self.max_num_sequences = max_num_sequences
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.dummy_slot_row = max_num_sequences  # scratch for padding rows, owned by nobody
         self.device = torch.device(device)
         # (tokens per step, seats + scratch row, beam)
@@ -42,7 +65,9 @@ class Sampler:
         self.top_p = torch.ones(max_num_sequences, dtype=torch.float32)
         self.top_k = torch.zeros(max_num_sequences, dtype=torch.long)
         self.seeds: list[int | None] = [None] * max_num_sequences
+        self.logprobs_k: list[int | None] = [None] * max_num_sequences
         self.owner: list[str | None] = [None] * max_num_sequences
+        self.penalties: PenaltyState | None = None  # allocated for the first request using them
         self._check_invariants()
 
     def _check_invariants(self) -> None:
@@ -51,24 +76,32 @@ class Sampler:
             rows = getattr(self, name).shape[0]
             assert rows == self.max_num_sequences, f"{name} has {rows} rows"
         assert len(self.seeds) == len(self.owner) == self.max_num_sequences
+        assert len(self.logprobs_k) == self.max_num_sequences
+        assert self.penalties is None or self.penalties.rows == self.max_num_sequences
 
-    def _seat(self, request: LlmRequest) -> int:
+    def _seat(self, request: LlmRequest, vocab_size: int) -> int:
         seat = request.seq_slot
         if seat is None:
             raise RuntimeError(f"request {request.request_id} sampled without a seat")
         owner = self.owner[seat]
         if owner is None:
-            self._setup(request, seat)
+            self._setup(request, seat, vocab_size)
         elif owner != request.request_id:
             raise RuntimeError(f"seat {seat} holds stale state of {owner}")
         return seat
 
-    def _setup(self, request: LlmRequest, seat: int) -> None:
+    def _setup(self, request: LlmRequest, seat: int, vocab_size: int) -> None:
+        """Build the seat's rows from the request: its params, prompt and tokens so far."""
         params = request.sampling_params
         self.temperature[seat] = params.temperature
         self.top_p[seat] = params.top_p
         self.top_k[seat] = params.top_k
         self.seeds[seat] = params.seed
+        self.logprobs_k[seat] = params.logprobs
+        if params.has_penalties:
+            if self.penalties is None:
+                self.penalties = PenaltyState(self.max_num_sequences, vocab_size, self.device)
+            self.penalties.setup(seat, request, self.eos_token_ids)
         self.owner[seat] = request.request_id
 
     def release_request(self, request: LlmRequest) -> None:
@@ -80,6 +113,9 @@ class Sampler:
         self.top_p[seat] = 1.0
         self.top_k[seat] = 0
         self.seeds[seat] = None
+        self.logprobs_k[seat] = None
+        if self.penalties is not None and self.penalties.active[seat]:
+            self.penalties.clear(seat)
         self.owner[seat] = None
         self.new_tokens[:, seat] = 0
 
@@ -87,11 +123,19 @@ class Sampler:
         return sum(o is not None for o in self.owner)
 
     def sample(self, requests: Sequence[LlmRequest | None], logits: torch.Tensor) -> list[int]:
-        """One call per step. `None` rows are padding: sampled into the scratch row, discarded."""
-        rows = [self.dummy_slot_row if r is None else self._seat(r) for r in requests]
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        return self.sample_step(requests, logits).tokens
+
+    def sample_step(
+        self, requests: Sequence[LlmRequest | None], logits: torch.Tensor
+    ) -> SampleOutput:
+        """One call per step over logits [rows, vocab]. `None` rows are padding: sampled into
+        the scratch row, discarded."""
+        vocab = logits.shape[-1]
+        rows = [self.dummy_slot_row if r is None else self._seat(r, vocab) for r in requests]
+        raw = logits.float()
         live = [i for i, r in enumerate(requests) if r is not None]
+        shaped = self._apply_penalties(requests, rows, raw)
+        tokens = shaped.argmax(dim=-1)
         seats = torch.tensor([rows[i] for i in live], dtype=torch.long)
         if live:
             temps = self.temperature[seats]
@@ -103,7 +147,7 @@ class Sampler:
                     for i in idx.tolist()
                 ]
                 tokens[idx] = self._sample_random(
-                    logits[idx.to(logits.device)].cpu(),
+                    shaped[idx.to(shaped.device)].cpu(),
                     temps[random_rows],
                     self.top_k[seats[random_rows]],
                     self.top_p[seats[random_rows]],
@@ -111,7 +155,64 @@ class Sampler:
                 ).to(tokens.device)
         row_index = torch.tensor(rows, dtype=torch.long, device=self.new_tokens.device)
         self.new_tokens[0, row_index, 0] = tokens.to(self.new_tokens.device)
-        return tokens.tolist()
+        token_list = tokens.tolist()
+        self._record_penalties(rows, live, tokens)
+        return SampleOutput(token_list, self._logprobs(rows, live, raw, token_list))
+
+    def _penalty_rows(self, rows: list[int], live: list[int]) -> list[int]:
+        if self.penalties is None:
+            return []
+        active = self.penalties.active.tolist()
+        return [i for i in live if active[rows[i]]]
+
+    def _apply_penalties(
+        self, requests: Sequence[LlmRequest | None], rows: list[int], raw: torch.Tensor
+    ) -> torch.Tensor:
+        """The logits the draw sees: raw ones, reshaped on the rows whose requests use
+        penalties, bias or min_tokens (a copy: logprobs still read the raw logits)."""
+        live = [i for i, r in enumerate(requests) if r is not None]
+        picked = self._penalty_rows(rows, live)
+        if not picked:
+            return raw
+        assert self.penalties is not None
+        dev = raw.device
+        idx = torch.tensor(picked, dtype=torch.long, device=dev)
+        seats = torch.tensor([rows[i] for i in picked], dtype=torch.long, device=dev)
+        produced = torch.tensor(
+            [len(requests[i].output_token_ids) for i in picked],  # type: ignore[union-attr]
+            dtype=torch.long,
+            device=dev,
+        )
+        shaped = raw.clone()
+        block = shaped[idx]  # [rows, vocab], a copy
+        self.penalties.apply(block, seats, produced)
+        shaped[idx] = block
+        return shaped
+
+    def _record_penalties(self, rows: list[int], live: list[int], tokens: torch.Tensor) -> None:
+        picked = self._penalty_rows(rows, live)
+        if not picked:
+            return
+        assert self.penalties is not None
+        dev = self.penalties.active.device
+        idx = torch.tensor(picked, dtype=torch.long, device=tokens.device)
+        seats = torch.tensor([rows[i] for i in picked], dtype=torch.long, device=dev)
+        self.penalties.record(seats, tokens[idx].to(dev))
+
+    def _logprobs(
+        self, rows: list[int], live: list[int], raw: torch.Tensor, tokens: list[int]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        picked = [i for i in live if self.logprobs_k[rows[i]] is not None]
+        if not picked:
+            return out
+        idx = torch.tensor(picked, dtype=torch.long, device=raw.device)
+        ks = [self.logprobs_k[rows[i]] or 0 for i in picked]
+        for i, lp in zip(
+            picked, compute_logprobs(raw[idx], [tokens[i] for i in picked], ks), strict=True
+        ):
+            out[i] = lp
+        return out
 
     @staticmethod
     def _sample_random(

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.core import EngineCore
 from shared.engine.kv_cache import KvLayout
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineSnapshot
 from shared.serving.metrics import LATENCY_BUCKETS, MetricsRegistry, MetricsServer, serve_metrics
@@ -62,7 +63,8 @@ def model_info(core: EngineCore, role: int) -> generation_pb2.ModelInfo:
 def sampling_from_proto(
     s: generation_pb2.SamplingParams, seed: int | None = None
 ) -> SamplingParams:
-    """The wire's sampling fields (top_p 0 = off); `seed` overrides the message's own."""
+    """The wire's sampling fields (top_p, repetition_penalty and n: 0 = off); `seed` overrides
+    the message's own."""
     if seed is None and s.HasField("seed"):
         seed = s.seed
     return SamplingParams.from_wire(
@@ -73,6 +75,15 @@ def sampling_from_proto(
         seed=seed,
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        n=s.n or 1,
     )
 
 
@@ -84,10 +95,46 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         top_k=params.top_k,
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=params.logit_bias,
+        min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        n=params.n,
     )
     if params.seed is not None:
         msg.seed = params.seed
     return msg
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprob_from_proto(msg: generation_pb2.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(
+        msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top_logprobs]
+    )
+
+
+def prompt_logprobs_to_proto(
+    entries: list[TokenLogprobs | None],
+) -> list[generation_pb2.TokenLogprob]:
+    """Positions 1.. of the prompt (position 0 has no logprob)."""
+    return [logprob_to_proto(lp) for lp in entries[1:] if lp is not None]
+
+
+def prompt_logprobs_from_proto(
+    msgs: Sequence[generation_pb2.TokenLogprob],
+) -> list[TokenLogprobs | None]:
+    return [None, *(logprob_from_proto(m) for m in msgs)]
 
 
 def create_grpc_server(
