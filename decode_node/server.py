@@ -83,6 +83,9 @@ class _Stream:
     cached_tokens: int = 0
     completion_tokens: int = 0
     deadline: float | None = None  # monotonic; None: the client set none
+    n: int = 1  # completions; the stream ends when each has finished
+    finished: set[int] = field(default_factory=set)
+    tokens_by_index: dict[int, int] = field(default_factory=dict)
     failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
 
     def deadline_passed(self) -> bool:
@@ -216,21 +219,19 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
             )
-        if len(self.streams) >= self.config.max_inflight:
+        if sum(s.n for s in self.streams.values()) + params.n > self.config.max_inflight:
             raise GenerateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode node is at its admission limit ({self.config.max_inflight} requests "
                 "in flight); retry with backoff",
             )
-        stream = _Stream(rid, len(prompt), deadline=deadline)
+        stream = _Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
         try:
-            first = await self._admit_and_transfer(stream, prompt, params, deadline)
-            yield self._response(stream, first)
-            delta = first
-            while delta.finish_reason is None:
-                delta = await self._next_delta(stream, deadline)
-                yield self._response(stream, delta)
+            for first in await self._admit_and_transfer(stream, prompt, params, deadline):
+                yield self._response(stream, first)
+            while len(stream.finished) < stream.n:
+                yield self._response(stream, await self._next_delta(stream, deadline))
         except GenerateError:
             stream.failed = True
             raise
@@ -276,7 +277,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         prompt: list[int],
         params: SamplingParams,
         deadline: float | None,
-    ) -> TokenDelta:
+    ) -> list[TokenDelta]:
+        """Admit, prefill on a peer, land the KV; returns the first token's delta of each of
+        the n completions."""
         assert self.thread is not None
         rid = stream.request_id
         try:
@@ -304,12 +307,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 last_error = str(e)
                 continue
             first = _first_token(response, params)
-            delta = await self.thread.call(
-                lambda core, first=first: core.complete_transfer(rid, *first)
+            deltas = await self.thread.call(
+                lambda core, first=first: core.complete_transfer_all(rid, *first)
             )
             stream.first_token_at = time.monotonic()
             self.metrics.ttft.observe(stream.first_token_at - stream.admitted_at)
-            return delta
+            return deltas
         raise GenerateError(
             grpc.StatusCode.UNAVAILABLE,
             f"no healthy prefill node could serve {rid}: {last_error}",
@@ -454,19 +457,25 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     # ---- responses and release ------------------------------------------------------------
     def _response(self, stream: _Stream, delta: TokenDelta) -> generation_pb2.GenerateResponse:
         stream.completion_tokens += len(delta.token_ids)
+        produced = stream.tokens_by_index.get(delta.index, 0) + len(delta.token_ids)
+        stream.tokens_by_index[delta.index] = produced
         msg = generation_pb2.GenerateResponse(
-            request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
+            request_id=stream.request_id,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            index=delta.index,
         )
         if delta.logprobs:
             msg.logprobs.extend(logprob_to_proto(lp) for lp in delta.logprobs)
         if delta.prompt_logprobs is not None:
             msg.prompt_logprobs.extend(prompt_logprobs_to_proto(delta.prompt_logprobs))
         if delta.finish_reason is not None:
+            stream.finished.add(delta.index)
             msg.finish_reason = _FINISH[delta.finish_reason]
             msg.usage.CopyFrom(
                 generation_pb2.Usage(
                     prompt_tokens=stream.prompt_len,
-                    completion_tokens=stream.completion_tokens,
+                    completion_tokens=produced,
                     cached_tokens=stream.cached_tokens,
                 )
             )
@@ -497,15 +506,30 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
 
 def _first_token(
     response: prefill_pb2.PrefillResponse, params: SamplingParams
-) -> tuple[int, TokenLogprobs | None, list[TokenLogprobs | None] | None]:
-    """The prefill node's first token with its logprobs and the prompt's (when asked)."""
+) -> tuple[
+    int,
+    TokenLogprobs | None,
+    list[TokenLogprobs | None] | None,
+    list[tuple[int, TokenLogprobs | None]],
+]:
+    """The prefill node's first token with its logprobs and the prompt's (when asked), and
+    the other completions' first tokens (n > 1)."""
     first = None
     if params.logprobs is not None and response.HasField("first_token_logprobs"):
         first = logprob_from_proto(response.first_token_logprobs)
     prompt = None
     if params.prompt_logprobs is not None:
         prompt = prompt_logprobs_from_proto(response.prompt_logprobs)
-    return response.first_token_id, first, prompt
+    tokens = list(response.choice_first_token_ids)
+    if len(tokens) != params.n - 1:
+        raise GenerateError(
+            grpc.StatusCode.INTERNAL,
+            f"prefill node returned {len(tokens)} first tokens for n={params.n} completions",
+        )
+    lps: list[TokenLogprobs | None] = [None] * len(tokens)
+    if params.logprobs is not None and len(response.choice_first_token_logprobs) == len(tokens):
+        lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
+    return response.first_token_id, first, prompt, list(zip(tokens, lps, strict=True))
 
 
 def _reserve_and_start(

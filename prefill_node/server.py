@@ -203,6 +203,11 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))
         if first.prompt_logprobs is not None:
             response.prompt_logprobs.extend(prompt_logprobs_to_proto(first.prompt_logprobs))
+        # n > 1: set on the engine thread before the first token's delta was posted
+        for token, logprobs in req.choice_first_tokens:
+            response.choice_first_token_ids.append(token)
+            if logprobs is not None:
+                response.choice_first_token_logprobs.append(logprob_to_proto(logprobs))
         return response
 
     def _check_destination(self, prompt: list[int], state: PushState) -> None:

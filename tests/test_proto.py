@@ -140,6 +140,8 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "stats": (4, _T.TYPE_MESSAGE, False),
         "first_token_logprobs": (5, _T.TYPE_MESSAGE, False),
         "prompt_logprobs": (6, _T.TYPE_MESSAGE, True),
+        "choice_first_token_ids": (7, _T.TYPE_UINT32, True),
+        "choice_first_token_logprobs": (8, _T.TYPE_MESSAGE, True),
     },
     "CancelPrefillRequest": {"request_id": (1, _T.TYPE_STRING, False)},
     "CancelPrefillResponse": {"found": (1, _T.TYPE_BOOL, False)},

@@ -19,6 +19,7 @@ import torch
 
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
+from shared.engine.fork import fork_completions, fork_id
 from shared.engine.kv_cache import KvLayout, allocate_kv_pool, dtype_name
 from shared.engine.logprobs import TokenLogprobs, fill_prompt_logprobs
 from shared.engine.output import OutputProcessor, TokenDelta
@@ -69,6 +70,7 @@ class RequestOutput:
     cached_tokens: int
     num_preemptions: int
     logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
+    index: int = 0  # which of the prompt's n completions
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when asked
 
 
@@ -117,6 +119,8 @@ class EngineCore:
         )
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
         self.requests: dict[str, LlmRequest] = {}
+        # n > 1: parent id -> its forks' ids, until every completion of the group has ended
+        self.forks: dict[str, list[str]] = {}
         self.layer_hook_factory: LayerHookFactory | None = None
         self.num_steps = 0
         # lifecycles of recently ended requests, for tests and debugging
@@ -160,6 +164,12 @@ class EngineCore:
                 f"{self.max_model_len} tokens"
             )
         need = cdiv(len(prompt_token_ids) + params.max_tokens - 1, self.config.block_size)
+        # n completions share only the prompt's full blocks
+        need += (params.n - 1) * (need - len(prompt_token_ids) // self.config.block_size)
+        if params.n > self.max_num_sequences and not self.context_only:
+            raise RequestRejected(
+                f"sampling.n ({params.n}) exceeds this node's {self.max_num_sequences} seats"
+            )
         if need > self.kv_manager.blocks.num_blocks:
             raise RequestRejected(
                 f"request needs {need} KV blocks but this node's whole pool has "
@@ -175,7 +185,7 @@ class EngineCore:
     ) -> LlmRequest:
         self.validate_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
+        if request_id in self.requests or fork_id(request_id, 1) in self.requests:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         request = LlmRequest(
             request_id, list(prompt_token_ids), params.with_resolved_seed(), state=state
@@ -216,10 +226,13 @@ class EngineCore:
             return []
         to_sample = [batch[i] for i in sample_rows]
         sampled = self.sampler.sample_step(to_sample, logits[sample_rows])
-        return [
-            self._accept_token(r, t, lp)
-            for r, t, lp in zip(to_sample, sampled.tokens, sampled.logprobs, strict=True)
-        ]
+        deltas: list[TokenDelta] = []
+        for r, t, lp, choices in zip(
+            to_sample, sampled.tokens, sampled.logprobs, sampled.choices, strict=True
+        ):
+            r.choice_first_tokens = choices
+            deltas.extend(self._accept_token(r, t, lp))
+        return deltas
 
     def _forward(
         self,
@@ -265,18 +278,20 @@ class EngineCore:
 
     def _accept_token(
         self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None = None
-    ) -> TokenDelta:
+    ) -> list[TokenDelta]:
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
         if self.context_only:
-            return self._finish_context(request, token, logprobs)
+            return [self._finish_context(request, token, logprobs)]
         if request.state == LlmRequestState.CONTEXT_INIT:
             request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
+        # forks first: they share the prompt's blocks, which a finishing parent gives back
+        forks = fork_completions(self, request) if request.choice_first_tokens else []
         delta = self.outputs.process(request, token, logprobs)
         if delta.finish_reason is not None:
             self.finish_request(request, delta.finish_reason)
-        return delta
+        return [delta, *forks]
 
     # ---- prefill side of P/D -------------------------------------------------------------
     def _finish_context(
@@ -350,9 +365,23 @@ class EngineCore:
         first_logprobs: TokenLogprobs | None = None,
         prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> TokenDelta:
+        return self.complete_transfer_all(request_id, first_token, first_logprobs, prompt_logprobs)[
+            0
+        ]
+
+    def complete_transfer_all(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+        choices: Sequence[tuple[int, TokenLogprobs | None]] = (),
+    ) -> list[TokenDelta]:
         """All KV landed: the request becomes schedulable (its seat comes at the next prepare);
         the first token, sampled on the prefill node, is processed at once, with the logprobs
-        the prefill node computed for it and for the prompt."""
+        the prefill node computed for it and for the prompt. n > 1: `choices` are the other
+        completions' first tokens; they are forked off the landed KV here (deltas after the
+        request's own)."""
         request = self._live(request_id)
         if prompt_logprobs is not None:
             request.prompt_logprobs = prompt_logprobs
@@ -362,14 +391,19 @@ class EngineCore:
         request.num_computed_tokens = request.prompt_len
         self.kv_manager.cache_computed_blocks(request)
         request.first_token_time = time.monotonic()
+        request.choice_first_tokens = list(choices)
+        forks = fork_completions(self, request) if choices else []
         delta = self.outputs.process(request, first_token, first_logprobs)
         if delta.finish_reason is not None:
             self.finish_request(request, delta.finish_reason)
         else:
             self.scheduler.add_request(request)
-        return delta
+        return [delta, *forks]
 
     def fail_transfer(self, request_id: str) -> None:
+        for fork in list(self.forks.get(request_id, ())):
+            if fork in self.requests:
+                self.finish_request(self.requests[fork], FinishReason.ABORTED)
         request = self.requests.get(request_id)
         if request is not None:
             self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
@@ -402,6 +436,10 @@ class EngineCore:
         self.requests.pop(request.request_id, None)
         self.outputs.forget(request.request_id)
         self.recent_history.append((request.request_id, list(request.history)))
+        group = request.group_id
+        members = self.forks.get(group)
+        if members is not None and not any(m in self.requests for m in (group, *members)):
+            del self.forks[group]
 
     @staticmethod
     def _terminal_state(request: LlmRequest, wanted: LlmRequestState) -> LlmRequestState:
@@ -419,6 +457,10 @@ class EngineCore:
         )
 
     def abort(self, request_id: str) -> LlmRequest | None:
+        """End the request and, for n > 1, every completion forked from it."""
+        for fork in list(self.forks.get(request_id, ())):
+            if fork in self.requests:
+                self.finish_request(self.requests[fork], FinishReason.ABORTED)
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -433,6 +475,7 @@ class EngineCore:
     def check_conservation(self) -> None:
         """All seats and blocks back in their pools (cached blocks stay evictable)."""
         assert not self.requests, f"requests still live: {sorted(self.requests)[:10]}"
+        assert not self.forks, f"completion groups still tracked: {sorted(self.forks)[:10]}"
         self.seq_slot_manager.slot_manager.check_conservation()
         assert self.sampler.seats_in_use() == 0, "sampler rows still owned"
         self.kv_manager.check_conservation()

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestOutput
-from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason, LlmRequest
 from shared.engine.sampling_params import SamplingParams
@@ -42,32 +41,51 @@ class LLM:
         prompts: Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        """One output per completion: a prompt with n > 1 gives n consecutive outputs
+        (index 0..n-1)."""
         params_list = self._expand_params(prompts, sampling_params)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        texts = {r.request_id: "" for r in requests}
-        logprobs: dict[str, list[TokenLogprobs]] = {r.request_id: [] for r in requests}
-        prompt_logprobs: dict[str, list[TokenLogprobs | None] | None] = {}
+        outputs = {
+            (r.request_id, i): self._empty_output(r, i)
+            for r in requests
+            for i in range(r.sampling_params.n)
+        }
         while self.core.has_work:
             for delta in self.core.step():
-                if delta.request_id in texts:
-                    texts[delta.request_id] += delta.text
-                    logprobs[delta.request_id].extend(delta.logprobs or ())
-                    if delta.prompt_logprobs is not None:
-                        prompt_logprobs[delta.request_id] = delta.prompt_logprobs
-        return [
-            RequestOutput(
-                request_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                token_ids=list(r.output_token_ids),
-                text=texts[r.request_id],
-                finish_reason=r.finish_reason or FinishReason.ABORTED,
-                cached_tokens=r.cached_tokens,
-                num_preemptions=r.num_preemptions,
-                logprobs=logprobs[r.request_id] if r.sampling_params.logprobs is not None else None,
-                prompt_logprobs=prompt_logprobs.get(r.request_id),
-            )
-            for r in requests
-        ]
+                out = outputs.get((delta.request_id, delta.index))
+                if out is None:
+                    continue
+                out.token_ids.extend(delta.token_ids)
+                out.text += delta.text
+                if out.logprobs is not None:
+                    out.logprobs.extend(delta.logprobs or ())
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason
+        for r in requests:  # the group's prompt logprobs come with completion 0
+            for i in range(1, r.sampling_params.n):
+                outputs[(r.request_id, i)].prompt_logprobs = outputs[
+                    (r.request_id, 0)
+                ].prompt_logprobs
+            for i in range(r.sampling_params.n):
+                outputs[(r.request_id, i)].cached_tokens = r.cached_tokens
+                outputs[(r.request_id, i)].num_preemptions = r.num_preemptions
+        return list(outputs.values())
+
+    @staticmethod
+    def _empty_output(request: LlmRequest, index: int) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=[],
+            text="",
+            finish_reason=FinishReason.ABORTED,
+            cached_tokens=0,
+            num_preemptions=0,
+            logprobs=[] if request.sampling_params.logprobs is not None else None,
+            index=index,
+        )
 
     @staticmethod
     def _expand_params(

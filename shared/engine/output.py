@@ -26,6 +26,7 @@ class TokenDelta:
     logprobs: list[TokenLogprobs] | None = None
     # on the delta of the first token only, when asked: one per prompt position (None first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    index: int = 0  # which of the request's n completions (request_id is the client's id)
 
 
 @dataclass
@@ -86,7 +87,11 @@ class OutputProcessor:
         else:
             release_to = max(state.emitted, len(state.text) - state.holdback)
         delta = TokenDelta(
-            request.request_id, state.pending_tokens, state.text[state.emitted : release_to], reason
+            request.group_id,
+            state.pending_tokens,
+            state.text[state.emitted : release_to],
+            reason,
+            index=request.choice_index,
         )
         if logprobs is not None:
             delta.logprobs = [logprobs]

@@ -40,10 +40,15 @@ def choice_seed(seed: int, index: int) -> int:
     return seed if index == 0 else splitmix64(seed ^ splitmix64(index)) >> 1
 
 
+Choice = tuple[int, "TokenLogprobs | None"]  # a first token of another completion, its logprobs
+
+
 @dataclass
 class SampleOutput:
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]  # per row: None unless its request asked
+    # per row: for an n > 1 request's first token, completions 1..n-1's first tokens
+    choices: list[list[Choice]]
 
 
 class Sampler:
@@ -157,7 +162,44 @@ class Sampler:
         self.new_tokens[0, row_index, 0] = tokens.to(self.new_tokens.device)
         token_list = tokens.tolist()
         self._record_penalties(rows, live, tokens)
-        return SampleOutput(token_list, self._logprobs(rows, live, raw, token_list))
+        return SampleOutput(
+            token_list,
+            self._logprobs(rows, live, raw, token_list),
+            self._draw_choices(requests, rows, shaped, raw),
+        )
+
+    def _draw_choices(
+        self,
+        requests: Sequence[LlmRequest | None],
+        rows: list[int],
+        shaped: torch.Tensor,
+        raw: torch.Tensor,
+    ) -> list[list[Choice]]:
+        """First tokens of completions 1..n-1 of n > 1 requests, from the same logits as
+        completion 0's, each from its own stream (`choice_seed`), at output index 0. The seat's
+        penalty state is the same for all of them here: nothing has been produced yet."""
+        out: list[list[Choice]] = [[] for _ in rows]
+        for i, r in enumerate(requests):
+            if r is None or not r.forks_pending:
+                continue
+            seat, m = rows[i], r.sampling_params.n - 1
+            if self.temperature[seat] > 0:
+                seeds = [choice_seed(self.seeds[seat] or 0, c) for c in range(1, m + 1)]
+                tokens = self._sample_random(
+                    shaped[i].expand(m, -1).cpu(),
+                    self.temperature[seat].repeat(m),
+                    self.top_k[seat].repeat(m),
+                    self.top_p[seat].repeat(m),
+                    torch.tensor([stream_uniform(s, 0) for s in seeds], dtype=torch.float64),
+                ).tolist()
+            else:
+                tokens = [int(shaped[i].argmax())] * m
+            k = self.logprobs_k[seat]
+            lps: list[TokenLogprobs | None] = [None] * m
+            if k is not None:
+                lps = list(compute_logprobs(raw[i].expand(m, -1), tokens, [k] * m))
+            out[i] = list(zip(tokens, lps, strict=True))
+        return out
 
     def _penalty_rows(self, rows: list[int], live: list[int]) -> list[int]:
         if self.penalties is None:
