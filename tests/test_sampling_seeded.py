@@ -26,6 +26,7 @@ FEATURES: list[dict[str, object]] = [
     {"logit_bias": {EOS: 4.0, 33: 3.0}, "min_tokens": 6},
     {"stop_token_ids": (40, 41, 42, 43, 44, 45)},
     {"top_k": 20, "top_p": 0.9, "logprobs": 0},
+    {"n": 4, "logprobs": 2, "frequency_penalty": 0.5},
 ]
 
 
@@ -45,6 +46,16 @@ def mixed_params(n: int, seed: int) -> list[SamplingParams]:
     return out
 
 
+def by_request(outputs: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """LLM.generate's flat list (n consecutive outputs per prompt) grouped per prompt."""
+    groups: list[list[RequestOutput]] = []
+    for out in outputs:
+        if out.index == 0:
+            groups.append([])
+        groups[-1].append(out)
+    return groups
+
+
 def assert_same(got: Completion | RequestOutput, want: RequestOutput) -> None:
     assert got.token_ids == want.token_ids
     if want.logprobs is not None:
@@ -61,10 +72,12 @@ def test_seeded_features_identical_pd_colocated_alone_and_batched(
     prompts = random_prompts(32, 512, min_len=4, max_len=80, seed=29)
     params = mixed_params(32, seed=31)
     llm = LLM(EngineConfig(model=str(path), num_kv_blocks=512), load_model(str(path)))
-    batched = llm.generate(prompts, params)
+    batched = by_request(llm.generate(prompts, params))
+    assert [len(b) for b in batched] == [p.n for p in params]
     for i in range(len(FEATURES)):  # each feature alone equals itself inside the batch
-        (alone,) = llm.generate([prompts[i]], [params[i]])
-        assert_same(alone, batched[i])
+        alone = llm.generate([prompts[i]], [params[i]])
+        for a, b in zip(alone, batched[i], strict=True):
+            assert_same(a, b)
     llm.check_conservation()
     prefill = EngineConfig(model=str(path), num_kv_blocks=512, max_num_tokens=40)
 
@@ -73,10 +86,14 @@ def test_seeded_features_identical_pd_colocated_alone_and_batched(
             got = await asyncio.gather(
                 *(pd_generate(c.targets[0], p, sp) for p, sp in zip(prompts, params, strict=True))
             )
-            for (g,), w in zip(got, batched, strict=True):
-                assert_same(g, w)
-            (alone,) = await pd_generate(c.targets[0], prompts[3], params[3])
-            assert_same(alone, batched[3])
+            for g, w in zip(got, batched, strict=True):
+                assert len(g) == len(w)
+                for a, b in zip(g, w, strict=True):
+                    assert_same(a, b)
+            for i in (3, 6):  # min_tokens, and n = 4, alone
+                alone = await pd_generate(c.targets[0], prompts[i], params[i])
+                for a, b in zip(alone, batched[i], strict=True):
+                    assert_same(a, b)
             await c.assert_idle_and_conserved()
 
     asyncio.run(body())
