@@ -14,8 +14,10 @@ from grpc import aio
 
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.config import EngineConfig
+from shared.engine.core import EngineCore, RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.model.attention import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from shared.serving.grpc_server import sampling_to_proto
 from tests.engine_helpers import hf_greedy, random_prompts
@@ -152,10 +154,40 @@ def test_pd_n4_cancel_mid_stream_and_timeout_release_everything(
 def test_n_bounds_rejected(checkpoint: Callable[..., Path]) -> None:
     path = checkpoint("llama")
     llm = engine(path, max_batch_size=4)
-    from shared.engine.core import RequestRejected
-
     with pytest.raises(RequestRejected, match=r"sampling\.n"):
         llm.generate([[5, 6, 7]], SamplingParams(n=5))
     with pytest.raises(RequestRejected, match=r"sampling\.n"):
         llm.generate([[5, 6, 7]], SamplingParams(n=0))
     llm.check_conservation()
+
+
+def test_fork_without_a_free_block_recomputes_and_matches(checkpoint: Callable[..., Path]) -> None:
+    """Decode side: the KV landed but no block is free for a completion's partial-block copy;
+    that completion holds nothing, recomputes its prompt when blocks free up, and still gives
+    the greedy completion."""
+    path = checkpoint("llama")
+    config = EngineConfig(model=str(path), num_kv_blocks=5, max_batch_size=2)
+    core = EngineCore(config, load_model(str(path)))
+    prompt = random_prompts(1, 512, min_len=40, max_len=40, seed=23)[0]  # 2 full blocks + 8
+    params = SamplingParams(max_tokens=6, n=2)
+    want = hf_greedy(path, prompt, 6)
+    core.reserve_for_transfer(prompt, params, "P")
+    core.start_transfer("P")
+    core.reserve_for_transfer([5, 6, 7, 8, 9] * 6, SamplingParams(max_tokens=2), "Q")  # 2
+    core.start_transfer("Q")
+    assert core.kv_manager.num_free_blocks == 0
+    # the KV "landed": write the prompt's K/V as the prefill node would have
+    batch = ForwardBatch.build(
+        [SeqEntry(prompt, 0, core.kv_manager.block_table("P"))], 16, core.device
+    )
+    core.model.forward(batch, core.kv_pool)
+    deltas = core.complete_transfer_all("P", want[0], choices=[(want[0], None)])
+    assert [d.index for d in deltas] == [0, 1]
+    assert core.kv_manager.block_table("P#1") == []  # nothing free for the copy
+    core.fail_transfer("Q")
+    tokens: dict[int, list[int]] = {0: [want[0]], 1: [want[0]]}
+    while core.has_work:
+        for d in core.step():
+            tokens[d.index].extend(d.token_ids)
+    assert tokens == {0: want, 1: want}
+    core.check_conservation()

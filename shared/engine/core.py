@@ -242,29 +242,10 @@ class EngineCore:
     ) -> torch.Tensor:
         """Logits of each sequence's last new token; when a request wants prompt logprobs,
         every token's logits are computed and its prompt entries filled from them."""
-        wanting = [s.request.needs_prompt_logits for s in scheduled]
-        if not any(wanting):
+        if not any(s.request.needs_prompt_logits for s in scheduled):
             return self.model.forward(forward, self.kv_pool, layer_hook=hook)
         every = self.model.forward(forward, self.kv_pool, all_logits=True, layer_hook=hook)
-        chunks = []
-        row = 0
-        for s, wants in zip(scheduled, wanting, strict=True):
-            r = s.request
-            if wants:
-                assert r.prompt_logprobs is not None
-                k = r.sampling_params.prompt_logprobs or 0
-                chunks.append(
-                    (
-                        r.prompt_logprobs,
-                        r.prompt_token_ids,
-                        k,
-                        r.num_computed_tokens,
-                        s.num_new_tokens,
-                        row,
-                    )
-                )
-            row += s.num_new_tokens
-        fill_prompt_logprobs(chunks, every)
+        fill_prompt_logprobs(scheduled, every)
         return every[forward.last_token_index]
 
     def _entry(self, s: ScheduledRequest) -> SeqEntry:
