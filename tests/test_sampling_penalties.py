@@ -185,3 +185,26 @@ def test_bad_sampling_is_invalid_argument(
             await c.assert_idle_and_conserved()
 
     asyncio.run(body())
+
+
+def test_abort_between_steps_clears_penalty_rows(checkpoint: Callable[..., Path]) -> None:
+    """An abort arrives outside the step (the engine thread's commands): the seat's penalty
+    rows are cleared there and the seat comes back clean."""
+    path = checkpoint("llama")
+    llm = engine(path)
+    params = SamplingParams(
+        max_tokens=50, repetition_penalty=1.3, logit_bias={5: 2.0}, min_tokens=3, ignore_eos=True
+    )
+    request = llm.add_request([5, 6, 7, 8], params)
+    for _ in range(4):
+        llm.step()
+    seat = request.seq_slot
+    assert seat is not None
+    penalties = llm.core.sampler.penalties
+    assert penalties is not None and bool(penalties.active[seat])
+    llm.core.abort(request.request_id)
+    assert not bool(penalties.active[seat]) and float(penalties.output_counts[seat].sum()) == 0
+    assert not bool(penalties.prompt_mask[seat].any()) and not bool(penalties.bias[seat].any())
+    llm.check_conservation()
+    (again,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6))
+    assert again.token_ids == hf_generate(path, [5, 6, 7, 8], 6)

@@ -105,7 +105,9 @@ class Sampler:
         self.logprobs_k[seat] = params.logprobs
         if params.has_penalties:
             if self.penalties is None:
-                self.penalties = PenaltyState(self.max_num_sequences, vocab_size, self.device)
+                # normal tensors: a release outside the step (an abort) writes them too
+                with torch.inference_mode(False):
+                    self.penalties = PenaltyState(self.max_num_sequences, vocab_size, self.device)
             self.penalties.setup(seat, request, self.eos_token_ids)
         self.owner[seat] = request.request_id
 
