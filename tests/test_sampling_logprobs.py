@@ -112,6 +112,23 @@ def test_pd_logprobs_match_transformers_and_colocated(checkpoint: Callable[..., 
     asyncio.run(body())
 
 
+def test_prompt_logprobs_survive_preemption(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("mistral")
+    prompts = random_prompts(8, 512, min_len=30, max_len=100, seed=8)
+    # 30 blocks of 16 tokens cannot hold all eight at once: the newest get preempted, some
+    # mid-prompt (a 40-token budget chunks the prompts)
+    llm = LLM(
+        EngineConfig(model=str(path), num_kv_blocks=30, max_batch_size=8, max_num_tokens=40),
+        load_model(str(path)),
+    )
+    params = SamplingParams(max_tokens=40, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        check_against_hf(path, prompt, out.token_ids, out.logprobs, out.prompt_logprobs, 2, 2)
+    llm.check_conservation()
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [

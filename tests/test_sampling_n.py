@@ -121,7 +121,16 @@ def test_pd_n4_cancel_mid_stream_and_timeout_release_everything(
 ) -> None:
     path = checkpoint("llama")
     prompt = random_prompts(1, 512, min_len=30, max_len=30, seed=19)[0]
-    params = SamplingParams(max_tokens=200, n=4, temperature=1.0, seed=3, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=200,
+        n=4,
+        temperature=1.0,
+        seed=3,
+        ignore_eos=True,
+        logprobs=2,
+        repetition_penalty=1.2,
+        logit_bias={7: 1.0},
+    )
 
     async def body() -> None:
         async with pd_cluster(path) as c:
