@@ -193,7 +193,12 @@ def test_abort_between_steps_clears_penalty_rows(checkpoint: Callable[..., Path]
     path = checkpoint("llama")
     llm = engine(path)
     params = SamplingParams(
-        max_tokens=50, repetition_penalty=1.3, logit_bias={5: 2.0}, min_tokens=3, ignore_eos=True
+        max_tokens=50,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        logit_bias={5: 2.0},
+        min_tokens=3,
+        ignore_eos=True,
     )
     request = llm.add_request([5, 6, 7, 8], params)
     for _ in range(4):
@@ -202,9 +207,11 @@ def test_abort_between_steps_clears_penalty_rows(checkpoint: Callable[..., Path]
     assert seat is not None
     penalties = llm.core.sampler.penalties
     assert penalties is not None and bool(penalties.active[seat])
+    assert bool(penalties.additive[seat].any()) and bool(penalties.seen[seat].any())
     llm.core.abort(request.request_id)
-    assert not bool(penalties.active[seat]) and float(penalties.output_counts[seat].sum()) == 0
-    assert not bool(penalties.prompt_mask[seat].any()) and not bool(penalties.bias[seat].any())
+    assert not bool(penalties.active[seat]) and not bool(penalties.additive[seat].any())
+    assert not bool(penalties.seen[seat].any()) and not bool(penalties.produced[seat].any())
+    assert not bool(penalties.bias_values[seat].any()) and not bool(penalties.stop_ids[seat].any())
     llm.check_conservation()
     (again,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6))
     assert again.token_ids == hf_generate(path, [5, 6, 7, 8], 6)

@@ -34,15 +34,17 @@ def compute_logprobs(
     how many alternatives row i wants (0 = only the token's own)."""
     if not token_ids:
         return []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
-    ids = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
-    chosen = logprobs.gather(1, ids[:, None]).flatten().tolist()  # [rows]
+    logits = logits.float()
+    # log_softmax(x)[t] = x[t] - logsumexp(x): one reduction, no [rows, vocab] result written
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [rows, 1]
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    chosen = (logits.gather(1, ids[:, None]) - lse).flatten().tolist()  # [rows]
     k_max = max(top_k)
     top_vals: list[list[float]] = [[] for _ in token_ids]
     top_ids: list[list[int]] = [[] for _ in token_ids]
     if k_max > 0:
-        values, indices = logprobs.topk(k_max, dim=-1)  # [rows, k_max], descending
-        top_vals, top_ids = values.tolist(), indices.tolist()
+        values, indices = logits.topk(k_max, dim=-1)  # [rows, k_max], descending
+        top_vals, top_ids = (values - lse).tolist(), indices.tolist()
     return [
         TokenLogprobs(t, lp, list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)))
         for i, (t, lp, k) in enumerate(zip(token_ids, chosen, top_k, strict=True))

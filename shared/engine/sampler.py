@@ -21,6 +21,8 @@ from shared.engine.penalties import PenaltyState
 from shared.engine.request import LlmRequest
 
 _MASK64 = (1 << 64) - 1
+# top_k up to this draws from a partial sort (topk) of this many candidates, not a full sort
+TOPK_CANDIDATES = 1024
 
 
 def splitmix64(x: int) -> int:
@@ -227,6 +229,10 @@ class Sampler:
             dtype=torch.long,
             device=dev,
         )
+        if len(picked) == raw.shape[0]:  # every row: no gather / scatter
+            shaped = raw.clone()
+            self.penalties.apply(shaped, seats, produced)
+            return shaped
         shaped = raw.clone()
         block = shaped[idx]  # [rows, vocab], a copy
         self.penalties.apply(block, seats, produced)
@@ -266,17 +272,45 @@ class Sampler:
         top_p: torch.Tensor,
         uniforms: torch.Tensor,
     ) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        scaled = logits / temps[:, None]
+        """Rows whose top_k is at most TOPK_CANDIDATES draw from that many candidates (topk),
+        the others from a full sort: which path a row takes depends on its own top_k only, so
+        its draw does not depend on the rest of the batch."""
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        few = (top_k > 0) & (top_k <= TOPK_CANDIDATES)
+        for rows, width in ((few, TOPK_CANDIDATES), (~few, None)):
+            idx = rows.nonzero().flatten()
+            if idx.numel():
+                out[idx] = _draw(
+                    logits[idx], temps[idx], top_k[idx], top_p[idx], uniforms[idx], width
+                )
+        return out
+
+
+def _draw(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    width: int | None,
+) -> torch.Tensor:
+    """Invert the CDF of the temperature-scaled, top-k / top-p filtered distribution at each
+    row's uniform. `width`: look only at that many most likely candidates (None: all)."""
+    vocab = logits.shape[-1]
+    scaled = logits / temps[:, None]  # [rows, vocab]
+    if width is not None and width < vocab:
+        sorted_logits, sorted_ids = scaled.topk(width, dim=-1)  # [rows, width], descending
+    else:
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(vocab)[None, :]
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits.double(), dim=-1)
-        # keep the smallest prefix whose mass reaches top_p; the top token always survives
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p.double()[:, None], 0.0)
-        cdf = probs.cumsum(dim=-1)
-        targets = uniforms * cdf[:, -1]
-        choice = torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=vocab - 1)
-        return sorted_ids.gather(1, choice).flatten()
+    n = sorted_logits.shape[-1]
+    ranks = torch.arange(n)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=n), torch.full_like(top_k, n))
+    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits.double(), dim=-1)
+    # keep the smallest prefix whose mass reaches top_p; the top token always survives
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p.double()[:, None], 0.0)
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    choice = torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=n - 1)
+    return sorted_ids.gather(1, choice).flatten()
