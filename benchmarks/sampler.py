@@ -13,6 +13,7 @@ The target: the sampler's extra time with everything on is <= 10% of a decode st
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     steps = 5 if args.quick else args.steps
+    load_start = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny": "tiny"}
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "sampler",
         "environment": environment(),
+        "load_average": {"start": load_start, "end": os.getloadavg()},
         "rows": rows,
         "target_extra_over_step": TARGET,
         "meets_target": all(r["sampler_extra_over_decode_step"] <= TARGET for r in rows),
