@@ -13,6 +13,7 @@ import pytest
 from grpc import aio
 
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected
 from shared.engine.llm import LLM
@@ -200,3 +201,21 @@ def test_fork_without_a_free_block_recomputes_and_matches(checkpoint: Callable[.
             tokens[d.index].extend(d.token_ids)
     assert tokens == {0: want, 1: want}
     core.check_conservation()
+
+
+def test_shared_blocks_are_reference_counted() -> None:
+    """Each completion's free drops one reference; a block returns to its pool with the last."""
+    bm = BlockManager(4, 16)
+    blocks = bm.allocate(2)
+    bm.share(blocks)
+    bm.share(blocks)
+    assert [bm.ref_count(b) for b in blocks] == [3, 3]
+    bm.free(blocks)
+    bm.free(blocks)
+    assert bm.num_free_blocks == 2 and all(bm.ref_count(b) == 1 for b in blocks)
+    bm.free(blocks)
+    bm.check_all_free()
+    with pytest.raises(AssertionError, match="nobody holds"):
+        bm.share(blocks)
+    with pytest.raises(AssertionError, match="double free"):
+        bm.free(blocks)
