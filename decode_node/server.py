@@ -27,6 +27,7 @@ from decode_node.config import DecodeNodeConfig
 from decode_node.peers import LayoutMismatch, PrefillPeer, prefill_pool
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason, LlmRequest
 from shared.engine.sampling_params import SamplingParams
@@ -43,6 +44,10 @@ from shared.serving.metrics import AsgiServer, register_scrape_counter, register
 from shared.serving.wire import (
     WireError,
     add_servicer,
+    logprob_from_proto,
+    logprob_to_proto,
+    prompt_logprobs_from_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     sampling_to_proto,
     validate_request,
@@ -81,7 +86,19 @@ class _Stream:
     cached_tokens: int = 0
     completion_tokens: int = 0
     deadline: float | None = None  # monotonic; None: the client set none
+    n: int = 1  # completions; the stream ends when each has finished
+    finished: set[int] = field(default_factory=set)
+    tokens_by_index: dict[int, int] = field(default_factory=dict)
     failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
+
+    def account(self, delta: TokenDelta) -> None:
+        """Count a delta of completion `delta.index` before it is streamed."""
+        self.completion_tokens += len(delta.token_ids)
+        self.tokens_by_index[delta.index] = self.tokens_by_index.get(delta.index, 0) + len(
+            delta.token_ids
+        )
+        if delta.finish_reason is not None:
+            self.finished.add(delta.index)
 
     def deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -248,21 +265,21 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
             )
-        if len(self.streams) >= self.config.max_inflight:
+        if sum(s.n for s in self.streams.values()) + params.n > self.config.max_inflight:
             raise GenerateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode node is at its admission limit ({self.config.max_inflight} requests "
                 "in flight); retry with backoff",
             )
-        stream = _Stream(rid, len(prompt), deadline=deadline)
+        stream = _Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
         try:
-            delta = await self._admit_and_transfer(stream, prompt, params, deadline)
-            stream.completion_tokens += len(delta.token_ids)
-            yield stream, delta
-            while delta.finish_reason is None:
+            for first in await self._admit_and_transfer(stream, prompt, params, deadline):
+                stream.account(first)
+                yield stream, first
+            while len(stream.finished) < stream.n:
                 delta = await self._next_delta(stream, deadline)
-                stream.completion_tokens += len(delta.token_ids)
+                stream.account(delta)
                 yield stream, delta
         except GenerateError:
             stream.failed = True
@@ -322,7 +339,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         prompt: list[int],
         params: SamplingParams,
         deadline: float | None,
-    ) -> TokenDelta:
+    ) -> list[TokenDelta]:
+        """Admit, prefill on a peer, land the KV; returns the first token's delta of each of
+        the n completions."""
         assert self.thread is not None
         rid = stream.request_id
         try:
@@ -349,13 +368,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             except _PrefillFailed as e:
                 last_error = str(e)
                 continue
-            first_token = response.first_token_id
-            delta = await self.thread.call(
-                lambda core, token=first_token: core.complete_transfer(rid, token)
+            first = _first_token(response, params)
+            deltas = await self.thread.call(
+                lambda core, first=first: core.complete_transfer_all(rid, *first)
             )
             stream.first_token_at = time.monotonic()
             self.metrics.ttft.observe(stream.first_token_at - stream.admitted_at)
-            return delta
+            return deltas
         raise GenerateError(
             grpc.StatusCode.UNAVAILABLE,
             f"no healthy prefill node could serve {rid}: {last_error}",
@@ -500,14 +519,21 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     # ---- responses and release ------------------------------------------------------------
     def _response(self, stream: _Stream, delta: TokenDelta) -> generation_pb2.GenerateResponse:
         msg = generation_pb2.GenerateResponse(
-            request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
+            request_id=stream.request_id,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            index=delta.index,
         )
+        if delta.logprobs:
+            msg.logprobs.extend(logprob_to_proto(lp) for lp in delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            msg.prompt_logprobs.extend(prompt_logprobs_to_proto(delta.prompt_logprobs))
         if delta.finish_reason is not None:
             msg.finish_reason = _FINISH[delta.finish_reason]
             msg.usage.CopyFrom(
                 generation_pb2.Usage(
                     prompt_tokens=stream.prompt_len,
-                    completion_tokens=stream.completion_tokens,
+                    completion_tokens=stream.tokens_by_index.get(delta.index, 0),
                     cached_tokens=stream.cached_tokens,
                 )
             )
@@ -534,6 +560,34 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             release = EngineCore.fail_transfer if stream.failed else EngineCore.abort
             with contextlib.suppress(RuntimeError):
                 await self.thread.call(lambda core: release(core, rid))
+
+
+def _first_token(
+    response: prefill_pb2.PrefillResponse, params: SamplingParams
+) -> tuple[
+    int,
+    TokenLogprobs | None,
+    list[TokenLogprobs | None] | None,
+    list[tuple[int, TokenLogprobs | None]],
+]:
+    """The prefill node's first token with its logprobs and the prompt's (when asked), and
+    the other completions' first tokens (n > 1)."""
+    first = None
+    if params.logprobs is not None and response.HasField("first_token_logprobs"):
+        first = logprob_from_proto(response.first_token_logprobs)
+    prompt = None
+    if params.prompt_logprobs is not None:
+        prompt = prompt_logprobs_from_proto(response.prompt_logprobs)
+    tokens = list(response.choice_first_token_ids)
+    if len(tokens) != params.n - 1:
+        raise GenerateError(
+            grpc.StatusCode.INTERNAL,
+            f"prefill node returned {len(tokens)} first tokens for n={params.n} completions",
+        )
+    lps: list[TokenLogprobs | None] = [None] * len(tokens)
+    if params.logprobs is not None and len(response.choice_first_token_logprobs) == len(tokens):
+        lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
+    return response.first_token_id, first, prompt, list(zip(tokens, lps, strict=True))
 
 
 def _reserve_and_start(

@@ -30,7 +30,14 @@ from shared.engine.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
 from shared.serving.limits import PUSH_QUIESCE_S
-from shared.serving.wire import WireError, add_servicer, check_request_id, sampling_from_proto
+from shared.serving.wire import (
+    WireError,
+    add_servicer,
+    check_request_id,
+    logprob_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+)
 from transfer import protocol as proto
 from transfer.errors import retrieve_exception
 from transfer.protocol import TransferDestination
@@ -108,7 +115,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         for delta in deltas:
             job = self.jobs.get(delta.request_id)
             if job is not None and not job.first_token.done():
-                job.first_token.set_result(delta.token_ids[0])
+                job.first_token.set_result(delta)
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
@@ -195,14 +202,24 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             )
         )
         sent_bytes, messages = await self._drain(job, push)
-        first_token = await job.first_token
+        first = await job.first_token
         job.completed = True
-        return prefill_pb2.PrefillResponse(
+        response = prefill_pb2.PrefillResponse(
             request_id=job.request_id,
-            first_token_id=first_token,
+            first_token_id=first.token_ids[0],
             cached_tokens=req.cached_tokens,
             stats=self._stats(job, sent_bytes, messages, req),
         )
+        if first.logprobs:
+            response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))
+        if first.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(prompt_logprobs_to_proto(first.prompt_logprobs))
+        # n > 1: set on the engine thread before the first token's delta was posted
+        for token, logprobs in req.choice_first_tokens:
+            response.choice_first_token_ids.append(token)
+            if logprobs is not None:
+                response.choice_first_token_logprobs.append(logprob_to_proto(logprobs))
+        return response
 
     def _check_destination(self, prompt: list[int], job: PrefillJob) -> None:
         blocks = -(-len(prompt) // self.layout.block_size)

@@ -8,7 +8,7 @@ to a 400 error object.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -17,6 +17,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError
 
 from proto.pdserve.v1 import generation_pb2
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.serving.limits import MAX_REQUEST_ID_CHARS, MAX_SEED
 
@@ -25,6 +26,10 @@ __all__ = [
     "add_servicer",
     "check_request_id",
     "check_sampling",
+    "logprob_from_proto",
+    "logprob_to_proto",
+    "prompt_logprobs_from_proto",
+    "prompt_logprobs_to_proto",
     "sampling_from_proto",
     "sampling_to_proto",
     "validate_request",
@@ -53,6 +58,15 @@ def sampling_from_proto(
         seed=seed,
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        n=s.n or 1,
     )
 
 
@@ -64,10 +78,46 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         top_k=params.top_k,
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=params.logit_bias,
+        min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        n=params.n,
     )
     if params.seed is not None:  # unset: the server draws one
         msg.seed = params.seed
     return msg
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprob_from_proto(msg: generation_pb2.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(
+        msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top_logprobs]
+    )
+
+
+def prompt_logprobs_to_proto(
+    entries: list[TokenLogprobs | None],
+) -> list[generation_pb2.TokenLogprob]:
+    """Positions 1.. of the prompt (position 0 has no logprob)."""
+    return [logprob_to_proto(lp) for lp in entries[1:] if lp is not None]
+
+
+def prompt_logprobs_from_proto(
+    msgs: Sequence[generation_pb2.TokenLogprob],
+) -> list[TokenLogprobs | None]:
+    return [None, *(logprob_from_proto(m) for m in msgs)]
 
 
 def check_request_id(request_id: str) -> None:
