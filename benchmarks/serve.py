@@ -65,6 +65,7 @@ LOAD_KEYS = [
     "prefix_len",
     "goodput",
     "seed",
+    "api",
 ]
 INTERFERENCE_KEYS = [
     "decode_streams",
@@ -172,12 +173,18 @@ def run_setup(
         target = nodes.target(ENTRY[setup])
 
         async def go() -> dict[str, Any]:
-            await warm_up(target, model)
-            bar.set_postfix_str(f"{setup}: load")
-            records, duration = await run_requests(
-                target, load_workload(a, model), a.max_concurrency
-            )
-            out: dict[str, Any] = {"load": serving_metrics(records, duration, slos)}
+            out: dict[str, Any] = {}
+            for api in a.api if setup == "pd" else ["grpc"]:  # HTTP: decode nodes only
+                api_target = target if api == "grpc" else nodes.http_url(ENTRY[setup])
+                await warm_up(api_target, model)
+                bar.set_postfix_str(f"{setup}: load ({api})")
+                records, duration = await run_requests(
+                    api_target, load_workload(a, model), a.max_concurrency
+                )
+                out.setdefault("load_by_api", {})[api] = serving_metrics(records, duration, slos)
+            out["load"] = next(iter(out["load_by_api"].values()))
+            if len(out["load_by_api"]) == 2:
+                out["http_overhead_ms"] = http_overhead(out["load_by_api"])
             if not a.no_interference and setup in ("pd", "colocated"):
                 out["interference"] = await interference(target, a, model, bar)
             return out
@@ -186,6 +193,16 @@ def run_setup(
     result["idle_cpu_percent"] = idle
     result["nodes"] = [f"{s.name}: cpus {s.cpus}, {s.threads} thread(s)" for s in specs]
     return result
+
+
+def http_overhead(by_api: dict[str, Any]) -> dict[str, float]:
+    """What the HTTP layer adds over gRPC at the same load: p50 TTFT and per-token (ITL, TPOT)."""
+    o, g = by_api["openai"], by_api["grpc"]
+    return {
+        "ttft_p50": o["ttft"]["median_ms"] - g["ttft"]["median_ms"],
+        "itl_p50": o["itl"]["median_ms"] - g["itl"]["median_ms"],
+        "tpot_p50": o["tpot"]["median_ms"] - g["tpot"]["median_ms"],
+    }
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -275,6 +292,12 @@ def print_summary(result: dict[str, Any]) -> None:
                 f"{i['decode_itl_with_long_prompts_s']['p99'] * 1e3:.2f} ms with long prompts: "
                 f"{i['p99_ratio'] or 0:.2f}x"
             )
+        if "http_overhead_ms" in r:
+            h = r["http_overhead_ms"]
+            print(
+                f"{'':>16} HTTP over gRPC: TTFT p50 {h['ttft_p50']:+.2f} ms, ITL p50 "
+                f"{h['itl_p50']:+.3f} ms, TPOT p50 {h['tpot_p50']:+.3f} ms"
+            )
     for name, check in result["targets"].items():
         print(f"  {name}: {check}")
 
@@ -294,6 +317,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=0, help="tokens shared by every prompt")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs, e.g. ttft:500 tpot:50")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--api",
+        default="grpc",
+        help="grpc, openai, or both (e.g. grpc,openai): P/D's load through each, same workload",
+    )
     g = p.add_argument_group("interference experiment")
     g.add_argument("--no-interference", action="store_true")
     g.add_argument("--decode-streams", type=int, default=None)
@@ -320,6 +348,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(a, key) is None:
             setattr(a, key, value)
     a.setups = a.setups.split(",")
+    a.api = a.api.split(",")
+    if not a.api or set(a.api) - {"grpc", "openai"}:
+        p.error(f"--api takes grpc, openai or both, got {a.api}")
     unknown = set(a.setups) - set(SETUPS)
     if unknown:
         p.error(f"unknown setups {sorted(unknown)}; choose from {SETUPS}")

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.engine.config import EngineConfig
+from shared.serving.limits import (
+    HEALTH_CHECK_INTERVAL_S,
+    KV_FENCE_TIMEOUT_S,
+    KV_TRANSFER_TIMEOUT_S,
+    PREFILL_TIMEOUT_S,
+)
 from shared.serving.tls import ClientTls, ServerTls
 from transfer.protocol import resolve_bind_address
+
+if TYPE_CHECKING:  # FastAPI and pydantic load with the node, not with every CLI command
+    from shared.model.loader import LoadedModel
+    from shared.serving.http.service import HttpApiConfig
 
 
 @dataclass(frozen=True)
@@ -19,17 +31,41 @@ class DecodeNodeConfig:
     ucx_port: int = 0
     ucx_bind_host: str | None = None  # the KV listener binds here; None: ucx_host
     metrics_port: int = -1  # -1: no metrics endpoint, 0: an ephemeral port
+    # the OpenAI-compatible HTTP API (and /metrics, /health, /version): -1 off, 0 ephemeral
+    http_port: int = -1
+    served_model_name: str = ""  # the `model` HTTP requests name; "": the model's own name
+    api_key: str | None = None  # HTTP bearer token; None: no authentication
+    chat_template: str | None = None  # a Jinja file overriding the model's own chat template
+    max_request_bytes: int = 16 * 1024 * 1024  # HTTP request bodies over this get 413
     max_inflight: int = 256  # admitted requests (any state) before RESOURCE_EXHAUSTED
-    kv_transfer_timeout: float = 30.0  # from prefill dispatch to the last KV byte placed
+    kv_transfer_timeout: float = (
+        KV_TRANSFER_TIMEOUT_S  # from prefill dispatch to the last KV byte placed
+    )
     # after a transfer ends, how long a payload write still posted into its blocks (sender
     # stalled mid-message) may hold them before every KV endpoint is force-closed to end it
-    kv_fence_timeout: float = 5.0
-    prefill_timeout: float = 60.0  # the Prefill RPC, queueing on the prefill node included
+    kv_fence_timeout: float = KV_FENCE_TIMEOUT_S
+    prefill_timeout: float = (
+        PREFILL_TIMEOUT_S  # the Prefill RPC, queueing on the prefill node included
+    )
     prefill_retries: int = 1  # re-dispatches to another healthy prefill node after a failure
-    health_check_interval: float = 2.0
+    health_check_interval: float = HEALTH_CHECK_INTERVAL_S
     layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
+
+    def http_api(self, loaded: LoadedModel) -> HttpApiConfig:
+        """The HTTP API's settings; `--chat-template` is read here, at start."""
+        from shared.serving.http.service import HttpApiConfig, load_chat_template
+
+        template = None
+        if self.chat_template is not None:
+            template = load_chat_template(self.chat_template, loaded)
+        return HttpApiConfig(
+            served_model_name=self.served_model_name,
+            api_key=self.api_key,
+            chat_template=template,
+            max_request_bytes=self.max_request_bytes,
+        )
 
     @property
     def kv_bind_host(self) -> str:
@@ -53,8 +89,16 @@ class DecodeNodeConfig:
             resolve_bind_address(self.kv_bind_host)
         except ValueError as e:
             raise ValueError(f"--ucx-bind / --ucx-host: {e}") from None
-        if self.metrics_port < -1 or self.metrics_port > 65535:
-            raise ValueError(f"metrics_port must be -1 (off) or a port, got {self.metrics_port}")
+        for name in ("metrics_port", "http_port"):
+            value = getattr(self, name)
+            if not -1 <= value <= 65535:
+                raise ValueError(f"{name} must be -1 (off) or a port, got {value}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r} is not a readable file")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
         for name in (
             "kv_transfer_timeout",
             "kv_fence_timeout",

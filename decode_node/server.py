@@ -27,35 +27,43 @@ from decode_node.config import DecodeNodeConfig
 from decode_node.peers import LayoutMismatch, PrefillPeer, prefill_pool
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason, LlmRequest
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
 from shared.serving.grpc_server import (
+    GenerateError,
     NodeMetrics,
     NodeServing,
     layout_info,
     model_info,
+)
+from shared.serving.http import serve_http_api
+from shared.serving.metrics import AsgiServer, register_scrape_counter, register_scrape_gauge
+from shared.serving.wire import (
+    WireError,
+    add_servicer,
+    logprob_from_proto,
+    logprob_to_proto,
+    prompt_logprobs_from_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     sampling_to_proto,
+    validate_request,
 )
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
-SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE = SERVICE_DESCRIPTOR.full_name
 
 _FINISH = {
     FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
     FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORTED,
 }
-
-
-class GenerateError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class _PrefillFailed(Exception):
@@ -78,7 +86,19 @@ class _Stream:
     cached_tokens: int = 0
     completion_tokens: int = 0
     deadline: float | None = None  # monotonic; None: the client set none
+    n: int = 1  # completions; the stream ends when each has finished
+    finished: set[int] = field(default_factory=set)
+    tokens_by_index: dict[int, int] = field(default_factory=dict)
     failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
+
+    def account(self, delta: TokenDelta) -> None:
+        """Count a delta of completion `delta.index` before it is streamed."""
+        self.completion_tokens += len(delta.token_ids)
+        self.tokens_by_index[delta.index] = self.tokens_by_index.get(delta.index, 0) + len(
+            delta.token_ids
+        )
+        if delta.finish_reason is not None:
+            self.finished.add(delta.index)
 
     def deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -107,29 +127,34 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.metrics = NodeMetrics(
             lambda: self._snapshot(), rejected=lambda: self.receiver.rejected_total
         )
-        self.metrics.registry.gauge(
+        registry = self.metrics.registry
+        register_scrape_gauge(
+            registry,
             "pdserve_prefill_peer_healthy",
             "1 while a prefill node is routed to, 0 while it is skipped as unhealthy",
+            lambda: {(p.target,): float(p.healthy) for p in self.pool.replicas},
             labelnames=("peer",),
-            fn=lambda: {(p.target,): float(p.healthy) for p in self.pool.replicas},
         )
-        registry = self.metrics.registry
-        registry.gauge(
+        register_scrape_gauge(
+            registry,
             "pdserve_kv_writes_in_flight",
             "KV payload receives posted into the pool and not completed",
-            fn=lambda: float(self.receiver.writes_in_flight),
+            lambda: float(self.receiver.writes_in_flight),
         )
-        registry.gauge(
+        register_scrape_gauge(
+            registry,
             "pdserve_kv_fenced_transfers",
             "ended transfers whose blocks a posted payload receive may still write",
-            fn=lambda: float(self.receiver.fenced_transfers),
+            lambda: float(self.receiver.fenced_transfers),
         )
-        registry.callback_counter(
+        register_scrape_counter(
+            registry,
             "pdserve_kv_endpoint_resets_total",
             "KV endpoints force-closed to end a receive whose sender stalled mid-payload",
-            fn=lambda: float(self.receiver.endpoint_resets),
+            lambda: float(self.receiver.endpoint_resets),
         )
         self.serving: NodeServing | None = None
+        self.http: AsgiServer | None = None
         self.port = 0
         self.accepting = True
         self._tasks: set[asyncio.Future[None]] = set()
@@ -149,7 +174,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         await self.pool.start()
         self.serving = await NodeServing.start(
             [SERVICE],
-            lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(self, s),
+            lambda s: add_servicer(s, self, SERVICE_DESCRIPTOR),
             self.config.host,
             self.config.port,
             self.config.tls,
@@ -157,6 +182,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             self.config.metrics_port,
         )
         self.port = self.serving.port
+        if self.config.http_port >= 0:
+            self.http = await serve_http_api(
+                self,
+                self.config.http_api(self.core.loaded),
+                self.metrics.registry,
+                self.config.host,
+                self.config.http_port,
+                self.config.tls,
+            )
         log.info(
             "decode node serving on %s:%d (KV listener %s)",
             self.config.host,
@@ -170,7 +204,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.accepting = False
         conserved = True
         if self.serving is not None:
-            await self.serving.stop_admitting(grace)
+            await asyncio.gather(self.serving.stop_admitting(grace), self._close_http(grace))
         # first: closing the receiver ends every posted KV write, so that the conservation
         # check runs on blocks nothing can write any more
         await self.receiver.close()
@@ -181,6 +215,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if self.serving is not None:
             await self.serving.close_metrics()
         return conserved
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
+    async def _close_http(self, grace: float) -> None:
+        """In-flight HTTP streams get `grace`, like gRPC calls; then they are cancelled."""
+        if self.http is not None:
+            await self.http.close(grace)
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -205,32 +248,61 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
         prompt, params = self._parse(request)
+        # closed explicitly: a cancelled call releases the request now, not when collected
+        async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
+            async for stream, delta in gen:
+                yield self._response(stream, delta)
+
+    async def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
+    ) -> AsyncIterator[tuple[_Stream, TokenDelta]]:
+        """The one request path, for gRPC and HTTP alike: admit, reserve, dispatch the prefill,
+        stream the deltas; release on both nodes on every exit (finish, error, the consumer
+        cancelled or closed). Raises GenerateError with the status to report."""
         if not self.accepting:
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, "decode node is shutting down")
         if rid in self.streams:
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
             )
-        if len(self.streams) >= self.config.max_inflight:
+        if sum(s.n for s in self.streams.values()) + params.n > self.config.max_inflight:
             raise GenerateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"decode node is at its admission limit ({self.config.max_inflight} requests "
                 "in flight); retry with backoff",
             )
-        stream = _Stream(rid, len(prompt), deadline=deadline)
+        stream = _Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
         try:
-            first = await self._admit_and_transfer(stream, prompt, params, deadline)
-            yield self._response(stream, first)
-            delta = first
-            while delta.finish_reason is None:
+            for first in await self._admit_and_transfer(stream, prompt, params, deadline):
+                stream.account(first)
+                yield stream, first
+            while len(stream.finished) < stream.n:
                 delta = await self._next_delta(stream, deadline)
-                yield self._response(stream, delta)
+                stream.account(delta)
+                yield stream, delta
         except GenerateError:
             stream.failed = True
             raise
         finally:
             await asyncio.shield(self._release(stream))
+
+    def validate(
+        self, prompt: list[int], params: SamplingParams, request_id: str = ""
+    ) -> SamplingParams:
+        """The wire bounds and the engine's checks, before anything is allocated (gRPC and HTTP
+        alike); the seed resolved."""
+        try:
+            validate_request(request_id, params, self.core.model_config.vocab_size)
+            self.core.validate_request(prompt, params)
+        except (WireError, RequestRejected) as e:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return params.with_resolved_seed()
+
+    @property
+    def healthy(self) -> bool:
+        """Serving and at least one prefill node routed to (HTTP /health)."""
+        return self.accepting and self.pool.any_healthy()
 
     async def _next_delta(self, stream: _Stream, deadline: float | None) -> TokenDelta:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -258,11 +330,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
             )
         params = sampling_from_proto(request.sampling)
-        try:
-            self.core.validate_request(prompt, params)
-        except RequestRejected as e:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        return prompt, params.with_resolved_seed()
+        return prompt, self.validate(prompt, params, request.request_id)
 
     # ---- admission and transfer -----------------------------------------------------------
     async def _admit_and_transfer(
@@ -271,7 +339,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         prompt: list[int],
         params: SamplingParams,
         deadline: float | None,
-    ) -> TokenDelta:
+    ) -> list[TokenDelta]:
+        """Admit, prefill on a peer, land the KV; returns the first token's delta of each of
+        the n completions."""
         assert self.thread is not None
         rid = stream.request_id
         try:
@@ -298,13 +368,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             except _PrefillFailed as e:
                 last_error = str(e)
                 continue
-            first_token = response.first_token_id
-            delta = await self.thread.call(
-                lambda core, token=first_token: core.complete_transfer(rid, token)
+            first = _first_token(response, params)
+            deltas = await self.thread.call(
+                lambda core, first=first: core.complete_transfer_all(rid, *first)
             )
             stream.first_token_at = time.monotonic()
             self.metrics.ttft.observe(stream.first_token_at - stream.admitted_at)
-            return delta
+            return deltas
         raise GenerateError(
             grpc.StatusCode.UNAVAILABLE,
             f"no healthy prefill node could serve {rid}: {last_error}",
@@ -448,16 +518,22 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
 
     # ---- responses and release ------------------------------------------------------------
     def _response(self, stream: _Stream, delta: TokenDelta) -> generation_pb2.GenerateResponse:
-        stream.completion_tokens += len(delta.token_ids)
         msg = generation_pb2.GenerateResponse(
-            request_id=stream.request_id, token_ids=delta.token_ids, text=delta.text
+            request_id=stream.request_id,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            index=delta.index,
         )
+        if delta.logprobs:
+            msg.logprobs.extend(logprob_to_proto(lp) for lp in delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            msg.prompt_logprobs.extend(prompt_logprobs_to_proto(delta.prompt_logprobs))
         if delta.finish_reason is not None:
             msg.finish_reason = _FINISH[delta.finish_reason]
             msg.usage.CopyFrom(
                 generation_pb2.Usage(
                     prompt_tokens=stream.prompt_len,
-                    completion_tokens=stream.completion_tokens,
+                    completion_tokens=stream.tokens_by_index.get(delta.index, 0),
                     cached_tokens=stream.cached_tokens,
                 )
             )
@@ -484,6 +560,34 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             release = EngineCore.fail_transfer if stream.failed else EngineCore.abort
             with contextlib.suppress(RuntimeError):
                 await self.thread.call(lambda core: release(core, rid))
+
+
+def _first_token(
+    response: prefill_pb2.PrefillResponse, params: SamplingParams
+) -> tuple[
+    int,
+    TokenLogprobs | None,
+    list[TokenLogprobs | None] | None,
+    list[tuple[int, TokenLogprobs | None]],
+]:
+    """The prefill node's first token with its logprobs and the prompt's (when asked), and
+    the other completions' first tokens (n > 1)."""
+    first = None
+    if params.logprobs is not None and response.HasField("first_token_logprobs"):
+        first = logprob_from_proto(response.first_token_logprobs)
+    prompt = None
+    if params.prompt_logprobs is not None:
+        prompt = prompt_logprobs_from_proto(response.prompt_logprobs)
+    tokens = list(response.choice_first_token_ids)
+    if len(tokens) != params.n - 1:
+        raise GenerateError(
+            grpc.StatusCode.INTERNAL,
+            f"prefill node returned {len(tokens)} first tokens for n={params.n} completions",
+        )
+    lps: list[TokenLogprobs | None] = [None] * len(tokens)
+    if params.logprobs is not None and len(response.choice_first_token_logprobs) == len(tokens):
+        lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
+    return response.first_token_id, first, prompt, list(zip(tokens, lps, strict=True))
 
 
 def _reserve_and_start(

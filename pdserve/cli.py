@@ -11,6 +11,8 @@ import time
 from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
 from shared.engine.config import EngineConfig
+from shared.engine.sampling_params import SamplingParams
+from shared.serving import limits
 from shared.serving.tls import ClientTls, ServerTls
 
 
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument("--port", type=int, default=50051, help="first decode node's gRPC port")
     up.add_argument(
+        "--http-port", type=int, default=8000, help="first decode node's HTTP port (-1: off)"
+    )
+    up.add_argument(
         "--run",
         metavar="PROMPT",
         default=None,
@@ -118,11 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the KV listener binds (default: --ucx-host; 0.0.0.0 for every interface)",
     )
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
-    dc.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
-    dc.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds")
+    _http_args(dc)
+    dc.add_argument(
+        "--kv-transfer-timeout", type=float, default=limits.KV_TRANSFER_TIMEOUT_S, help="seconds"
+    )
+    dc.add_argument(
+        "--prefill-timeout", type=float, default=limits.PREFILL_TIMEOUT_S, help="seconds"
+    )
     dc.add_argument("--prefill-retries", type=int, default=1)
     dc.add_argument("--max-inflight", type=int, default=256)
-    dc.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
+    dc.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=limits.HEALTH_CHECK_INTERVAL_S,
+        help="seconds",
+    )
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
     _server_tls_args(dc)
     dc.add_argument("--prefill-tls-ca", default="", help="CA that signed the prefill nodes' certs")
@@ -142,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default="127.0.0.1:50051")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
@@ -152,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-cert", default="", help="client certificate (mutual TLS)")
     gen.add_argument("--tls-key", default="", help="client key (mutual TLS)")
     return parser
+
+
+def _http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible HTTP API, also /metrics /health /version (0: ephemeral, -1: off)",
+    )
+    p.add_argument("--served-model-name", default="", help="the `model` HTTP requests name")
+    p.add_argument("--api-key", default=None, help="require this HTTP bearer token")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="override the model's")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -164,7 +192,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         except (ValueError, OSError) as e:
             print(f"pdserve up: model {a.model!r}: {e}", file=sys.stderr)
             return 2
-    cluster = Cluster(a.model, a.prefill, a.decode, a.port, [])
+    cluster = Cluster(a.model, a.prefill, a.decode, a.port, [], http_port=a.http_port)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -177,8 +205,12 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}")
         others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
         print(f"endpoint: {endpoints[0]}{others}")
+        if cluster.http_endpoints:
+            http = cluster.http_endpoints
+            more = f" (all: {', '.join(http)})" if len(http) > 1 else ""
+            print(f"HTTP (OpenAI API): {http[0]}/v1{more}")
         if prompt is not None:
-            code = _stream_to_stdout(endpoints[0], prompt, max_tokens=a.max_tokens)
+            code = _stream_to_stdout(endpoints[0], prompt, SamplingParams(max_tokens=a.max_tokens))
             print("stopping...", flush=True)
             return max(code, cluster.stop())
         print(f'try: pdserve generate "Hello" --target {endpoints[0]}   (Ctrl-C stops)', flush=True)
@@ -211,9 +243,7 @@ def run_prompt(model: str, text: str) -> str | list[int]:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     tls = ClientTls(a.tls_ca, a.tls_cert, a.tls_key) if a.tls_ca else None
-    return _stream_to_stdout(
-        a.target,
-        a.prompt,
+    params = SamplingParams(
         max_tokens=a.max_tokens,
         temperature=a.temperature,
         top_p=a.top_p,
@@ -221,13 +251,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
         seed=a.seed,
         stop=tuple(a.stop),
         ignore_eos=a.ignore_eos,
-        timeout=a.timeout,
-        tls=tls,
     )
+    return _stream_to_stdout(a.target, a.prompt, params, timeout=a.timeout, tls=tls)
 
 
 def _stream_to_stdout(
-    target: str, prompt: str | list[int], *, tls: ClientTls | None = None, **sampling: object
+    target: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    timeout: float | None = None,
+    tls: ClientTls | None = None,
 ) -> int:
     """Stream a completion's text as it arrives; a summary line goes to stderr."""
     import contextlib
@@ -244,7 +278,7 @@ def _stream_to_stdout(
         finish = ""
         usage = timing = None
         async with contextlib.aclosing(
-            generate_stream(target, prompt, channel=channel, **sampling)  # type: ignore[arg-type]
+            generate_stream(target, prompt, params, timeout=timeout, channel=channel)
         ) as stream:
             async for chunk in stream:
                 sys.stdout.write(chunk.text)
@@ -329,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
                 ucx_port=a.ucx_port,
                 ucx_bind_host=a.ucx_bind,
                 metrics_port=a.metrics_port,
+                http_port=a.http_port,
+                served_model_name=a.served_model_name,
+                api_key=a.api_key,
+                chat_template=a.chat_template,
+                max_request_bytes=a.max_request_bytes,
                 kv_transfer_timeout=a.kv_transfer_timeout,
                 prefill_timeout=a.prefill_timeout,
                 prefill_retries=a.prefill_retries,

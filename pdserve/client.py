@@ -4,10 +4,11 @@ Used by the `pdserve generate` CLI (which prints text as it streams) and by test
 RPC failures surface as `grpc.aio.AioRpcError`; its `.code()` follows the error semantics
 documented in proto/pdserve/v1/generation.proto (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...).
 
-    async for chunk in generate_stream("localhost:50051", "Hello", max_tokens=32):
+    async for chunk in generate_stream("localhost:50051", "Hello", SamplingParams(max_tokens=32)):
         print(chunk.text, end="", flush=True)
 
-    result = await generate("localhost:50051", [1, 15043], max_tokens=8, seed=7)
+    result = await generate("localhost:50051", [1, 15043], SamplingParams(max_tokens=8, seed=7))
+    result = await generate("localhost:50051", "Hi", max_tokens=8)  # the fields as keywords
 """
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from grpc import aio
 
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
+from shared.engine.sampling_params import SamplingParams
+from shared.serving.limits import GRPC_CHANNEL_OPTIONS
+from shared.serving.wire import sampling_to_proto
 
 __all__ = [
-    "DEFAULT_MAX_MESSAGE_BYTES",
-    "DEFAULT_MAX_TOKENS",
     "GenerationResult",
     "IncompleteStreamError",
+    "SamplingParams",
     "build_generate_request",
-    "channel_options",
     "create_channel",
     "finish_reason_name",
     "generate",
@@ -35,30 +37,15 @@ __all__ = [
     "get_model_info",
 ]
 
-# Same default as shared.engine.sampling_params.SamplingParams: omitting it behaves like the server.
-DEFAULT_MAX_TOKENS = 16
-# Prompts go over the wire as token lists or text; 64 MiB leaves room for very long contexts
-# without letting a runaway message exhaust memory.
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
 
 class IncompleteStreamError(RuntimeError):
     """The server closed a Generate stream with OK status but without a final message."""
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC channel options pdserve uses for every channel (clients and node-to-node)."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
-
-def create_channel(
-    target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> aio.Channel:
-    """An insecure grpc.aio channel to `target` ("host:port"); the caller closes it."""
-    return aio.insecure_channel(target, options=channel_options(max_message_bytes))
+def create_channel(target: str) -> aio.Channel:
+    """An insecure grpc.aio channel to `target` ("host:port") with pdserve's message limits
+    (shared/serving/limits.py); the caller closes it."""
+    return aio.insecure_channel(target, options=GRPC_CHANNEL_OPTIONS)
 
 
 @contextlib.asynccontextmanager
@@ -79,30 +66,24 @@ def finish_reason_name(reason: int) -> str:
     return generation_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
+def _params(params: SamplingParams | None, fields: dict[str, Any]) -> SamplingParams:
+    """`params`, or one built from keyword fields (`generate(t, p, max_tokens=8)`), not both."""
+    if params is not None:
+        if fields:
+            raise TypeError(f"pass either a SamplingParams or its fields, not both: {fields}")
+        return params
+    if isinstance(fields.get("stop"), str):  # a lone string, not one stop per character
+        fields["stop"] = (fields["stop"],)
+    elif "stop" in fields:
+        fields["stop"] = tuple(fields["stop"])
+    return SamplingParams(**fields)
+
+
 def build_generate_request(
-    prompt: str | Sequence[int],
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] = (),
-    ignore_eos: bool = False,
-    request_id: str = "",
+    prompt: str | Sequence[int], params: SamplingParams, request_id: str = ""
 ) -> generation_pb2.GenerateRequest:
     """The GenerateRequest for these arguments (validation is the server's job)."""
-    # A lone string would otherwise be split into one stop string per character.
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    sampling = generation_pb2.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,  # None leaves the optional field unset: the server draws a seed
-        stop=stops,
-        ignore_eos=ignore_eos,
-    )
+    sampling = sampling_to_proto(params)
     if isinstance(prompt, str):
         return generation_pb2.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
     return generation_pb2.GenerateRequest(
@@ -115,36 +96,23 @@ def build_generate_request(
 async def generate_stream(
     target: str,
     prompt: str | Sequence[int],
+    params: SamplingParams | None = None,
     *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] = (),
-    ignore_eos: bool = False,
     request_id: str = "",
     timeout: float | None = None,
     channel: aio.Channel | None = None,
+    **sampling: Any,
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """Stream GenerateResponse messages as the server produces them.
 
-    `timeout` is the gRPC deadline for the whole stream, in seconds. Pass `channel` to reuse a
-    connection (then `target` is ignored); otherwise a channel is opened and closed per call.
-    Stopping early cancels the RPC, which aborts the request server-side; to make that happen
-    promptly rather than at garbage collection, iterate inside `contextlib.aclosing(...)`.
+    `params` (or, for brevity, SamplingParams' fields as keywords: `max_tokens=8, seed=7`) say
+    how to sample. `timeout` is the gRPC deadline for the whole stream, in seconds. Pass
+    `channel` to reuse a connection (then `target` is ignored); otherwise a channel is opened
+    and closed per call. Stopping early cancels the RPC, which aborts the request server-side;
+    to make that happen promptly rather than at garbage collection, iterate inside
+    `contextlib.aclosing(...)`.
     """
-    request = build_generate_request(
-        prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        ignore_eos=ignore_eos,
-        request_id=request_id,
-    )
+    request = build_generate_request(prompt, _params(params, sampling), request_id)
     async with _channel_scope(target, channel) as ch:
         call = generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout)
         try:
@@ -171,17 +139,12 @@ class GenerationResult:
 async def generate(
     target: str,
     prompt: str | Sequence[int],
+    params: SamplingParams | None = None,
     *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] = (),
-    ignore_eos: bool = False,
     request_id: str = "",
     timeout: float | None = None,
     channel: aio.Channel | None = None,
+    **sampling: Any,
 ) -> GenerationResult:
     """Run one request to completion and collect its stream (same arguments as generate_stream).
 
@@ -193,13 +156,7 @@ async def generate(
     stream = generate_stream(
         target,
         prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        ignore_eos=ignore_eos,
+        _params(params, sampling),
         request_id=request_id,
         timeout=timeout,
         channel=channel,

@@ -4,13 +4,15 @@ UCX does not survive a fork)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.lifeline import Lifeline
 
 
 @dataclass
@@ -19,6 +21,7 @@ class NodeProcess:
     proc: subprocess.Popen[str]
     ready: threading.Event = field(default_factory=threading.Event)
     info: dict[str, object] = field(default_factory=dict)
+    lifeline: Lifeline | None = None
 
     def pump(self, echo: bool) -> None:
         assert self.proc.stdout is not None
@@ -31,14 +34,34 @@ class NodeProcess:
         self.ready.set()  # EOF: the process died; `wait_ready` tells the difference
 
 
-def spawn(role: str, args: list[str], echo: bool = True) -> NodeProcess:
-    cmd = [sys.executable, "-m", "pdserve.cli", role, *args]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy(), start_new_session=True
-    )
-    node = NodeProcess(role, proc)
+def popen_node(
+    role: str, cmd: list[str], echo: bool = True, env: dict[str, str] | None = None, **kw: Any
+) -> NodeProcess:
+    """Start a node process tied to this one by a lifeline (see pdserve/lifeline.py): it drains
+    and exits on its own once this process dies, however that happens. Its own session keeps a
+    terminal's Ctrl-C away from it: `pdserve up` stops the nodes in order instead."""
+    lifeline = Lifeline()
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=lifeline.env(env),
+            pass_fds=lifeline.pass_fds,
+            start_new_session=True,
+            **kw,
+        )
+    except BaseException:
+        lifeline.close()
+        raise
+    lifeline.opened()
+    node = NodeProcess(role, proc, lifeline=lifeline)
     threading.Thread(target=node.pump, args=(echo,), daemon=True).start()
     return node
+
+
+def spawn(role: str, args: list[str], echo: bool = True) -> NodeProcess:
+    return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo)
 
 
 def wait_ready(nodes: list[NodeProcess], timeout: float) -> None:
@@ -65,15 +88,32 @@ def stop_all(nodes: list[NodeProcess], grace: float = 15.0) -> int:
         except subprocess.TimeoutExpired:
             node.proc.kill()
             code = node.proc.wait()
+        if node.lifeline is not None:
+            node.lifeline.close()
         worst = max(worst, abs(code))
     return worst
 
 
 class Cluster:
-    def __init__(self, model: str, num_prefill: int, num_decode: int, port: int, extra: list[str]):
+    """`port`/`http_port`: the first decode node's (the next ones count up; 0: ephemeral; an
+    http_port of -1: no HTTP API). `extra` goes to every node, `decode_extra` to decodes only."""
+
+    def __init__(
+        self,
+        model: str,
+        num_prefill: int,
+        num_decode: int,
+        port: int,
+        extra: list[str],
+        *,
+        http_port: int = -1,
+        decode_extra: list[str] | None = None,
+    ):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
         self.model = model
+        self.http_port = http_port
+        self.decode_extra = list(decode_extra or [])
         self.num_prefill = num_prefill
         self.num_decode = num_decode
         self.port = port
@@ -98,7 +138,10 @@ class Cluster:
                     str(self.port + i if self.port else 0),
                     "--prefill",
                     targets,
+                    "--http-port",
+                    str(self.http_port + i if self.http_port > 0 else self.http_port),
                     *self.extra,
+                    *self.decode_extra,
                 ],
                 echo,
             )
@@ -107,6 +150,15 @@ class Cluster:
         self.nodes.extend(decodes)
         wait_ready(decodes, timeout)
         return [f"127.0.0.1:{d.info['port']}" for d in decodes]
+
+    @property
+    def http_endpoints(self) -> list[str]:
+        """http://HOST:PORT of every decode node serving the HTTP API."""
+        return [
+            f"{d.info.get('http_scheme', 'http')}://127.0.0.1:{d.info['http_port']}"
+            for d in self.nodes
+            if d.role == "decode" and d.info.get("http_port")
+        ]
 
     def stop(self) -> int:
         return stop_all(self.nodes)

@@ -28,32 +28,29 @@ import contextlib
 import json
 import logging
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
 
-from shared.serving.metrics import MetricsRegistry, MetricsServer, serve_metrics
+from pdserve.http_proxy import HttpForwarder
+from shared.serving.limits import GRPC_CHANNEL_OPTIONS
+from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
+from shared.serving.replica_pool import Replica, ReplicaPool
 
 log = logging.getLogger("pdserve.proxy")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_MESSAGE_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-SERVER_OPTIONS = [*_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 # A backend that vanished with its address (a removed container) answers a connection attempt
 # with nothing at all; gRPC's default 20 s connect timeout would hold every call sent there
 # that long before it could be retried elsewhere. Backends sit on the same network: 2 s is ample.
 CONNECT_TIMEOUT_MS = 2000
 CHANNEL_OPTIONS = [
-    *_MESSAGE_OPTIONS,
+    *GRPC_CHANNEL_OPTIONS,
     ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5000),
@@ -80,100 +77,15 @@ def forwardable(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tupl
     return [(k, v) for k, v in (metadata or ()) if k not in HOP_HEADERS and not k.startswith(":")]
 
 
-async def resolve(targets: Sequence[str]) -> list[str] | None:
-    """Every address behind each HOST:PORT; None when no name resolved at all (a DNS hiccup
-    must not empty the pool)."""
-    loop = asyncio.get_running_loop()
-    out: list[str] = []
-    resolved_any = False
-    for target in targets:
-        host, _, port = target.rpartition(":")
-        try:
-            infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-        except OSError as e:
-            log.warning("cannot resolve backend %s: %s", target, e)
-            continue
-        resolved_any = True
-        for family, _, _, _, sockaddr in infos:
-            addr = (
-                f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
-            )
-            if addr not in out:
-                out.append(addr)
-    return out if resolved_any else None
+def backend_pool(targets: Sequence[str], health_interval: float) -> ReplicaPool[Replica]:
+    """The decode replicas; `load` counts the calls in flight on each. A new backend gets calls
+    only once a health round has seen it serving."""
 
+    def connect(target: str, host: str) -> Replica:
+        channel = aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        return Replica(target, host, channel, healthy=False)
 
-@dataclass
-class Backend:
-    target: str
-    channel: aio.Channel
-    healthy: bool = False
-    inflight: int = 0
-
-    @property
-    def connected(self) -> bool:
-        return self.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
-
-    async def check_health(self, timeout: float) -> bool:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        try:
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except (TimeoutError, grpc.RpcError):
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-class BackendPool:
-    def __init__(self, targets: Sequence[str], health_interval: float):
-        self.targets = tuple(targets)
-        self.health_interval = health_interval
-        self.backends: list[Backend] = []
-        self._next = 0
-
-    async def refresh(self) -> None:
-        """Re-resolve the targets, add and drop backends, health-check all of them."""
-        addresses = await resolve(self.targets)
-        if addresses is not None:
-            known = {b.target for b in self.backends}
-            for addr in addresses:
-                if addr not in known:
-                    log.info("backend %s discovered", addr)
-                    channel = aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
-                    self.backends.append(Backend(addr, channel))
-            for b in [b for b in self.backends if b.target not in addresses]:
-                b.healthy = False  # gone from DNS: no new calls, whatever its last check said
-                if not b.inflight:
-                    log.info("backend %s left", b.target)
-                    self.backends.remove(b)
-                    await b.channel.close()
-        timeout = max(0.2, min(1.0, self.health_interval / 2))
-        results = await asyncio.gather(*(b.check_health(timeout) for b in self.backends))
-        for backend, ok in zip(list(self.backends), results, strict=True):
-            if ok != backend.healthy:
-                log.info("backend %s is %s", backend.target, "healthy" if ok else "unhealthy")
-            backend.healthy = ok
-
-    def pick(self, exclude: set[str]) -> Backend | None:
-        """Least calls in flight among the backends not tried yet (ties rotate), preferring
-        healthy ones with a live connection, then healthy ones (a dropped connection is seen
-        before the next health round), then any (the health view may be stale)."""
-        fresh = [b for b in self.backends if b.target not in exclude]
-        healthy = [b for b in fresh if b.healthy]
-        candidates = [b for b in healthy if b.connected] or healthy or fresh
-        if not candidates:
-            return None
-        self._next += 1
-        n = len(candidates)
-        rotated = [candidates[(i + self._next) % n] for i in range(n)]
-        return min(rotated, key=lambda b: b.inflight)
-
-    def any_healthy(self) -> bool:
-        return any(b.healthy for b in self.backends)
-
-    async def close(self) -> None:
-        for b in self.backends:
-            await b.channel.close()
-        self.backends.clear()
+    return ReplicaPool("backend", targets, health_interval, connect, fall_back_to_unhealthy=True)
 
 
 class _Requests:
@@ -239,38 +151,51 @@ class Proxy:
             raise ValueError("the proxy needs at least one --backend")
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        self.pool = BackendPool(backends, health_interval)
+        self.pool = backend_pool(backends, health_interval)
         self.max_attempts = max_attempts
         self.server: aio.Server | None = None
         self.health = health.HealthServicer()
-        self.metrics_server: MetricsServer | None = None
+        self.metrics_server: AsgiServer | None = None
+        self.http: HttpForwarder | None = None
+        self.http_server: AsgiServer | None = None
         self.port = 0
         self._health_task: asyncio.Task[None] | None = None
-        self.registry = MetricsRegistry()
-        r = self.registry
-        self.calls = r.counter(
+        self.registry = r = CollectorRegistry()
+        self.calls = Counter(
             "pdserve_proxy_calls_total",
             "Calls finished through the proxy, by backend and gRPC status",
             labelnames=("backend", "code"),
+            registry=r,
         )
-        self.retries = r.counter(
-            "pdserve_proxy_retries_total", "Calls moved to another backend before any answer"
+        self.retries = Counter(
+            "pdserve_proxy_retries_total",
+            "Calls moved to another backend before any answer",
+            registry=r,
         )
-        r.gauge(
+        register_scrape_gauge(
+            r,
             "pdserve_proxy_backend_healthy",
             "1 while a backend gets new calls, 0 while it is skipped as unhealthy",
+            lambda: {(b.target,): float(b.healthy) for b in self.pool.replicas},
             labelnames=("backend",),
-            fn=lambda: {(b.target,): float(b.healthy) for b in self.pool.backends},
         )
-        r.gauge(
+        register_scrape_gauge(
+            r,
             "pdserve_proxy_backend_inflight",
             "Calls in flight per backend",
+            lambda: {(b.target,): float(b.load) for b in self.pool.replicas},
             labelnames=("backend",),
-            fn=lambda: {(b.target,): float(b.inflight) for b in self.pool.backends},
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
-    async def start(self, host: str, port: int, metrics_port: int = -1) -> None:
+    async def start(
+        self,
+        host: str,
+        port: int,
+        metrics_port: int = -1,
+        http_port: int = -1,
+        backend_http_port: int = 8000,
+    ) -> None:
         await self.pool.refresh()
         self._set_serving(self.pool.any_healthy())
         self._health_task = asyncio.create_task(self._health_loop())
@@ -283,7 +208,16 @@ class Proxy:
             raise OSError(f"cannot bind the proxy to {host}:{port}")
         await self.server.start()
         if metrics_port >= 0:
-            self.metrics_server = await serve_metrics(self.registry, host, metrics_port)
+            app = metrics_app(self.registry, self.pool.any_healthy)
+            self.metrics_server = await AsgiServer.start(app, host, metrics_port)
+        if http_port >= 0:  # the OpenAI-compatible API, forwarded (pdserve/http_proxy.py)
+            self.http = HttpForwarder(
+                self.pool,
+                self.registry,
+                backend_port=backend_http_port,
+                max_attempts=self.max_attempts,
+            )
+            self.http_server = await AsgiServer.start(self.http.app(), host, http_port)
         log.info(
             "proxy serving on %s:%d, backends %s", host, self.port, ",".join(self.pool.targets)
         )
@@ -297,6 +231,10 @@ class Proxy:
                 await self._health_task
         if self.server is not None:
             await self.server.stop(grace)
+        if self.http_server is not None:
+            await self.http_server.close(grace)
+        if self.http is not None:
+            await self.http.close()
         await self.pool.close()
         if self.metrics_server is not None:
             await self.metrics_server.close()
@@ -338,7 +276,7 @@ class Proxy:
                 call = backend.channel.stream_stream(method)(
                     metadata=metadata or None, timeout=timeout
                 )
-                backend.inflight += 1
+                backend.load += 1
                 writer = asyncio.create_task(requests.feed(call))
                 answered = False
                 code = grpc.StatusCode.UNKNOWN
@@ -379,7 +317,7 @@ class Proxy:
                     code = grpc.StatusCode.CANCELLED  # the client went away
                     raise
                 finally:
-                    backend.inflight -= 1
+                    backend.load -= 1
                     self.calls.labels(backend.target, code.name).inc()
                     writer.cancel()
                     call.cancel()
@@ -418,6 +356,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=-1, help="-1 disables /metrics")
+    p.add_argument("--http-port", type=int, default=-1, help="forward the HTTP API (-1: off)")
+    p.add_argument("--backend-http-port", type=int, default=8000, help="decode nodes' HTTP port")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     p.add_argument("--max-attempts", type=int, default=3, help="backends tried per call")
     p.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM, seconds")
@@ -445,11 +385,12 @@ def run(a: argparse.Namespace) -> int:
         stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
-        await proxy.start(a.host, a.port, a.metrics_port)
+        await proxy.start(a.host, a.port, a.metrics_port, a.http_port, a.backend_http_port)
         info = {
             "role": "proxy",
             "port": proxy.port,
             "metrics_port": proxy.metrics_server.port if proxy.metrics_server else None,
+            "http_port": proxy.http_server.port if proxy.http_server else None,
         }
         print("PDSERVE_READY " + json.dumps(info), flush=True)
         await stopping.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
+from shared.serving.limits import PREFILL_DEFAULT_DEADLINE_S
 from shared.serving.tls import ServerTls
 
 
@@ -15,7 +16,7 @@ class PrefillNodeConfig:
     port: int = 50061
     metrics_port: int = -1  # -1: no metrics endpoint, 0: an ephemeral port
     max_pending: int = 256  # context-only requests queued or in flight before RESOURCE_EXHAUSTED
-    default_timeout: float = 120.0  # when the caller sets no deadline
+    default_timeout: float = PREFILL_DEFAULT_DEADLINE_S  # when the caller sets no deadline
     tls: ServerTls | None = None  # None: plaintext gRPC
 
     def validate(self) -> None:

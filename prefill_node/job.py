@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from shared.engine.output import TokenDelta
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvMessage, KvPush
 
@@ -24,7 +25,8 @@ class PrefillJob:
     loop: asyncio.AbstractEventLoop
     task: asyncio.Task[object] | None = None  # the RPC handler, cancelled by CancelPrefill
     push: KvPush | None = None  # the KV push, once the destination checked out
-    first_token: asyncio.Future[int] = field(init=False)
+    # the first token's delta (with its logprobs and the prompt's, when asked)
+    first_token: asyncio.Future[TokenDelta] = field(init=False)
     admitted_at: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue[KvMessage | None] = field(default_factory=asyncio.Queue)
     sent_upto: int = 0  # prompt blocks [0, sent_upto) are queued for every layer

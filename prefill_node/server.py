@@ -28,7 +28,16 @@ from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequest
 from shared.engine.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
-from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info, sampling_from_proto
+from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
+from shared.serving.limits import PUSH_QUIESCE_S
+from shared.serving.wire import (
+    WireError,
+    add_servicer,
+    check_request_id,
+    logprob_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+)
 from transfer import protocol as proto
 from transfer.errors import retrieve_exception
 from transfer.protocol import TransferDestination
@@ -36,8 +45,8 @@ from transfer.sender import SEND_WINDOW
 from transfer.ucx import KvMessage, KvPush, KvSender, TransferError
 
 log = logging.getLogger(__name__)
-SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
-_QUIESCE_S = 5.0  # how long a finished request waits for UCX to stop reading its blocks
+SERVICE_DESCRIPTOR = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
+SERVICE = SERVICE_DESCRIPTOR.full_name
 
 
 class PrefillNode(prefill_pb2_grpc.PrefillServicer):
@@ -67,7 +76,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.thread.start()
         self.serving = await NodeServing.start(
             [SERVICE],
-            lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(self, s),
+            lambda s: add_servicer(s, self, SERVICE_DESCRIPTOR),
             self.config.host,
             self.config.port,
             self.config.tls,
@@ -106,7 +115,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         for delta in deltas:
             job = self.jobs.get(delta.request_id)
             if job is not None and not job.first_token.done():
-                job.first_token.set_result(delta.token_ids[0])
+                job.first_token.set_result(delta)
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
@@ -127,6 +136,10 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             )
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            check_request_id(rid)
+        except WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.jobs:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight here"
@@ -189,14 +202,24 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             )
         )
         sent_bytes, messages = await self._drain(job, push)
-        first_token = await job.first_token
+        first = await job.first_token
         job.completed = True
-        return prefill_pb2.PrefillResponse(
+        response = prefill_pb2.PrefillResponse(
             request_id=job.request_id,
-            first_token_id=first_token,
+            first_token_id=first.token_ids[0],
             cached_tokens=req.cached_tokens,
             stats=self._stats(job, sent_bytes, messages, req),
         )
+        if first.logprobs:
+            response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))
+        if first.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(prompt_logprobs_to_proto(first.prompt_logprobs))
+        # n > 1: set on the engine thread before the first token's delta was posted
+        for token, logprobs in req.choice_first_tokens:
+            response.choice_first_token_ids.append(token)
+            if logprobs is not None:
+                response.choice_first_token_logprobs.append(logprob_to_proto(logprobs))
+        return response
 
     def _check_destination(self, prompt: list[int], job: PrefillJob) -> None:
         blocks = -(-len(prompt) // self.layout.block_size)
@@ -292,7 +315,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         job.cancelled = True
         # UCX may still read the request's pinned blocks: wait (bounded) before unpinning
         if job.push is not None:
-            await job.push.quiesce(_QUIESCE_S)
+            await job.push.quiesce(PUSH_QUIESCE_S)
         if self.thread is not None:
             with contextlib.suppress(RuntimeError):
                 await self.thread.call(partial(EngineCore.context_pushed, request_id=rid, ok=ok))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -185,11 +186,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CHAT_CONFIG = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
+}
+CHAT = [{"role": "user", "content": "Hello from the docker test"}]
+
+
+def chat_over_http(port: int) -> dict[str, object]:
+    """One greedy chat completion through the proxy's published HTTP port."""
+    url = f"http://127.0.0.1:{port}/v1"
+    with urllib.request.urlopen(f"{url}/models", timeout=60) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    body = {"model": model, "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    request = urllib.request.Request(
+        f"{url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
 def make_model_dir(root: Path) -> Path:
     """A small qwen2 checkpoint under root/qwen2, readable by the image's non-root user."""
     from benchmarks.support.checkpoints import build_checkpoint
 
     build_checkpoint(MODEL_NAME, root / MODEL_NAME)
+    # a chat template, for the chat request through the proxy's HTTP port
+    (root / MODEL_NAME / "tokenizer_config.json").write_text(json.dumps(CHAT_CONFIG))
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     return root / MODEL_NAME
@@ -316,14 +343,21 @@ def test_two_tier_compose_stack_offline(
             [o.token_ids for o in colocated.generate(b, [SamplingParams(max_tokens=m) for m in mt])]
             for b, mt in zip(batches, max_tokens, strict=True)
         ]
+        loaded = load_model(str(model_dir))
+        assert loaded.chat_template is not None
+        chat_ids = loaded.tokenizer.encode(
+            loaded.chat_template.render(CHAT), add_special_tokens=False
+        )
+        (chat_want,) = colocated.generate([chat_ids], [SamplingParams(max_tokens=8)])
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     target = f"127.0.0.1:{port}"
     stack = Stack(
         f"pdservetest{os.getpid()}",
         {
             "PDSERVE_IMAGE": IMAGE,
             "PDSERVE_PORT": str(port),
+            "PDSERVE_HTTP_PORT": str(http_port),
             "PDSERVE_BIND": "127.0.0.1",
             "PDSERVE_MODEL_DIR": str(model_root),
             "PDSERVE_MODEL": f"/models/{MODEL_NAME}",
@@ -367,6 +401,11 @@ def test_two_tier_compose_stack_offline(
             if k.startswith("pdserve_proxy_calls_total{") and 'code="OK"' in k and v > 0
         }
         assert len(served) == 2, f"the proxy did not use both decode replicas: {served}"
+        with phases("one chat request through the proxy's HTTP port"):
+            chat = chat_over_http(http_port)
+            assert chat["object"] == "chat.completion", chat
+            assert chat["usage"]["prompt_tokens"] == len(chat_ids), chat  # type: ignore[index]
+            assert chat["choices"][0]["message"]["content"] == chat_want.text, chat  # type: ignore[index]
 
         if os.geteuid() == 0:
             with phases("crash a prefill replica (SIGKILL); serving; restart policy"):

@@ -55,6 +55,8 @@ class Nodes:
             targets,
             "--health-check-interval",
             "0.5",
+            "--http-port",
+            "0",
             *extra,
         ]
         node = spawn("decode", args, echo=False)

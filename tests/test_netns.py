@@ -20,13 +20,12 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from pdserve.cluster import NodeProcess, stop_all, wait_ready
+from pdserve.cluster import NodeProcess, popen_node, stop_all, wait_ready
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
@@ -103,10 +102,7 @@ def _node_env() -> dict[str, str]:
 def _spawn_in(ns: str, role: str, args: list[str]) -> NodeProcess:
     entry = ["pdserve.proxy"] if role == "proxy" else ["pdserve.cli", role]
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", *entry, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_node_env())
-    node = NodeProcess(role, proc)
-    threading.Thread(target=node.pump, args=(False,), daemon=True).start()
-    return node
+    return popen_node(role, cmd, echo=False, env=_node_env())  # with a lifeline
 
 
 # Runs inside the prefill namespace: the requests, alternately straight to the decode node and

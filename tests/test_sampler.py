@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared.engine.request import LlmRequest
-from shared.engine.sampler import Sampler, stream_uniform
+from shared.engine.sampler import Sampler, choice_seed, stream_uniform
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -94,3 +94,85 @@ def test_stale_seat_state_is_detected() -> None:
     s.sample([seated("a", 0, SamplingParams())], torch.zeros(1, 3))
     with pytest.raises(RuntimeError, match="stale"):
         s.sample([seated("b", 0, SamplingParams())], torch.zeros(1, 3))
+
+
+def reference_shape(
+    logits: torch.Tensor, prompt: list[int], outputs: list[int], p: SamplingParams, eos: set[int]
+) -> torch.Tensor:
+    """One row, written from the definitions: bias, min_tokens, transformers' repetition
+    penalty over prompt + outputs, OpenAI's presence/frequency over outputs."""
+    x = logits.clone()
+    for t, b in p.logit_bias.items():
+        x[t] += b
+    if len(outputs) < p.min_tokens:
+        for t in eos | set(p.stop_token_ids):
+            x[t] = float("-inf")
+    for t in set(prompt) | set(outputs):
+        x[t] = x[t] * p.repetition_penalty if x[t] < 0 else x[t] / p.repetition_penalty
+    for t in set(outputs):
+        x[t] -= outputs.count(t) * p.frequency_penalty + p.presence_penalty
+    return x
+
+
+def test_batched_penalties_equal_the_per_row_definition() -> None:
+    torch.manual_seed(2)
+    vocab, rows = 40, 6
+    s = Sampler(8, eos_token_ids=(1,))
+    requests = []
+    for i in range(rows):
+        params = SamplingParams(
+            max_tokens=20,
+            repetition_penalty=1.0 + 0.2 * i,
+            presence_penalty=0.3 * (i % 3),
+            frequency_penalty=-0.4 + 0.2 * i,
+            logit_bias={i: 2.0, 30 + i: -5.0} if i % 2 else {},
+            min_tokens=3 * (i % 2),
+            stop_token_ids=(7,),
+        )
+        r = LlmRequest(f"r{i}", [2, 3, 4 + i], params)
+        r.seq_slot = i + 1
+        requests.append(r)
+    for _step in range(5):
+        logits = torch.randn(rows, vocab) * 3
+        want = [
+            int(
+                reference_shape(
+                    logits[i], r.prompt_token_ids, r.output_token_ids, r.sampling_params, {1}
+                ).argmax()
+            )
+            for i, r in enumerate(requests)
+        ]
+        got = s.sample(requests, logits)
+        assert got == want
+        for r, t in zip(requests, got, strict=True):
+            r.output_token_ids.append(t)
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    s = Sampler(2)
+    r = seated("a", 0, SamplingParams(logprobs=2, logit_bias={3: 50.0}, repetition_penalty=2.0))
+    out = s.sample_step([r], logits)
+    assert out.tokens == [3]  # the bias decided the draw...
+    raw = torch.log_softmax(logits[0], -1)
+    lp = out.logprobs[0]
+    assert lp is not None and lp.token_id == 3
+    assert lp.logprob == pytest.approx(raw[3].item())  # ...but the logprob is the raw one
+    assert [t for t, _ in lp.top] == [0, 1]
+
+
+def test_n_choices_draw_from_their_own_streams() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(1, 64)
+    params = SamplingParams(temperature=1.0, seed=77, n=4, logprobs=0)
+    s = Sampler(8)
+    out = s.sample_step([seated("p", 0, params)], logits)
+    choices = out.choices[0]
+    assert len(choices) == 3
+    for i, (token, lp) in enumerate(choices, start=1):
+        own = SamplingParams(temperature=1.0, seed=choice_seed(77, i))
+        assert Sampler(1).sample([seated(f"c{i}", 0, own)], logits) == [token]
+        assert lp is not None and lp.logprob == pytest.approx(
+            torch.log_softmax(logits[0], -1)[token].item()
+        )
+    assert choice_seed(77, 0) == 77

@@ -14,13 +14,11 @@ import numpy as np
 import torch
 
 from shared.engine.kv_cache import KvLayout
+from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 
 GRPC_METHOD = "/pdbench.Kv/Push"
 GRPC_CHUNK = 4 << 20  # bytes per gRPC message: gRPC's default message cap
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
+GRPC_OPTIONS = GRPC_CHANNEL_OPTIONS
 _CHUNK_HEAD = struct.Struct("<IQ")  # layer, byte offset inside that layer's payload
 RAW_TAG = 0x5244  # tag of the one contiguous ucxx message
 NIXL_NAMES = {"receiver": "pdbench-receiver", "sender": "pdbench-sender"}

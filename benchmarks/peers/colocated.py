@@ -31,12 +31,8 @@ from shared.engine.core import EngineCore, RequestRejected
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason, LlmRequest
 from shared.engine.thread import EngineThread
-from shared.serving.grpc_server import (
-    create_grpc_server,
-    model_info,
-    sampling_from_proto,
-    set_serving,
-)
+from shared.serving.grpc_server import create_grpc_server, model_info, set_serving
+from shared.serving.wire import sampling_from_proto
 
 log = logging.getLogger("pdserve.colocated")
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -97,17 +98,29 @@ async def run_requests(
     on_done: Callable[[RequestRecord], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send every spec at its arrival offset; returns the records (spec order) and the run's
-    wall time (first send to last completion)."""
+    wall time (first send to last completion). `target`: HOST:PORT for gRPC Generate, or
+    http://HOST:PORT for the OpenAI-compatible /v1/completions (streamed)."""
+    import httpx
+
     from pdserve.client import create_channel
 
-    channel = create_channel(target)
+    http = target.startswith(("http://", "https://"))
+    limits = httpx.Limits(max_connections=None)
+    conn: Any = (
+        httpx.AsyncClient(base_url=target, timeout=timeout, limits=limits)
+        if http
+        else create_channel(target)
+    )
+    send = stream_request_openai if http else stream_request
+    if http:  # the served model's name, asked once, outside every request's timing
+        conn.headers["x-pdserve-model"] = (await conn.get("/v1/models")).json()["data"][0]["id"]
     limit = asyncio.Semaphore(max_concurrency or len(specs) or 1)
     started = time.perf_counter()
 
     async def one(spec: RequestSpec) -> RequestRecord:
         await asyncio.sleep(max(0.0, started + spec.arrival - time.perf_counter()))
         async with limit:
-            record = await stream_request(channel, spec, timeout)
+            record = await send(conn, spec, timeout)
         if on_done is not None:
             on_done(record)
         return record
@@ -115,7 +128,7 @@ async def run_requests(
     try:
         records = await asyncio.gather(*(one(s) for s in specs))
     finally:
-        await channel.close()
+        await (conn.aclose() if http else conn.close())
     ends = [r.end for r in records if r.end]
     return list(records), (max(ends) if ends else time.perf_counter()) - started
 
@@ -153,6 +166,46 @@ async def stream_request(channel: Any, spec: RequestSpec, timeout: float) -> Req
                     }
     except grpc.RpcError as e:
         record.error = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    record.end = time.perf_counter()
+    return record
+
+
+async def stream_request_openai(client: Any, spec: RequestSpec, timeout: float) -> RequestRecord:
+    """The same request through the HTTP API (SSE), timed at the client like the gRPC one: one
+    chunk per engine delta; tokens per chunk from the final usage (1 each, the rest on the
+    last chunk: a delta holds one token except when stop-string hold-back releases several)."""
+    import httpx
+
+    body = {
+        "model": client.headers["x-pdserve-model"],  # from /v1/models (run_requests)
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    record = RequestRecord(spec, start=time.perf_counter())
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            usage, pending = None, b""
+            # raw bytes, not aiter_lines + json per chunk: the client must not be what is timed
+            async for data in resp.aiter_raw():
+                now = time.perf_counter()
+                *events, pending = (pending + data).split(b"\n\n")
+                for event in events:
+                    if event.startswith(b'data: {"') and b'"choices":[]' not in event:
+                        record.chunk_times.append(now)
+                        record.chunk_tokens.append(1)
+                    elif b'"usage"' in event:
+                        usage = json.loads(event[6:])["usage"]
+        if usage and record.chunk_tokens:
+            record.chunk_tokens[-1] += usage["completion_tokens"] - len(record.chunk_tokens)
+    except (httpx.HTTPError, RuntimeError, ValueError) as e:
+        record.error = f"{type(e).__name__}: {e}"
     record.end = time.perf_counter()
     return record
 

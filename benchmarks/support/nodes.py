@@ -49,6 +49,10 @@ class RunningNodes:
     def target(self, name: str) -> str:
         return f"127.0.0.1:{self.port(name)}"
 
+    def http_url(self, name: str) -> str:
+        """The node's OpenAI-compatible HTTP API (decode nodes)."""
+        return f"http://127.0.0.1:{self.nodes[name].info['http_port']}"
+
     def idle_cpu(self, seconds: float) -> dict[str, float]:
         """Percent of a core each node uses while no request is in flight."""
         pids = {name: node.proc.pid for name, node in self.nodes.items()}
@@ -112,12 +116,12 @@ def pd_specs(
         NodeSpec(
             "decode",
             "pdserve.cli",
-            ["decode", *base, "--port", "0", "--prefill", "{port:prefill}"],
+            ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"],
             core(1),
         ),
     ]
     if whole_too:
-        args = ["decode", *base, "--port", "0", "--prefill", "{port:prefill}"]
+        args = ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"]
         specs.append(
             NodeSpec("decode-whole", "pdserve.cli", [*args, "--whole-request-push"], core(1))
         )

@@ -161,6 +161,14 @@ class BlockManager:
                 del self._evictable[block]
             self._ref[block] += 1
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on blocks a request holds (n > 1 completions share their
+        prompt's full blocks); each reference is dropped by its own `free`."""
+        for block in block_ids:
+            if self._ref[block] <= 0:
+                raise AssertionError(f"sharing KV block {block} that nobody holds")
+            self._ref[block] += 1
+
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Publish a full, computed block for reuse. If another block already holds this content,
         keep that one: the duplicate simply stays private and is freed normally."""

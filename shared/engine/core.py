@@ -19,7 +19,9 @@ import torch
 
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
+from shared.engine.fork import fork_completions, fork_id
 from shared.engine.kv_cache import KvLayout, allocate_kv_pool, dtype_name
+from shared.engine.logprobs import TokenLogprobs, fill_prompt_logprobs
 from shared.engine.output import OutputProcessor, TokenDelta
 from shared.engine.request import (
     ALLOWED_TRANSITIONS,
@@ -68,6 +70,9 @@ class RequestOutput:
     finish_reason: FinishReason
     cached_tokens: int
     num_preemptions: int
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
+    index: int = 0  # which of the prompt's n completions
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when asked
 
 
 class EngineCore:
@@ -109,7 +114,7 @@ class EngineCore:
                 ResourceManagerType.SEQ_SLOT_MANAGER: self.seq_slot_manager,
             }
         )
-        self.sampler = Sampler(self.max_num_sequences, self.device)
+        self.sampler = Sampler(self.max_num_sequences, self.device, self.loaded.eos_token_ids)
         self.decode_runner: DecodeGraphRunner | None = None
         if graphs:
             self.decode_runner = engine_decode_runner(
@@ -129,6 +134,8 @@ class EngineCore:
         )
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
         self.requests: dict[str, LlmRequest] = {}
+        # n > 1: parent id -> its forks' ids, until every completion of the group has ended
+        self.forks: dict[str, list[str]] = {}
         self.layer_hook_factory: LayerHookFactory | None = None
         self.num_steps = 0
         # lifecycles of recently ended requests, for tests and debugging
@@ -155,7 +162,7 @@ class EngineCore:
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field; nothing is allocated before this passes."""
         try:
-            params.validate()
+            params.validate(self.model_config.vocab_size)
         except ValueError as e:
             raise RequestRejected(str(e)) from None
         if not prompt_token_ids:
@@ -172,6 +179,12 @@ class EngineCore:
                 f"{self.max_model_len} tokens"
             )
         need = cdiv(len(prompt_token_ids) + params.max_tokens - 1, self.config.block_size)
+        # n completions share only the prompt's full blocks
+        need += (params.n - 1) * (need - len(prompt_token_ids) // self.config.block_size)
+        if params.n > self.max_num_sequences and not self.context_only:
+            raise RequestRejected(
+                f"sampling.n ({params.n}) exceeds this node's {self.max_num_sequences} seats"
+            )
         if need > self.kv_manager.blocks.num_blocks:
             raise RequestRejected(
                 f"request needs {need} KV blocks but this node's whole pool has "
@@ -187,7 +200,7 @@ class EngineCore:
     ) -> LlmRequest:
         self.validate_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
+        if request_id in self.requests or fork_id(request_id, 1) in self.requests:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         request = LlmRequest(
             request_id, list(prompt_token_ids), params.with_resolved_seed(), state=state
@@ -215,7 +228,8 @@ class EngineCore:
             if s.request.state == LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE:
                 s.request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
         hook = self.layer_hook_factory(out.scheduled) if self.layer_hook_factory else None
-        logits = self._forward(batch, [self._entry(s) for s in out.scheduled], hook)
+        entries = [self._entry(s) for s in out.scheduled]
+        logits = self._forward(out.scheduled, entries, hook)
         sample_rows = [i for i, s in enumerate(out.scheduled) if s.completes_context]
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -224,21 +238,42 @@ class EngineCore:
         if not sample_rows:
             return []
         to_sample = [batch[i] for i in sample_rows]
-        pad = list(range(len(batch), logits.shape[0]))  # CUDA-graph padding: the scratch row
-        rows = [*to_sample, *[None] * len(pad)]
-        tokens = self.sampler.sample(rows, logits[sample_rows + pad])[: len(to_sample)]
-        return [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
+        pad = logits.shape[0] - len(batch)  # CUDA-graph padding rows: the scratch row
+        rows: list[LlmRequest | None] = [*to_sample, *[None] * pad]
+        pad_rows = list(range(len(batch), len(batch) + pad))
+        sampled = self.sampler.sample_step(rows, logits[sample_rows + pad_rows])
+        deltas: list[TokenDelta] = []
+        for r, t, lp, choices in zip(
+            to_sample,
+            sampled.tokens[: len(to_sample)],
+            sampled.logprobs[: len(to_sample)],
+            sampled.choices[: len(to_sample)],
+            strict=True,
+        ):
+            r.choice_first_tokens = choices
+            deltas.extend(self._accept_token(r, t, lp))
+        return deltas
 
     def _forward(
-        self, batch: list[LlmRequest], entries: list[SeqEntry], hook: Callable[[int], None] | None
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        entries: list[SeqEntry],
+        hook: Callable[[int], None] | None,
     ) -> torch.Tensor:
-        """Logits of the batch's rows; a CUDA-graph step appends its padding rows after them."""
-        if self.decode_runner is not None and hook is None:
-            logits = self.decode_runner.run(batch, entries)
-            if logits is not None:
-                return logits
+        """Logits of each sequence's last new token (a CUDA-graph step appends its padding rows
+        after them); when a request wants prompt logprobs, every token's logits are computed
+        and its prompt entries filled from them."""
+        if not any(s.request.needs_prompt_logits for s in scheduled):
+            if self.decode_runner is not None and hook is None:
+                logits = self.decode_runner.run([s.request for s in scheduled], entries)
+                if logits is not None:
+                    return logits
+            forward = ForwardBatch.build(entries, self.config.block_size, self.device)
+            return self.model.forward(forward, self.kv_pool, layer_hook=hook)
         forward = ForwardBatch.build(entries, self.config.block_size, self.device)
-        return self.model.forward(forward, self.kv_pool, layer_hook=hook)
+        every = self.model.forward(forward, self.kv_pool, all_logits=True, layer_hook=hook)
+        fill_prompt_logprobs(scheduled, every)
+        return every[forward.last_token_index]
 
     def _entry(self, s: ScheduledRequest) -> SeqEntry:
         r = s.request
@@ -249,21 +284,27 @@ class EngineCore:
             block_table=self.kv_manager.block_table(r.request_id),
         )
 
-    def _accept_token(self, request: LlmRequest, token: int) -> TokenDelta:
+    def _accept_token(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None = None
+    ) -> list[TokenDelta]:
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
         if self.context_only:
-            return self._finish_context(request, token)
+            return [self._finish_context(request, token, logprobs)]
         if request.state == LlmRequestState.CONTEXT_INIT:
             request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
-        delta = self.outputs.process(request, token)
+        # forks first: they share the prompt's blocks, which a finishing parent gives back
+        forks = fork_completions(self, request) if request.choice_first_tokens else []
+        delta = self.outputs.process(request, token, logprobs)
         if delta.finish_reason is not None:
             self.finish_request(request, delta.finish_reason)
-        return delta
+        return [delta, *forks]
 
     # ---- prefill side of P/D -------------------------------------------------------------
-    def _finish_context(self, request: LlmRequest, token: int) -> TokenDelta:
+    def _finish_context(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None
+    ) -> TokenDelta:
         """Last chunk computed: the seat goes back now; the blocks stay pinned until the push
         completes (`complete_context`), so nothing can evict or reuse them mid-send."""
         request.output_token_ids.append(token)
@@ -273,7 +314,14 @@ class EngineCore:
         )
         self.free_request_resources(request)
         request.transition(LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
-        return TokenDelta(request.request_id, [token], "", None)
+        return TokenDelta(
+            request.request_id,
+            [token],
+            "",
+            None,
+            logprobs=None if logprobs is None else [logprobs],
+            prompt_logprobs=request.prompt_logprobs,
+        )
 
     def complete_context(self, request_id: str, ok: bool) -> None:
         """The push finished (ok) or failed: unpin; the blocks stay in the prefix cache."""
@@ -314,7 +362,8 @@ class EngineCore:
             prompt_token_ids, params, request_id, LlmRequestState.DISAGG_GENERATION_INIT
         )
         try:
-            cached = self.kv_manager.acquire_prefix(request)
+            # the prefill node computes the prompt (and its logprobs): any hit here is usable
+            cached = self.kv_manager.acquire_prefix(request, request.prompt_len - 1)
             request.cached_tokens = cached
             new_blocks = self.kv_manager.reserve(request, request.prompt_len)
         except NoFreeBlocksError:
@@ -328,24 +377,52 @@ class EngineCore:
     def start_transfer(self, request_id: str) -> None:
         self._live(request_id).transition(LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS)
 
-    def complete_transfer(self, request_id: str, first_token: int) -> TokenDelta:
+    def complete_transfer(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> TokenDelta:
+        return self.complete_transfer_all(request_id, first_token, first_logprobs, prompt_logprobs)[
+            0
+        ]
+
+    def complete_transfer_all(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+        choices: Sequence[tuple[int, TokenLogprobs | None]] = (),
+    ) -> list[TokenDelta]:
         """All KV landed: the request becomes schedulable (its seat comes at the next prepare);
-        the first token, sampled on the prefill node, is processed at once."""
+        the first token, sampled on the prefill node, is processed at once, with the logprobs
+        the prefill node computed for it and for the prompt. n > 1: `choices` are the other
+        completions' first tokens; they are forked off the landed KV here (deltas after the
+        request's own)."""
         request = self._live(request_id)
+        if prompt_logprobs is not None:
+            request.prompt_logprobs = prompt_logprobs
         # transition first: an illegal call must not drop the pins of a transfer in flight
         request.transition(LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE)
         self.kv_manager.unpin_request(request_id)
         request.num_computed_tokens = request.prompt_len
         self.kv_manager.cache_computed_blocks(request)
         request.first_token_time = time.monotonic()
-        delta = self.outputs.process(request, first_token)
+        request.choice_first_tokens = list(choices)
+        forks = fork_completions(self, request) if choices else []
+        delta = self.outputs.process(request, first_token, first_logprobs)
         if delta.finish_reason is not None:
             self.finish_request(request, delta.finish_reason)
         else:
             self.scheduler.add_request(request)
-        return delta
+        return [delta, *forks]
 
     def fail_transfer(self, request_id: str) -> None:
+        for fork in list(self.forks.get(request_id, ())):
+            if fork in self.requests:
+                self.finish_request(self.requests[fork], FinishReason.ABORTED)
         request = self.requests.get(request_id)
         if request is not None:
             self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
@@ -378,6 +455,10 @@ class EngineCore:
         self.requests.pop(request.request_id, None)
         self.outputs.forget(request.request_id)
         self.recent_history.append((request.request_id, list(request.history)))
+        group = request.group_id
+        members = self.forks.get(group)
+        if members is not None and not any(m in self.requests for m in (group, *members)):
+            del self.forks[group]
 
     @staticmethod
     def _terminal_state(request: LlmRequest, wanted: LlmRequestState) -> LlmRequestState:
@@ -395,6 +476,10 @@ class EngineCore:
         )
 
     def abort(self, request_id: str) -> LlmRequest | None:
+        """End the request and, for n > 1, every completion forked from it."""
+        for fork in list(self.forks.get(request_id, ())):
+            if fork in self.requests:
+                self.finish_request(self.requests[fork], FinishReason.ABORTED)
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -409,6 +494,7 @@ class EngineCore:
     def check_conservation(self) -> None:
         """All seats and blocks back in their pools (cached blocks stay evictable)."""
         assert not self.requests, f"requests still live: {sorted(self.requests)[:10]}"
+        assert not self.forks, f"completion groups still tracked: {sorted(self.forks)[:10]}"
         self.seq_slot_manager.slot_manager.check_conservation()
         assert self.sampler.seats_in_use() == 0, "sampler rows still owned"
         self.kv_manager.check_conservation()

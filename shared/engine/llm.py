@@ -41,25 +41,51 @@ class LLM:
         prompts: Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        """One output per completion: a prompt with n > 1 gives n consecutive outputs
+        (index 0..n-1)."""
         params_list = self._expand_params(prompts, sampling_params)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        texts = {r.request_id: "" for r in requests}
+        outputs = {
+            (r.request_id, i): self._empty_output(r, i)
+            for r in requests
+            for i in range(r.sampling_params.n)
+        }
         while self.core.has_work:
             for delta in self.core.step():
-                if delta.request_id in texts:
-                    texts[delta.request_id] += delta.text
-        return [
-            RequestOutput(
-                request_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                token_ids=list(r.output_token_ids),
-                text=texts[r.request_id],
-                finish_reason=r.finish_reason or FinishReason.ABORTED,
-                cached_tokens=r.cached_tokens,
-                num_preemptions=r.num_preemptions,
-            )
-            for r in requests
-        ]
+                out = outputs.get((delta.request_id, delta.index))
+                if out is None:
+                    continue
+                out.token_ids.extend(delta.token_ids)
+                out.text += delta.text
+                if out.logprobs is not None:
+                    out.logprobs.extend(delta.logprobs or ())
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason
+        for r in requests:  # the group's prompt logprobs come with completion 0
+            for i in range(1, r.sampling_params.n):
+                outputs[(r.request_id, i)].prompt_logprobs = outputs[
+                    (r.request_id, 0)
+                ].prompt_logprobs
+            for i in range(r.sampling_params.n):
+                outputs[(r.request_id, i)].cached_tokens = r.cached_tokens
+                outputs[(r.request_id, i)].num_preemptions = r.num_preemptions
+        return list(outputs.values())
+
+    @staticmethod
+    def _empty_output(request: LlmRequest, index: int) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=[],
+            text="",
+            finish_reason=FinishReason.ABORTED,
+            cached_tokens=0,
+            num_preemptions=0,
+            logprobs=[] if request.sampling_params.logprobs is not None else None,
+            index=index,
+        )
 
     @staticmethod
     def _expand_params(

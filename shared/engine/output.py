@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.request import FinishReason, LlmRequest
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -21,6 +22,11 @@ class TokenDelta:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    # one per token in token_ids when the request asked for logprobs (raw distribution)
+    logprobs: list[TokenLogprobs] | None = None
+    # on the delta of the first token only, when asked: one per prompt position (None first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    index: int = 0  # which of the request's n completions (request_id is the client's id)
 
 
 @dataclass
@@ -52,7 +58,9 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def process(self, request: LlmRequest, token: int) -> TokenDelta:
+    def process(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None = None
+    ) -> TokenDelta:
         """Record `token` as the request's next output and decide whether it finishes."""
         state = self._states[request.request_id]
         request.output_token_ids.append(token)
@@ -60,11 +68,17 @@ class OutputProcessor:
         state.text += state.detokenizer.push([token])
         params = request.sampling_params
         reason: FinishReason | None = None
-        if (state.stops and self._cut_at_stop(state)) or (
-            token in self.eos_token_ids and not params.ignore_eos
+        # min_tokens: no stop of any kind before then (the sampler already masks EOS/stop ids)
+        may_stop = len(request.output_token_ids) >= params.min_tokens
+        if may_stop and (
+            (state.stops and self._cut_at_stop(state))
+            or (token in self.eos_token_ids and not params.ignore_eos)
+            or token in params.stop_token_ids
         ):
             reason = FinishReason.STOP
-        elif len(request.output_token_ids) >= params.max_tokens:
+        elif not may_stop:
+            state.checked = len(state.text)  # a stop string seen before min_tokens does not count
+        if reason is None and len(request.output_token_ids) >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None and not (state.stops and reason == FinishReason.STOP):
             state.text += state.detokenizer.flush()
@@ -73,8 +87,16 @@ class OutputProcessor:
         else:
             release_to = max(state.emitted, len(state.text) - state.holdback)
         delta = TokenDelta(
-            request.request_id, state.pending_tokens, state.text[state.emitted : release_to], reason
+            request.group_id,
+            state.pending_tokens,
+            state.text[state.emitted : release_to],
+            reason,
+            index=request.choice_index,
         )
+        if logprobs is not None:
+            delta.logprobs = [logprobs]
+        if len(request.output_token_ids) == 1:
+            delta.prompt_logprobs = request.prompt_logprobs
         state.emitted = release_to
         state.pending_tokens = []
         return delta

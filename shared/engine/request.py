@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -91,11 +92,37 @@ class LlmRequest:
     finish_time: float | None = None
     num_preemptions: int = 0
     return_perf_metrics: bool = True
+    # prompt_logprobs requested: entry i is position i's (None for the first token, and for
+    # positions not yet computed)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # n > 1: completion 0 is the request itself; completions 1.. are forks of it
+    parent_id: str | None = None
+    choice_index: int = 0
+    # first tokens of completions 1..n-1, drawn from this request's last prompt logits
+    choice_first_tokens: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
     # (state entered, seat held at that moment): the debug trail tests read the lifecycle from
     history: list[tuple[LlmRequestState, int | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.history.append((self.state, self.seq_slot))
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def group_id(self) -> str:
+        """The id the client knows: a fork reports under its parent's."""
+        return self.parent_id or self.request_id
+
+    @property
+    def forks_pending(self) -> bool:
+        """n > 1 and the other completions are not forked yet (no first token drawn)."""
+        return self.sampling_params.n > 1 and self.parent_id is None and not self.output_token_ids
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (the first has none)."""
+        lps = self.prompt_logprobs
+        return lps is not None and any(lp is None for lp in lps[1:])
 
     def transition(self, new_state: LlmRequestState) -> None:
         if new_state not in ALLOWED_TRANSITIONS[self.state]:

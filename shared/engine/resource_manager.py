@@ -211,7 +211,10 @@ class KVCacheManager(BaseResourceManager):
 
     def get_needed_resource_to_completion(self, request: LlmRequest) -> int:
         held = len(self.block_tables.get(request.request_id, ()))
-        return max(0, cdiv(request.max_total_tokens(), self.block_size) - held)
+        need = cdiv(request.max_total_tokens(), self.block_size)
+        if request.forks_pending:  # n > 1: the other completions share only full prompt blocks
+            need += (request.sampling_params.n - 1) * (need - request.prompt_len // self.block_size)
+        return max(0, need - held)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -220,10 +223,12 @@ class KVCacheManager(BaseResourceManager):
     def acquire_prefix(self, request: LlmRequest, max_tokens: int | None = None) -> int:
         """Take cached blocks for the request's leading full blocks; returns the tokens covered.
         At most `max_tokens` (default: all but the last token, which must be computed for its
-        logits)."""
+        logits; none while the request's prompt logprobs are still to be computed)."""
         assert request.request_id not in self.block_tables, "prefix acquired twice"
         tokens = request.all_token_ids
         limit = len(tokens) - 1 if max_tokens is None else max_tokens
+        if max_tokens is None and request.needs_prompt_logits:
+            limit = 0  # prompt logprobs need every prompt position's logits computed here
         hashes = compute_block_hashes(tokens[: max(limit, 0)], self.block_size)
         hit = self.blocks.match_prefix(hashes)
         self.blocks.acquire(hit)
@@ -247,6 +252,24 @@ class KVCacheManager(BaseResourceManager):
         new = self.blocks.allocate(need) if need > 0 else []
         table.extend(new)
         return new
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child_id` the parent's first `num_tokens` of KV: a shared reference on each
+        full block, a fresh block for the partial last one. Returns the (source, copy) block
+        pairs whose contents the caller copies, or None when no block is free for the copy
+        (the child then holds nothing and recomputes)."""
+        assert child_id not in self.block_tables, f"{child_id} already holds blocks"
+        table = self.block_tables[parent_id]
+        full = num_tokens // self.block_size
+        copies: list[tuple[int, int]] = []
+        if num_tokens % self.block_size:
+            if self.blocks.num_free_blocks < 1:
+                return None
+            copies.append((table[full], self.blocks.allocate(1)[0]))
+        self.blocks.share(table[:full])
+        self.block_tables[child_id] = table[:full] + [dst for _, dst in copies]
+        self.block_hashes[child_id] = list(self.block_hashes.get(parent_id, [])[:full])
+        return copies
 
     def pin_blocks(self, request_id: str, block_ids: Sequence[int]) -> None:
         self.blocks.pin(block_ids)

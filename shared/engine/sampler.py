@@ -4,17 +4,25 @@ Randomness is a pure function of (request seed, output index): each sampled toke
 uniform from a splitmix64 counter stream, then inverts the CDF of the filtered distribution.
 So a seeded request gives the same text whatever else is in the batch, and a prefill node (which
 samples output 0) and a decode node (outputs 1..) draw from one per-request stream.
+
+Penalties, logit_bias and min_tokens (shared/engine/penalties.py) reshape the logits before the
+draw; logprobs (shared/engine/logprobs.py) are read from the raw logits, before any of that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from shared.engine.logprobs import TokenLogprobs, compute_logprobs
+from shared.engine.penalties import PenaltyState
 from shared.engine.request import LlmRequest
 
 _MASK64 = (1 << 64) - 1
+# top_k up to this draws from a partial sort (topk) of this many candidates, not a full sort
+TOPK_CANDIDATES = 1024
 
 
 def splitmix64(x: int) -> int:
@@ -29,9 +37,31 @@ def stream_uniform(seed: int, index: int) -> float:
     return (splitmix64(splitmix64(seed) ^ index) >> 11) / float(1 << 53)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The stream of completion `index` of an n > 1 request; completion 0 keeps the seed."""
+    return seed if index == 0 else splitmix64(seed ^ splitmix64(index)) >> 1
+
+
+Choice = tuple[int, "TokenLogprobs | None"]  # a first token of another completion, its logprobs
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row: None unless its request asked
+    # per row: for an n > 1 request's first token, completions 1..n-1's first tokens
+    choices: list[list[Choice]]
+
+
 class Sampler:
-    def __init__(self, max_num_sequences: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        max_num_sequences: int,
+        device: torch.device | str = "cpu",
+        eos_token_ids: Iterable[int] = (),
+    ):
         self.max_num_sequences = max_num_sequences
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.dummy_slot_row = max_num_sequences  # scratch for padding rows, owned by nobody
         self.device = torch.device(device)
         # (tokens per step, seats + scratch row, beam)
@@ -42,7 +72,9 @@ class Sampler:
         self.top_p = torch.ones(max_num_sequences, dtype=torch.float32)
         self.top_k = torch.zeros(max_num_sequences, dtype=torch.long)
         self.seeds: list[int | None] = [None] * max_num_sequences
+        self.logprobs_k: list[int | None] = [None] * max_num_sequences
         self.owner: list[str | None] = [None] * max_num_sequences
+        self.penalties: PenaltyState | None = None  # allocated for the first request using them
         self._check_invariants()
 
     def _check_invariants(self) -> None:
@@ -51,24 +83,34 @@ class Sampler:
             rows = getattr(self, name).shape[0]
             assert rows == self.max_num_sequences, f"{name} has {rows} rows"
         assert len(self.seeds) == len(self.owner) == self.max_num_sequences
+        assert len(self.logprobs_k) == self.max_num_sequences
+        assert self.penalties is None or self.penalties.rows == self.max_num_sequences
 
-    def _seat(self, request: LlmRequest) -> int:
+    def _seat(self, request: LlmRequest, vocab_size: int) -> int:
         seat = request.seq_slot
         if seat is None:
             raise RuntimeError(f"request {request.request_id} sampled without a seat")
         owner = self.owner[seat]
         if owner is None:
-            self._setup(request, seat)
+            self._setup(request, seat, vocab_size)
         elif owner != request.request_id:
             raise RuntimeError(f"seat {seat} holds stale state of {owner}")
         return seat
 
-    def _setup(self, request: LlmRequest, seat: int) -> None:
+    def _setup(self, request: LlmRequest, seat: int, vocab_size: int) -> None:
+        """Build the seat's rows from the request: its params, prompt and tokens so far."""
         params = request.sampling_params
         self.temperature[seat] = params.temperature
         self.top_p[seat] = params.top_p
         self.top_k[seat] = params.top_k
         self.seeds[seat] = params.seed
+        self.logprobs_k[seat] = params.logprobs
+        if params.has_penalties:
+            if self.penalties is None:
+                # normal tensors: a release outside the step (an abort) writes them too
+                with torch.inference_mode(False):
+                    self.penalties = PenaltyState(self.max_num_sequences, vocab_size, self.device)
+            self.penalties.setup(seat, request, self.eos_token_ids)
         self.owner[seat] = request.request_id
 
     def release_request(self, request: LlmRequest) -> None:
@@ -80,6 +122,9 @@ class Sampler:
         self.top_p[seat] = 1.0
         self.top_k[seat] = 0
         self.seeds[seat] = None
+        self.logprobs_k[seat] = None
+        if self.penalties is not None and self.penalties.active[seat]:
+            self.penalties.clear(seat)
         self.owner[seat] = None
         self.new_tokens[:, seat] = 0
 
@@ -87,11 +132,19 @@ class Sampler:
         return sum(o is not None for o in self.owner)
 
     def sample(self, requests: Sequence[LlmRequest | None], logits: torch.Tensor) -> list[int]:
-        """One call per step. `None` rows are padding: sampled into the scratch row, discarded."""
-        rows = [self.dummy_slot_row if r is None else self._seat(r) for r in requests]
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        return self.sample_step(requests, logits).tokens
+
+    def sample_step(
+        self, requests: Sequence[LlmRequest | None], logits: torch.Tensor
+    ) -> SampleOutput:
+        """One call per step over logits [rows, vocab]. `None` rows are padding: sampled into
+        the scratch row, discarded."""
+        vocab = logits.shape[-1]
+        rows = [self.dummy_slot_row if r is None else self._seat(r, vocab) for r in requests]
+        raw = logits.float()
         live = [i for i, r in enumerate(requests) if r is not None]
+        shaped = self._apply_penalties(requests, rows, raw)
+        tokens = shaped.argmax(dim=-1)
         seats = torch.tensor([rows[i] for i in live], dtype=torch.long)
         if live:
             temps = self.temperature[seats]
@@ -103,7 +156,7 @@ class Sampler:
                     for i in idx.tolist()
                 ]
                 tokens[idx] = self._sample_random(
-                    logits[idx.to(logits.device)].cpu(),
+                    shaped[idx.to(shaped.device)].cpu(),
                     temps[random_rows],
                     self.top_k[seats[random_rows]],
                     self.top_p[seats[random_rows]],
@@ -111,7 +164,105 @@ class Sampler:
                 ).to(tokens.device)
         row_index = torch.tensor(rows, dtype=torch.long, device=self.new_tokens.device)
         self.new_tokens[0, row_index, 0] = tokens.to(self.new_tokens.device)
-        return tokens.tolist()
+        token_list = tokens.tolist()
+        self._record_penalties(rows, live, tokens)
+        return SampleOutput(
+            token_list,
+            self._logprobs(rows, live, raw, token_list),
+            self._draw_choices(requests, rows, shaped, raw),
+        )
+
+    def _draw_choices(
+        self,
+        requests: Sequence[LlmRequest | None],
+        rows: list[int],
+        shaped: torch.Tensor,
+        raw: torch.Tensor,
+    ) -> list[list[Choice]]:
+        """First tokens of completions 1..n-1 of n > 1 requests, from the same logits as
+        completion 0's, each from its own stream (`choice_seed`), at output index 0. The seat's
+        penalty state is the same for all of them here: nothing has been produced yet."""
+        out: list[list[Choice]] = [[] for _ in rows]
+        for i, r in enumerate(requests):
+            if r is None or not r.forks_pending:
+                continue
+            seat, m = rows[i], r.sampling_params.n - 1
+            if self.temperature[seat] > 0:
+                seeds = [choice_seed(self.seeds[seat] or 0, c) for c in range(1, m + 1)]
+                tokens = self._sample_random(
+                    shaped[i].expand(m, -1).cpu(),
+                    self.temperature[seat].repeat(m),
+                    self.top_k[seat].repeat(m),
+                    self.top_p[seat].repeat(m),
+                    torch.tensor([stream_uniform(s, 0) for s in seeds], dtype=torch.float64),
+                ).tolist()
+            else:
+                tokens = [int(shaped[i].argmax())] * m
+            k = self.logprobs_k[seat]
+            lps: list[TokenLogprobs | None] = [None] * m
+            if k is not None:
+                lps = list(compute_logprobs(raw[i].expand(m, -1), tokens, [k] * m))
+            out[i] = list(zip(tokens, lps, strict=True))
+        return out
+
+    def _penalty_rows(self, rows: list[int], live: list[int]) -> list[int]:
+        if self.penalties is None:
+            return []
+        active = self.penalties.active.tolist()
+        return [i for i in live if active[rows[i]]]
+
+    def _apply_penalties(
+        self, requests: Sequence[LlmRequest | None], rows: list[int], raw: torch.Tensor
+    ) -> torch.Tensor:
+        """The logits the draw sees: raw ones, reshaped on the rows whose requests use
+        penalties, bias or min_tokens (a copy: logprobs still read the raw logits)."""
+        live = [i for i, r in enumerate(requests) if r is not None]
+        picked = self._penalty_rows(rows, live)
+        if not picked:
+            return raw
+        assert self.penalties is not None
+        dev = raw.device
+        idx = torch.tensor(picked, dtype=torch.long, device=dev)
+        seats = torch.tensor([rows[i] for i in picked], dtype=torch.long, device=dev)
+        produced = torch.tensor(
+            [len(requests[i].output_token_ids) for i in picked],  # type: ignore[union-attr]
+            dtype=torch.long,
+            device=dev,
+        )
+        if len(picked) == raw.shape[0]:  # every row: no gather / scatter
+            shaped = raw.clone()
+            self.penalties.apply(shaped, seats, produced)
+            return shaped
+        shaped = raw.clone()
+        block = shaped[idx]  # [rows, vocab], a copy
+        self.penalties.apply(block, seats, produced)
+        shaped[idx] = block
+        return shaped
+
+    def _record_penalties(self, rows: list[int], live: list[int], tokens: torch.Tensor) -> None:
+        picked = self._penalty_rows(rows, live)
+        if not picked:
+            return
+        assert self.penalties is not None
+        dev = self.penalties.active.device
+        idx = torch.tensor(picked, dtype=torch.long, device=tokens.device)
+        seats = torch.tensor([rows[i] for i in picked], dtype=torch.long, device=dev)
+        self.penalties.record(seats, tokens[idx].to(dev))
+
+    def _logprobs(
+        self, rows: list[int], live: list[int], raw: torch.Tensor, tokens: list[int]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        picked = [i for i in live if self.logprobs_k[rows[i]] is not None]
+        if not picked:
+            return out
+        idx = torch.tensor(picked, dtype=torch.long, device=raw.device)
+        ks = [self.logprobs_k[rows[i]] or 0 for i in picked]
+        for i, lp in zip(
+            picked, compute_logprobs(raw[idx], [tokens[i] for i in picked], ks), strict=True
+        ):
+            out[i] = lp
+        return out
 
     @staticmethod
     def _sample_random(
@@ -121,17 +272,45 @@ class Sampler:
         top_p: torch.Tensor,
         uniforms: torch.Tensor,
     ) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        scaled = logits / temps[:, None]
+        """Rows whose top_k is at most TOPK_CANDIDATES draw from that many candidates (topk),
+        the others from a full sort: which path a row takes depends on its own top_k only, so
+        its draw does not depend on the rest of the batch."""
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        few = (top_k > 0) & (top_k <= TOPK_CANDIDATES)
+        for rows, width in ((few, TOPK_CANDIDATES), (~few, None)):
+            idx = rows.nonzero().flatten()
+            if idx.numel():
+                out[idx] = _draw(
+                    logits[idx], temps[idx], top_k[idx], top_p[idx], uniforms[idx], width
+                )
+        return out
+
+
+def _draw(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    width: int | None,
+) -> torch.Tensor:
+    """Invert the CDF of the temperature-scaled, top-k / top-p filtered distribution at each
+    row's uniform. `width`: look only at that many most likely candidates (None: all)."""
+    vocab = logits.shape[-1]
+    scaled = logits / temps[:, None]  # [rows, vocab]
+    if width is not None and width < vocab:
+        sorted_logits, sorted_ids = scaled.topk(width, dim=-1)  # [rows, width], descending
+    else:
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(vocab)[None, :]
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits.double(), dim=-1)
-        # keep the smallest prefix whose mass reaches top_p; the top token always survives
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p.double()[:, None], 0.0)
-        cdf = probs.cumsum(dim=-1)
-        targets = uniforms * cdf[:, -1]
-        choice = torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=vocab - 1)
-        return sorted_ids.gather(1, choice).flatten()
+    n = sorted_logits.shape[-1]
+    ranks = torch.arange(n)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=n), torch.full_like(top_k, n))
+    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits.double(), dim=-1)
+    # keep the smallest prefix whose mass reaches top_p; the top token always survives
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p.double()[:, None], 0.0)
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    choice = torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=n - 1)
+    return sorted_ids.gather(1, choice).flatten()

@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-import jinja2.ext
+import jinja2.ext  # `import jinja2` alone leaves jinja2.ext (loopcontrols) unloaded
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 

@@ -10,23 +10,33 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.core import EngineCore
 from shared.engine.kv_cache import KvLayout
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineSnapshot
-from shared.serving.metrics import LATENCY_BUCKETS, MetricsRegistry, MetricsServer, serve_metrics
+from shared.serving.limits import GRPC_CHANNEL_OPTIONS
+from shared.serving.metrics import (
+    LATENCY_BUCKETS,
+    AsgiServer,
+    metrics_app,
+    register_scrape_counter,
+    register_scrape_gauge,
+)
 from shared.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
+GRPC_SERVER_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+class GenerateError(Exception):
+    """A generation request failed; `code` is the status to report (HTTP maps it to its own)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 def layout_info(layout: KvLayout) -> generation_pb2.KvLayoutInfo:
@@ -57,37 +67,6 @@ def model_info(core: EngineCore, role: int) -> generation_pb2.ModelInfo:
         node_role=role,
         kv_layout=layout_info(core.layout),
     )
-
-
-def sampling_from_proto(
-    s: generation_pb2.SamplingParams, seed: int | None = None
-) -> SamplingParams:
-    """The wire's sampling fields (top_p 0 = off); `seed` overrides the message's own."""
-    if seed is None and s.HasField("seed"):
-        seed = s.seed
-    return SamplingParams.from_wire(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=seed,
-        stop=tuple(s.stop),
-        ignore_eos=s.ignore_eos,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
-    msg = generation_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        stop=list(params.stop),
-        ignore_eos=params.ignore_eos,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
 
 
 def create_grpc_server(
@@ -125,13 +104,14 @@ def set_serving(health_servicer: health.HealthServicer, services: Sequence[str],
 
 @dataclass
 class NodeServing:
-    """A node's public face: gRPC server (with health and reflection) and /metrics."""
+    """A node's public face: gRPC server (with health and reflection) and /metrics + /health."""
 
     server: aio.Server
     health: health.HealthServicer
     port: int
     services: list[str]
-    metrics_server: MetricsServer | None
+    metrics_server: AsgiServer | None
+    serving: bool = True
 
     @classmethod
     async def start(
@@ -141,7 +121,7 @@ class NodeServing:
         host: str,
         port: int,
         tls: ServerTls | None,
-        registry: MetricsRegistry,
+        registry: CollectorRegistry,
         metrics_port: int,
     ) -> NodeServing:
         credentials = None if tls is None else tls.credentials()
@@ -149,11 +129,12 @@ class NodeServing:
             services, add_servicers, host, port, credentials
         )
         await server.start()
-        metrics_server = None
+        node = cls(server, health_servicer, bound, services, None)
         if metrics_port >= 0:
-            metrics_server = await serve_metrics(registry, host, metrics_port)
+            app = metrics_app(registry, lambda: node.serving)
+            node.metrics_server = await AsgiServer.start(app, host, metrics_port)
         set_serving(health_servicer, services, True)
-        return cls(server, health_servicer, bound, services, metrics_server)
+        return node
 
     @property
     def metrics_port(self) -> int | None:
@@ -161,12 +142,24 @@ class NodeServing:
 
     async def stop_admitting(self, grace: float) -> None:
         """Health says NOT_SERVING at once; in-flight RPCs get `grace` seconds to finish."""
+        self.serving = False
         set_serving(self.health, self.services, False)
         await self.server.stop(grace)
 
     async def close_metrics(self) -> None:
         if self.metrics_server is not None:
             await self.metrics_server.close()
+
+
+# (metric, help, EngineSnapshot field) of the gauges read from the engine's latest snapshot
+_SNAPSHOT_GAUGES = (
+    ("pdserve_seats_in_use", "Seats (seq slots) held", "seats_in_use"),
+    ("pdserve_seats_total", "Seat pool size", "seats_total"),
+    ("pdserve_kv_blocks_in_use", "KV blocks referenced or pinned", "blocks_in_use"),
+    ("pdserve_kv_blocks_total", "KV pool size", "blocks_total"),
+    ("pdserve_kv_blocks_pinned", "KV blocks pinned by an in-flight transfer", "blocks_pinned"),
+    ("pdserve_kv_blocks_cached", "KV blocks published in the prefix cache", "blocks_cached"),
+)
 
 
 class NodeMetrics:
@@ -177,51 +170,38 @@ class NodeMetrics:
         snapshot: Callable[[], EngineSnapshot],
         rejected: Callable[[], float] = lambda: 0.0,
     ):
-        self.registry = MetricsRegistry()
-        r = self.registry
-        r.gauge(
-            "pdserve_seats_in_use", "Seats (seq slots) held", fn=lambda: snapshot().seats_in_use
-        )
-        r.gauge("pdserve_seats_total", "Seat pool size", fn=lambda: snapshot().seats_total)
-        r.gauge(
-            "pdserve_kv_blocks_in_use",
-            "KV blocks referenced or pinned",
-            fn=lambda: snapshot().blocks_in_use,
-        )
-        r.gauge("pdserve_kv_blocks_total", "KV pool size", fn=lambda: snapshot().blocks_total)
-        r.gauge(
-            "pdserve_kv_blocks_pinned",
-            "KV blocks pinned by an in-flight transfer",
-            fn=lambda: snapshot().blocks_pinned,
-        )
-        r.gauge(
-            "pdserve_kv_blocks_cached",
-            "KV blocks published in the prefix cache",
-            fn=lambda: snapshot().blocks_cached,
-        )
-        r.gauge(
+        self.registry = r = CollectorRegistry()
+        for name, doc, attr in _SNAPSHOT_GAUGES:
+            register_scrape_gauge(r, name, doc, lambda attr=attr: getattr(snapshot(), attr))
+        register_scrape_gauge(
+            r,
             "pdserve_requests",
             "Live requests by state",
+            lambda: {(k,): v for k, v in snapshot().requests_by_state.items()},
             labelnames=("state",),
-            fn=lambda: {(k,): v for k, v in snapshot().requests_by_state.items()},
         )
-        self.kv_transfer_seconds = r.histogram(
-            "pdserve_kv_transfer_seconds", "KV transfer time per request", LATENCY_BUCKETS
+        self.kv_transfer_seconds = self._latency(
+            "pdserve_kv_transfer_seconds", "KV transfer time per request"
         )
-        self.kv_transfer_bytes = r.counter(
-            "pdserve_kv_transfer_bytes_total", "KV bytes moved over UCX"
+        self.kv_transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes_total", "KV bytes moved over UCX", registry=r
         )
-        r.callback_counter(
+        register_scrape_counter(
+            r,
             "pdserve_kv_transfer_rejected_total",
             "KV messages dropped by validation (bad token, ids, sizes, late), never written",
             rejected,
         )
-        self.ttft = r.histogram(
-            "pdserve_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS
+        self.ttft = self._latency("pdserve_time_to_first_token_seconds", "Time to first token")
+        self.itl = self._latency(
+            "pdserve_inter_token_latency_seconds", "Time between streamed tokens"
         )
-        self.itl = r.histogram(
-            "pdserve_inter_token_latency_seconds", "Time between streamed tokens", LATENCY_BUCKETS
+        self.requests_total = Counter(
+            "pdserve_requests_total",
+            "Finished requests by outcome",
+            labelnames=("outcome",),
+            registry=r,
         )
-        self.requests_total = r.counter(
-            "pdserve_requests_total", "Finished requests by outcome", labelnames=("outcome",)
-        )
+
+    def _latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -56,7 +56,10 @@ class GenerationServicer:
         Each GenerateResponse carries the tokens produced since the previous one
         (usually one; more when the server coalesces under load). The last message
         has finish_reason != FINISH_REASON_UNSPECIFIED and carries usage and
-        timing. Cancelling the call aborts the request server-side.
+        timing. With sampling.n > 1 the n completions' messages interleave (see
+        GenerateResponse.index) and each completion's last message is so marked;
+        the stream ends after all n. Cancelling the call aborts the request (all
+        n completions) server-side.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

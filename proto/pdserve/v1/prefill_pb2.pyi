@@ -62,16 +62,24 @@ class TransferStats(_message.Message):
     def __init__(self, bytes_sent: _Optional[int] = ..., messages: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_tail_seconds: _Optional[float] = ..., first_layer_sent_unix: _Optional[float] = ..., last_layer_computed_unix: _Optional[float] = ..., last_byte_sent_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "cached_tokens", "stats")
+    __slots__ = ("request_id", "first_token_id", "cached_tokens", "stats", "first_token_logprobs", "prompt_logprobs", "choice_first_token_ids", "choice_first_token_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     cached_tokens: int
     stats: TransferStats
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+    first_token_logprobs: _generation_pb2.TokenLogprob
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    choice_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    choice_first_token_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., choice_first_token_ids: _Optional[_Iterable[int]] = ..., choice_first_token_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id",)

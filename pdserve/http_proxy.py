@@ -1,0 +1,163 @@
+"""The proxy's HTTP side: the OpenAI-compatible API forwarded to the decode tier.
+
+Each request goes to the least-loaded healthy decode replica of the proxy's `ReplicaPool` (the
+same pick and the same in-flight count as gRPC calls, so both APIs share one load view), at the
+replica's address with `--backend-http-port`. Responses stream back unbuffered (SSE chunks are
+passed on as they arrive); a client that disconnects closes the upstream connection, which the
+decode node treats as a cancel. A replica that refuses the connection is marked unhealthy and the
+request goes to another one (nothing was sent yet); once a replica answered, its status and body
+pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from shared.serving.http.app import ClientGone, until_disconnect
+from shared.serving.http.errors import ApiError
+from shared.serving.http.guard import ApiGuard
+from shared.serving.metrics import metrics_routes
+
+if TYPE_CHECKING:
+    from shared.serving.replica_pool import Replica, ReplicaPool
+
+log = logging.getLogger("pdserve.proxy")
+
+# RFC 9110 7.6.1: meaningful for one connection only, never forwarded
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+MAX_PROXY_BODY_BYTES = 64 * 1024 * 1024
+CONNECT_TIMEOUT = 2.0  # the same network: a replica that does not accept in 2 s is gone
+
+
+def _forwardable(headers: httpx.Headers | list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    if isinstance(headers, httpx.Headers):
+        items = headers.multi_items()
+    else:
+        items = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+    return [(k, v) for k, v in items if k.lower() not in _HOP_BY_HOP]
+
+
+def http_address(backend: Replica, port: int) -> str:
+    host = backend.target.rpartition(":")[0]  # "[::1]" stays bracketed
+    return f"{host}:{port}"
+
+
+class _Relay(StreamingResponse):
+    """Streams the upstream body through; on every exit (done, client gone, cancelled) the
+    upstream response is closed and the backend's in-flight count dropped exactly once."""
+
+    def __init__(self, upstream: httpx.Response, backend: Replica) -> None:
+        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code)
+        self.raw_headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in _forwardable(upstream.headers)
+        ]
+        self.upstream, self.backend = upstream, backend
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.backend.load -= 1
+            await self.upstream.aclose()
+
+
+class HttpForwarder:
+    def __init__(
+        self,
+        pool: ReplicaPool[Replica],
+        registry: CollectorRegistry,
+        *,
+        backend_port: int,
+        max_attempts: int,
+    ) -> None:
+        self.pool = pool
+        self.backend_port = backend_port
+        self.max_attempts = max_attempts
+        # no read timeout: a stream lasts as long as its generation; the client's own
+        # deadline (or disconnect) ends it
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.requests = Counter(
+            "pdserve_proxy_http_requests_total",
+            "HTTP requests forwarded, by backend and HTTP status",
+            labelnames=("backend", "status"),
+            registry=registry,
+        )
+        self.registry = registry
+
+    def app(self) -> ApiGuard:
+        routes = [
+            *metrics_routes(self.registry, self.pool.any_healthy),
+            Route("/{path:path}", self.forward, methods=["GET", "POST", "HEAD", "DELETE"]),
+        ]
+        app = Starlette(routes=routes)
+        return ApiGuard(app, api_key=None, max_request_bytes=MAX_PROXY_BODY_BYTES)
+
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        headers = _forwardable(request.scope["headers"])
+        tried: set[str] = set()
+        last_error = "no decode node is known"
+        for _ in range(self.max_attempts):
+            backend = self.pool.pick(tried)
+            if backend is None:
+                break
+            tried.add(backend.target)
+            url = httpx.URL(
+                f"http://{http_address(backend, self.backend_port)}{request.url.path}",
+                query=request.url.query.encode(),
+            )
+            upstream = self.client.build_request(
+                request.method, url, headers=headers, content=body
+            )
+            backend.load += 1
+            try:
+                sent = self.client.send(upstream, stream=True)
+                response = await until_disconnect(request, sent)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                backend.load -= 1
+                backend.healthy = False  # until the next health round says otherwise
+                last_error = f"{backend.target}: {e!r}"
+                log.info("HTTP %s on %s: %r, retrying elsewhere", url.path, backend.target, e)
+                continue
+            except ClientGone:
+                backend.load -= 1
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            except httpx.HTTPError as e:  # connected, then the replica failed before answering
+                backend.load -= 1
+                self.requests.labels(backend.target, "502").inc()
+                return ApiError(502, f"decode node {backend.target} failed: {e!r}").response()
+            except BaseException:
+                backend.load -= 1
+                raise
+            self.requests.labels(backend.target, str(response.status_code)).inc()
+            return _Relay(response, backend)
+        return ApiError(503, f"no decode node could take the request ({last_error})").response()
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP API of a decode node, as a FastAPI app.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics, GET /version. Served by uvicorn on the node's own event loop (see
+shared/serving/metrics.AsgiServer). A client that goes away — while its stream runs or before
+its first token — cancels the generation, which releases the request on both nodes exactly as a
+gRPC cancel does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+
+from shared.serving.http.errors import install_error_handlers
+from shared.serving.http.guard import ApiGuard
+from shared.serving.http.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
+from shared.serving.http.service import (
+    Backend,
+    HttpApiConfig,
+    Job,
+    OpenAIService,
+    Piece,
+    new_id,
+    usage_of,
+)
+from shared.serving.http.sse import SSE_HEADERS, ChunkWriter, sse_stream
+from shared.serving.metrics import metrics_routes
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so releasing its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegistry) -> FastAPI:
+    service = OpenAIService(backend, config)
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    install_error_handlers(app)
+    app.add_middleware(
+        ApiGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes
+    )
+    app.router.routes.extend(metrics_routes(registry, lambda: backend.healthy))
+    version = _version()
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the connection is gone
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, object]:
+        return service.models().model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        jobs = service.jobs(body, service.completion_prompts(body))
+        return await _answer(service, request, body, jobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        jobs = service.jobs(body, [service.chat_prompt(body)])
+        return await _answer(service, request, body, jobs, chat=True)
+
+    return app
+
+
+async def _answer(
+    service: OpenAIService,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    jobs: list[Job],
+    *,
+    chat: bool,
+) -> Response:
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    created = int(time.time())
+    deadline = service.deadline(request.headers.get("x-request-timeout"))
+    pieces = service.pieces(rid, jobs, deadline)
+    if not body.stream:
+        collect = _collect(service, rid, created, pieces, chat, len(jobs))
+        return await until_disconnect(request, collect)
+    # the first token is awaited before the headers go out, so that admission errors (429, 503,
+    # 400 from the prefill node) keep their HTTP status instead of becoming an SSE error event
+    try:
+        first = await until_disconnect(request, anext(pieces))
+    except BaseException:
+        await pieces.aclose()
+        raise
+    writer = ChunkWriter(
+        rid,
+        service.model_name,
+        created,
+        chat=chat,
+        usage=body.include_usage,
+        continuous=body.continuous_usage,
+    )
+    return StreamingResponse(
+        sse_stream(first, pieces, writer), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _collect(
+    service: OpenAIService,
+    rid: str,
+    created: int,
+    pieces: AsyncIterator[Piece],
+    chat: bool,
+    n: int,
+) -> Response:
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    last: dict[int, Piece] = {}
+    async with contextlib.aclosing(pieces):  # type: ignore[type-var]
+        async for piece in pieces:
+            texts[piece.index].append(piece.text)
+            last[piece.index] = piece
+    usage = usage_of(last)
+    common = {"id": rid, "created": created, "model": service.model_name, "usage": usage}
+    if chat:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content="".join(texts[i])),
+                finish_reason=last[i].finish_reason,
+            )
+            for i in range(n)
+        ]
+        out: ChatCompletionResponse | CompletionResponse = ChatCompletionResponse(
+            choices=choices, **common
+        )
+    else:
+        completions = [
+            CompletionChoice(index=i, text="".join(texts[i]), finish_reason=last[i].finish_reason)
+            for i in range(n)
+        ]
+        out = CompletionResponse(choices=completions, **common)
+    return Response(out.model_dump_json(), media_type="application/json")

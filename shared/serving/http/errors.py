@@ -1,0 +1,132 @@
+"""OpenAI's error object and the exception handlers that produce it.
+
+Every failure answers `{"error": {"message", "type", "param", "code"}}` with a precise status:
+400 for any validation failure (malformed JSON included: never FastAPI's default 422), 401, 404,
+413, 429, 503 with Retry-After, 504. gRPC statuses from the one request path map onto these.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.serving.grpc_server import GenerateError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+# "sampling.max_tokens must be ..." names the wire field; the HTTP API spells it without prefix
+_FIELD_RE = re.compile(r"\bsampling\.(\w+)")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
+RETRY_AFTER_SECONDS = "1"
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})
+        if status in (429, 503) and "Retry-After" not in self.headers:
+            self.headers["Retry-After"] = RETRY_AFTER_SECONDS
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def sse_event(self) -> bytes:
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+def from_generate_error(e: GenerateError) -> ApiError:
+    status = _GRPC_TO_HTTP.get(e.code, 500)
+    message = str(e)
+    match = _FIELD_RE.search(message)
+    param = match.group(1) if match else ("prompt" if "prompt" in message else None)
+    message = _FIELD_RE.sub(r"\1", message)
+    code = {429: "rate_limit_exceeded", 503: "unavailable", 504: "timeout"}.get(status)
+    return ApiError(status, message, param=param if status == 400 else None, code=code)
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    if not errors:
+        return ApiError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON: {first.get('msg')}")
+    # a union's members appear in loc as type tags ("str", "list[int]"): not fields
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
+    param = ".".join(loc) or None
+    where = f"'{param}'" if param else "the request body"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return ApiError(400, f"{where}: {first.get('msg')}{more}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(GenerateError)
+    async def _generate(request: Request, exc: GenerateError) -> JSONResponse:
+        return from_generate_error(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("HTTP request failed")
+        return ApiError(500, f"internal error: {type(exc).__name__}").response()

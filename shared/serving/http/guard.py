@@ -1,0 +1,102 @@
+"""ASGI middleware in front of the API routes: the bearer token and the request-size limit.
+
+Both are checked before the body is parsed: a wrong key is a 401 whatever the body holds, and an
+oversized body is a 413 without ever being held in memory (it is read and dropped so that the
+client, still sending, gets to read the answer instead of a connection reset).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared.serving.http.errors import ApiError
+
+# how much of an oversized body is read and dropped before the connection is just closed
+DRAIN_LIMIT_BYTES = 256 * 1024 * 1024
+
+
+class ApiGuard:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.key = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.key is not None and not hmac.compare_digest(
+            headers.get(b"authorization", b""), self.key
+        ):
+            error = ApiError(401, "missing or invalid API key", code="invalid_api_key")
+            await _reply(error, scope, receive, send)
+            return
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await _drain(receive)
+            await _reply(self._too_large(), scope, receive, send)
+            return
+        body = await _read_body(receive, self.max_bytes)
+        if body is None:
+            await _drain(receive)
+            await _reply(self._too_large(), scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"request body exceeds the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it passes `limit` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks)  # disconnected: the app sees an empty or partial body
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _drain(receive: Receive) -> None:
+    dropped = 0
+    while dropped < DRAIN_LIMIT_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The buffered body once, then the real channel (so a disconnect is still seen)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _reply(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+    response: Any = error.response()
+    await response(scope, receive, send)

@@ -1,0 +1,302 @@
+"""The OpenAI API over the decode node's one request path.
+
+A request becomes one or more prompts (a batch is one engine request per prompt, its choices
+indexed), each prompt runs through `backend.generate` (the same async generator the gRPC
+Generate handler consumes), and the deltas come back as `Piece`s. Nothing here allocates engine
+resources itself: closing or cancelling a piece stream releases the request on both nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shared.engine.core import EngineCore
+from shared.engine.output import TokenDelta
+from shared.engine.request import FinishReason
+from shared.engine.sampling_params import SamplingParams
+from shared.model.chat_template import ChatTemplate, ChatTemplateError
+from shared.model.loader import LoadedModel
+from shared.serving.http.errors import ApiError
+from shared.serving.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+# OpenAI's defaults for what neither the request nor generation_config.json sets
+OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class RequestStats(Protocol):
+    prompt_len: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+class Backend(Protocol):
+    """What the HTTP API needs from the decode node."""
+
+    core: EngineCore
+
+    def generate(
+        self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
+    ) -> AsyncIterator[tuple[RequestStats, TokenDelta]]: ...
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> SamplingParams: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class HttpApiConfig:
+    served_model_name: str = ""  # "": the model's own name
+    api_key: str | None = None  # None: no authentication
+    chat_template: ChatTemplate | None = None  # overrides the model's own
+    max_request_bytes: int = 16 * 1024 * 1024
+    request_timeout: float | None = None  # seconds; None: no server-side deadline
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One delta of one choice, with the request's running usage."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def to_sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    defaults: dict[str, Any],
+    prompt_len: int,
+    context_limit: int,
+) -> SamplingParams:
+    """The one mapping from an OpenAI request to SamplingParams: request, else the model's
+    generation_config.json, else OpenAI's defaults. Engine-level ranges are checked later."""
+    unsupported = req.unsupported_fields()
+    if unsupported:
+        raise ApiError(
+            400,
+            f"not supported by pdserve yet: {', '.join(unsupported)}",
+            param=unsupported[0],
+            code="unsupported_parameter",
+        )
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        room = max(1, context_limit - prompt_len)
+        chat = isinstance(req, ChatCompletionRequest)
+        fallback = room if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = min(int(defaults.get("max_new_tokens") or fallback), room)
+
+    def pick(name: str) -> Any:
+        value = getattr(req, name)
+        if value is not None:
+            return value
+        return defaults.get(name, OPENAI_DEFAULTS[name])
+
+    top_k = int(pick("top_k"))
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(pick("temperature")),
+        top_p=float(pick("top_p")),
+        top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "off"
+        seed=req.seed,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def load_chat_template(path: str, loaded: LoadedModel) -> ChatTemplate:
+    """`--chat-template FILE`, with the model's BOS/EOS text as the template's variables."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    if loaded.chat_template is not None:
+        own = loaded.chat_template
+        return ChatTemplate(source, bos_token=own.bos_token, eos_token=own.eos_token)
+    tok = loaded.tokenizer
+    bos_ids = [] if tok.bos_token_id is None else [tok.bos_token_id]
+    bos = tok.decode(bos_ids, skip_special_tokens=False) if bos_ids else ""
+    eos_ids = sorted(tok.eos_token_ids)[:1]
+    eos = tok.decode(eos_ids, skip_special_tokens=False) if eos_ids else ""
+    return ChatTemplate(source, bos_token=bos, eos_token=eos)
+
+
+class OpenAIService:
+    def __init__(self, backend: Backend, config: HttpApiConfig) -> None:
+        self.backend = backend
+        self.config = config
+        loaded = backend.core.loaded
+        self.model_name = config.served_model_name or loaded.name
+        self.chat_template = config.chat_template or loaded.chat_template
+        self.defaults = dict(loaded.generation_defaults)
+        self.created = int(time.time())
+
+    @property
+    def tokenizer(self):
+        return self.backend.core.tokenizer
+
+    def models(self) -> ModelList:
+        card = ModelCard(
+            id=self.model_name,
+            created=self.created,
+            root=self.backend.core.loaded.name,
+            max_model_len=self.backend.core.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    # ---- prompts --------------------------------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if not prompt or isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+    def render_chat(self, req: ChatCompletionRequest) -> str:
+        if self.chat_template is None:
+            raise ApiError(
+                400,
+                f"model `{self.model_name}` has no chat template; use /v1/completions or start "
+                "the node with --chat-template FILE",
+                param="messages",
+                code="no_chat_template",
+            )
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            return self.chat_template.render(
+                messages, add_generation_prompt=req.add_generation_prompt
+            )
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        # the template already wrote BOS and the role markers: no second set of specials
+        return self.tokenizer.encode(self.render_chat(req), add_special_tokens=False)
+
+    def jobs(
+        self, req: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]]
+    ) -> list[Job]:
+        core = self.backend.core
+        # a default max_tokens must also fit this node's whole KV pool (validate_request)
+        pool_tokens = core.kv_manager.blocks.num_blocks * core.config.block_size
+        limit = min(core.max_model_len, pool_tokens)
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            params = to_sampling_params(req, self.defaults, len(prompt), limit)
+            jobs.append(Job(i, prompt, self.backend.validate(prompt, params)))
+        return jobs
+
+    # ---- generation -----------------------------------------------------------------------
+    def deadline(self, header: str | None) -> float | None:
+        timeouts = [t for t in (self.config.request_timeout, _seconds(header)) if t]
+        return time.monotonic() + min(timeouts) if timeouts else None
+
+    async def run(self, rid: str, job: Job, deadline: float | None) -> AsyncIterator[Piece]:
+        gen = self.backend.generate(f"{rid}-{job.index}", job.prompt, job.params, deadline)
+        async with contextlib.aclosing(gen):
+            async for stats, delta in gen:
+                if delta.finish_reason is FinishReason.ABORTED:
+                    raise ApiError(503, "the request was aborted: the node is shutting down")
+                finish = None if delta.finish_reason is None else delta.finish_reason.value
+                yield Piece(
+                    job.index,
+                    delta.text,
+                    finish,
+                    stats.prompt_len,
+                    stats.cached_tokens,
+                    stats.completion_tokens,
+                )
+
+    def pieces(self, rid: str, jobs: list[Job], deadline: float | None) -> AsyncIterator[Piece]:
+        streams = [self.run(rid, job, deadline) for job in jobs]
+        return streams[0] if len(streams) == 1 else merge(streams)
+
+
+def usage_of(last: dict[int, Piece]) -> Usage:
+    prompt = sum(p.prompt_tokens for p in last.values())
+    completion = sum(p.completion_tokens for p in last.values())
+    usage = Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+    usage.prompt_tokens_details.cached_tokens = sum(p.cached_tokens for p in last.values())
+    return usage
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _seconds(header: str | None) -> float | None:
+    if header is None:
+        return None
+    try:
+        value = float(header)
+    except ValueError:
+        raise ApiError(400, f"X-Request-Timeout must be seconds, got {header!r}") from None
+    if not value > 0:
+        raise ApiError(400, f"X-Request-Timeout must be positive, got {header!r}")
+    return value
+
+
+_END = object()
+
+
+async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """Interleave a batch's choices as they come; the first error ends them all."""
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Piece]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for piece in stream:
+                    queue.put_nowait(piece)
+            queue.put_nowait(_END)
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
