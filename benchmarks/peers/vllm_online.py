@@ -10,7 +10,6 @@ Systems: vLLM colocated on both cores; pdserve 1P+1D and vLLM 1P+1D with one cor
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import subprocess
 from collections.abc import Callable, Iterator
@@ -111,10 +110,6 @@ def _brief(row: dict[str, Any]) -> str:
         f"  ITL p99 {row.get('p99_itl_ms', 0):.0f} ms  goodput {row.get('request_goodput', 0):.2f}"
         f" req/s  out {row.get('output_throughput', 0):.1f} tok/s"
     )
-
-
-def has_pdserve_colocated() -> bool:
-    return importlib.util.find_spec("pdserve.colocated") is not None
 
 
 def plan(phases: list[str], cores: str) -> dict[str, tuple[Callable[..., Any], list[str]]]:
