@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers import vllm_offline, vllm_online, vllm_report, vllm_setup
+from benchmarks.peers import vllm_http, vllm_offline, vllm_online, vllm_report, vllm_setup
 from benchmarks.peers.vllm_servers import ServerConfig
 from benchmarks.support.util import environment, load_average, write_json
 
@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo", default="ttft:2000,tpot:100", help="goodput SLO (ms)")
     p.add_argument("--pd-lengths", default="16,128,512,1024,2048,4000")
     p.add_argument("--pd-repeats", type=int, default=3)
+    g = p.add_argument_group("interference (serve phase)")
+    g.add_argument("--decode-streams", type=int, default=4)
+    g.add_argument("--decode-output-len", type=int, default=128)
+    g.add_argument("--long-prompts", type=int, default=4)
+    g.add_argument("--long-input-len", type=int, default=2048)
     return p.parse_args(argv)
 
 
@@ -131,6 +136,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             slo=tuple(a.slo.split(",")),
             pd_lengths=tuple(int(n) for n in a.pd_lengths.split(",")),
             pd_repeats=a.pd_repeats,
+            interference=vllm_http.Interference(
+                decode_streams=a.decode_streams,
+                decode_output_len=a.decode_output_len,
+                long_prompts=a.long_prompts,
+                long_input_len=a.long_input_len,
+            ),
         )
         sessions = vllm_online.run_phases(online, cfg, a.cores, oc, model_vocab(model), work)
         result["serve"] = {
