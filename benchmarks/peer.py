@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64, help="engine requests per batch limit")
     p.add_argument(
         "--batch1-requests", type=int, default=16, help="engine requests at batch limit 1"
+    )
+    p.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY of every process of both systems ('' keeps the environment's): on"
+        " a shared machine, spinning OpenMP threads wait on preempted peers at every op",
     )
     p.add_argument("--model-dir", type=Path, default=None, help="HF dir (default: SmolLM2)")
     p.add_argument("--serve-dtype", default="bfloat16", help="serve and pd phases")
@@ -101,6 +108,8 @@ def quick(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    if a.omp_wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy  # children inherit (child_env)
     if a.quick:
         return quick(a)
     python = vllm_setup.ensure_venv()
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "quick": False,
         "model": str(model),
         "cores": a.cores,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "environment": environment(),
         "load_average": load_average(),
     }

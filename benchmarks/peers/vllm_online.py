@@ -57,7 +57,7 @@ def bench_serve(
         "--request-rate", str(rate), "--seed", str(oc.seed), "--ignore-eos",
         "--goodput", *oc.slo, "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out),
-        "--result-filename", name, "--disable-tqdm",
+        "--result-filename", name, "--disable-tqdm", "--save-detailed",
     ]  # fmt: skip
     env = child_env()
     env.pop("PYTHONPATH", None)
@@ -154,6 +154,7 @@ def run_phases(
             results[name] = session(
                 name, lambda f=factory: f(cfg, out), tasks, cfg, oc, vocab, out, bar
             )
+        (out / f"session-{name}.json").write_text(json.dumps(results[name], indent=1))
     bar.close()
     return results
 

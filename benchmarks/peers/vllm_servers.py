@@ -137,7 +137,9 @@ def pdserve_pd(
         bench_nodes.NodeSpec(
             "decode", "pdserve.cli",
             ["decode", *base, "--port", "0", "--http-port", "0", "--served-model-name",
-             MODEL_NAME, "--prefill", "{port:prefill}"],
+             MODEL_NAME, "--prefill", "{port:prefill}",
+             # a 4k prompt takes > 30 s to prefill on one busy core
+             "--kv-transfer-timeout", "600", "--prefill-timeout", "600"],
             decode_cores, threads,
         ),
     ]  # fmt: skip
