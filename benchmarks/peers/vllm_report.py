@@ -151,6 +151,17 @@ def _pd_table(ttft: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def goodput(saved: dict[str, Any], ttft_ms: float, tpot_ms: float) -> float:
+    """Requests/s that met TTFT <= ttft_ms and TPOT <= tpot_ms, from a `vllm bench serve
+    --save-detailed` result (its per-request `ttfts` and `itls`, seconds): the goodput at another
+    SLO than the one the run was given."""
+    good = 0
+    for ttft, itls in zip(saved["ttfts"], saved["itls"], strict=True):
+        tpot = sum(itls) / len(itls) if itls else 0.0
+        good += bool(ttft and ttft * 1000 <= ttft_ms and tpot * 1000 <= tpot_ms)
+    return good / saved["duration"]
+
+
 if __name__ == "__main__":
     import json
     import sys
