@@ -186,7 +186,7 @@ def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest]
 
     # -- state machine: every recorded move is allowed; seats only in GENERATION_IN_PROGRESS
     for r in tracked:
-        assert r.history[0][0] in (S.CONTEXT_INIT, S.DISAGG_GENERATION_INIT)
+        assert r.history[0][0] in (S.QUEUED, S.DISAGG_GENERATION_INIT)
         for (a, _), (b, _) in zip(r.history, r.history[1:], strict=False):
             assert b in ALLOWED_TRANSITIONS[a], f"{r.request_id}: {a.name} -> {b.name}"
         for state, seat in r.history:
@@ -315,7 +315,8 @@ class PdMachine(RuleBasedStateMachine):
         return f"r{self.n}"
 
     def _fits(self, core: EngineCore, prompt: list[int], max_tokens: int) -> bool:
-        return cdiv(len(prompt) + max_tokens - 1, self.bs) <= core.kv_manager.blocks.num_blocks
+        tokens = len(prompt) + (0 if core.context_only else max_tokens - 1)  # prefill: prompt only
+        return cdiv(tokens, self.bs) <= core.kv_manager.blocks.num_blocks
 
     def _in(self, core: EngineCore, *states: LlmRequestState) -> list[str]:
         return sorted(rid for rid, r in core.requests.items() if r.state in states)
@@ -411,7 +412,7 @@ class PdMachine(RuleBasedStateMachine):
             del self.dec_pins[rid]
         self.dec.fail_transfer(rid)
         assert rid not in self.dec.requests and request.finish_reason == FinishReason.ABORTED
-        if mid_transfer or request.history[-2][0] == S.CONTEXT_INIT:
+        if mid_transfer or request.history[-2][0] in (S.QUEUED, S.CONTEXT_INIT):
             assert request.state == S.DISAGG_TRANS_ERROR
         else:
             assert request.state == S.GENERATION_COMPLETE

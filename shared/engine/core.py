@@ -39,6 +39,7 @@ from shared.engine.resource_manager import (
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from shared.engine.transfer_admission import TransferAdmission
 from shared.engine.utils import cdiv
 from shared.model.attention import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
@@ -55,7 +56,12 @@ class RequestRejected(ValueError):
 
 
 class ResourcesExhausted(RuntimeError):
-    """The request is valid but cannot be admitted now (mapped to RESOURCE_EXHAUSTED)."""
+    """The request is valid but cannot be admitted now (mapped to RESOURCE_EXHAUSTED);
+    `retry_after_s` is a hint for the client (HTTP Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -107,12 +113,15 @@ class EngineCore:
         )
         self.sampler = Sampler(self.max_num_sequences, self.device)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_size, config.max_num_tokens),
+            SchedulerConfig(
+                config.max_batch_size, config.max_num_tokens, 0 if context_only else 1
+            ),
             self.kv_manager,
             self.seq_slot_manager,
             self.free_request_resources,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
+        self.admission = TransferAdmission()  # decode side: Generate requests waiting for blocks
         self.requests: dict[str, LlmRequest] = {}
         self.layer_hook_factory: LayerHookFactory | None = None
         self.num_steps = 0
@@ -156,11 +165,15 @@ class EngineCore:
                 f"({params.max_tokens}) = {total} exceeds the model's context of "
                 f"{self.max_model_len} tokens"
             )
-        need = cdiv(len(prompt_token_ids) + params.max_tokens - 1, self.config.block_size)
+        # never admissible: it could not finish even alone (a prefill node holds the prompt only)
+        tokens = len(prompt_token_ids) + (0 if self.context_only else params.max_tokens - 1)
+        need = cdiv(tokens, self.config.block_size)
         if need > self.kv_manager.blocks.num_blocks:
+            what = "prompt" if self.context_only else "prompt + sampling.max_tokens"
             raise RequestRejected(
-                f"request needs {need} KV blocks but this node's whole pool has "
-                f"{self.kv_manager.blocks.num_blocks}; shorten the prompt or max_tokens"
+                f"request needs {need} KV blocks for its {what} ({tokens} tokens) but this "
+                f"node's whole pool has {self.kv_manager.blocks.num_blocks}; it could never "
+                "be served here: shorten the prompt or max_tokens"
             )
 
     def new_request(
@@ -184,8 +197,8 @@ class EngineCore:
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
     ) -> LlmRequest:
-        request = self.new_request(prompt_token_ids, params, request_id)
-        self.scheduler.add_request(request)
+        request = self.new_request(prompt_token_ids, params, request_id, LlmRequestState.QUEUED)
+        self.scheduler.add_request(request)  # QUEUED there until its blocks are free
         return request
 
     # ---- one iteration --------------------------------------------------------------------
@@ -193,6 +206,7 @@ class EngineCore:
     def step(self) -> list[TokenDelta]:
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self.admit_queued()  # a preemption may have freed blocks
             return []
         batch = [s.request for s in out.scheduled]
         self.resource_manager.prepare_resources(batch)
@@ -209,11 +223,16 @@ class EngineCore:
             s.request.num_computed_tokens += s.num_new_tokens
         self.resource_manager.update_resources(batch)
         self.num_steps += 1
-        if not sample_rows:
-            return []
         to_sample = [batch[i] for i in sample_rows]
-        tokens = self.sampler.sample(to_sample, logits[sample_rows])
-        return [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
+        tokens = self.sampler.sample(to_sample, logits[sample_rows]) if sample_rows else []
+        deltas = [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
+        self.admit_queued()  # finished requests freed blocks
+        return deltas
+
+    def admit_queued(self) -> None:
+        """Admit what the freed blocks now allow from the decode-side queue (engine thread,
+        after every step and command: the only moments blocks free up)."""
+        self.admission.admit(self)
 
     def _entry(self, s: ScheduledRequest) -> SeqEntry:
         r = s.request
@@ -333,6 +352,7 @@ class EngineCore:
         state: LlmRequestState = LlmRequestState.GENERATION_COMPLETE,
     ) -> None:
         self.scheduler.remove(request)
+        self.admission.forget(request.request_id)
         self.kv_manager.unpin_request(request.request_id)
         self.free_request_resources(request)
         request.finish_reason = reason
