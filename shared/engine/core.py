@@ -113,9 +113,7 @@ class EngineCore:
         )
         self.sampler = Sampler(self.max_num_sequences, self.device)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_batch_size, config.max_num_tokens, 0 if context_only else 1
-            ),
+            SchedulerConfig(config.max_batch_size, config.max_num_tokens, 0 if context_only else 1),
             self.kv_manager,
             self.seq_slot_manager,
             self.free_request_resources,
