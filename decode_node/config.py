@@ -19,7 +19,10 @@ class DecodeNodeConfig:
     ucx_port: int = 0
     ucx_bind_host: str | None = None  # the KV listener binds here; None: ucx_host
     metrics_port: int = -1  # -1: no metrics endpoint, 0: an ephemeral port
-    max_inflight: int = 256  # admitted requests (any state) before RESOURCE_EXHAUSTED
+    max_inflight: int = 256  # requests past the admission queue at once (blocks reserved)
+    # requests waiting, holding nothing, for blocks or an inflight slot; past it
+    # RESOURCE_EXHAUSTED with a retry hint (0: refuse whatever cannot be admitted at once)
+    max_queued: int = 1024
     kv_transfer_timeout: float = 30.0  # from prefill dispatch to the last KV byte placed
     # after a transfer ends, how long a payload write still posted into its blocks (sender
     # stalled mid-message) may hold them before every KV endpoint is force-closed to end it
@@ -68,5 +71,7 @@ class DecodeNodeConfig:
                 tls.validate()
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.prefill_retries < 0:
             raise ValueError(f"prefill_retries must be >= 0, got {self.prefill_retries}")

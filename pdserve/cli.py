@@ -104,7 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds")
     dc.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds")
     dc.add_argument("--prefill-retries", type=int, default=1)
-    dc.add_argument("--max-inflight", type=int, default=256)
+    dc.add_argument(
+        "--max-inflight", type=int, default=256, help="requests holding KV blocks at once"
+    )
+    dc.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="requests waiting (holding nothing) for KV blocks; past it RESOURCE_EXHAUSTED",
+    )
     dc.add_argument("--health-check-interval", type=float, default=2.0, help="seconds")
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
     _server_tls_args(dc)
@@ -291,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 prefill_timeout=a.prefill_timeout,
                 prefill_retries=a.prefill_retries,
                 max_inflight=a.max_inflight,
+                max_queued=a.max_queued,
                 health_check_interval=a.health_check_interval,
                 layerwise=not a.whole_request_push,
                 tls=_server_tls(a),

@@ -53,6 +53,8 @@ def test_greedy_parity_lifecycle_and_chunked_prefill(checkpoint: Callable[..., P
 
 
 def check_decode_lifecycle(history: list[tuple[S, int | None]], single_token: bool) -> None:
+    assert history[0] == (S.QUEUED, None)  # admission: holds nothing until blocks are free
+    history = history[1:]
     states = [s for s, _ in history]
     head = [
         S.DISAGG_GENERATION_INIT,

@@ -222,6 +222,16 @@ class NodeMetrics:
         self.itl = r.histogram(
             "pdserve_inter_token_latency_seconds", "Time between streamed tokens", LATENCY_BUCKETS
         )
+        self.queue_seconds = r.histogram(
+            "pdserve_queue_seconds",
+            "Time a request waited, holding nothing, for KV blocks (admission queue)",
+            LATENCY_BUCKETS,
+        )
+        r.callback_counter(
+            "pdserve_preemptions_total",
+            "Requests preempted (full release, re-queued for recompute) when blocks ran out",
+            lambda: float(snapshot().preemptions),
+        )
         self.requests_total = r.counter(
             "pdserve_requests_total", "Finished requests by outcome", labelnames=("outcome",)
         )
