@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -17,12 +19,18 @@ from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.request import LlmRequestState as S
 from shared.engine.sampling_params import SamplingParams
-from tests.engine_helpers import random_max_tokens, random_prompts
+from tests.engine_helpers import random_max_tokens, random_prompts, single_torch_thread
 from tests.pd_harness import PdCluster, pd_cluster
 
 MODEL = "tiny"
 VOCAB = 256  # byte tokens only: clear of the tiny model's special ids
 POOL = EngineConfig(model=MODEL, num_kv_blocks=200, block_size=16)  # ~3,200 tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    with single_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +59,36 @@ async def burst(c: PdCluster, prompts, max_tokens, timeout: float = 120) -> list
         await channel.close()
 
 
-def test_burst_of_400_queues_and_every_request_is_exact(reference: LLM) -> None:
-    prompts = random_prompts(400, VOCAB, min_len=1, max_len=400, seed=170)
-    max_tokens = random_max_tokens(400, lo=1, hi=64, seed=171)
+# The issue's burst (prompts 1-400 tokens, max_tokens 1-64, a 200-block pool) costs minutes of
+# CPU on a shared 2-core box, so by default the same shape runs scaled down (400 requests, the
+# pool about 1/30 of their total demand, as in the issue); PDSERVE_FULL_BURST=1 runs the issue's.
+BURSTS = [
+    pytest.param(64, 8, 32, id="scaled"),
+    pytest.param(
+        400,
+        64,
+        200,
+        id="issue-17",
+        marks=pytest.mark.skipif(
+            not os.environ.get("PDSERVE_FULL_BURST"), reason="set PDSERVE_FULL_BURST=1"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("max_len", "max_new", "blocks"), BURSTS)
+def test_burst_of_400_queues_and_every_request_is_exact(
+    reference: LLM, max_len: int, max_new: int, blocks: int
+) -> None:
+    prompts = random_prompts(400, VOCAB, min_len=1, max_len=max_len, seed=170)
+    max_tokens = random_max_tokens(400, lo=1, hi=max_new, seed=171)
     want = expected(reference, prompts, max_tokens)
+    pool = replace(POOL, num_kv_blocks=blocks, max_batch_size=min(32, blocks))
 
     async def body() -> None:
         overrides = {"max_inflight": 64, "max_queued": 400}
         async with pd_cluster(
-            MODEL, prefill_engine=POOL, decode_engine=POOL, decode_overrides=overrides
+            MODEL, prefill_engine=pool, decode_engine=pool, decode_overrides=overrides
         ) as c:
             results = await burst(c, prompts, max_tokens)
             errors = [r for r in results if isinstance(r, BaseException)]
@@ -123,10 +152,17 @@ def test_max_queued_refuses_exactly_the_overflow(reference: LLM) -> None:
     asyncio.run(body())
 
 
-def long_request(c: PdCluster, n: int = 200):
-    return asyncio.ensure_future(
+async def long_request(c: PdCluster, n: int = 1500) -> asyncio.Future:
+    """Start a long request and return once it is decoding (it holds the one inflight slot)."""
+    task = asyncio.ensure_future(
         generate(c.targets[0], list(range(3, 40)), max_tokens=n, ignore_eos=True, timeout=120)
     )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not c.decodes[0].thread.snapshot.requests_by_state["GENERATION_IN_PROGRESS"]:
+        assert loop.time() < deadline, "the long request never started decoding"
+        await asyncio.sleep(0.005)
+    return task
 
 
 async def wait_queued(c: PdCluster, n: int) -> None:
@@ -143,15 +179,14 @@ ONE_AT_A_TIME = {"max_inflight": 1}
 def test_deadline_expires_in_the_queue(reference: LLM) -> None:
     async def body() -> None:
         async with pd_cluster(MODEL, decode_overrides=ONE_AT_A_TIME) as c:
-            first = long_request(c)
-            await asyncio.sleep(0.1)
+            first = await long_request(c)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(c.targets[0], [5, 6, 7], max_tokens=4, timeout=0.3)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert len((await first).token_ids) == 1500
             # it ended where it waited: straight out of the queue, never holding a block
             ended = [[st for st, _ in h] for _, h in c.decodes[0].core.recent_history]
             assert [S.QUEUED, S.GENERATION_COMPLETE] in ended
-            assert len((await first).token_ids) == 200
             await c.assert_idle_and_conserved()
 
     asyncio.run(body())
@@ -163,7 +198,7 @@ def test_cancel_in_the_queue_frees_nothing_and_leaves_it(reference: LLM) -> None
 
     async def body() -> None:
         async with pd_cluster(MODEL, decode_overrides=ONE_AT_A_TIME) as c:
-            first = long_request(c)
+            first = await long_request(c)
             stream = generate_stream(c.targets[0], [5, 6, 7], max_tokens=4, timeout=60)
             task = asyncio.ensure_future(stream.__anext__())
             await wait_queued(c, 1)
@@ -178,7 +213,7 @@ def test_cancel_in_the_queue_frees_nothing_and_leaves_it(reference: LLM) -> None
                 assert loop.time() < deadline, "cancelled request stayed queued"
                 await asyncio.sleep(0.005)
             assert c.decodes[0].thread.snapshot.blocks_in_use <= blocks
-            assert len((await first).token_ids) == 200
+            assert len((await first).token_ids) == 1500
             again = await generate(c.targets[0], prompt, max_tokens=6, timeout=60)
             assert again.token_ids == want
             await c.assert_idle_and_conserved()
@@ -192,7 +227,7 @@ def test_stop_answers_queued_requests_unavailable(reference: LLM) -> None:
 
     async def body() -> None:
         async with pd_cluster(MODEL, decode_overrides=ONE_AT_A_TIME) as c:
-            first = long_request(c, 60)
+            first = await long_request(c)
             queued = [
                 asyncio.ensure_future(generate(c.targets[0], [5, 6, 7 + i], max_tokens=4))
                 for i in range(3)
@@ -205,6 +240,6 @@ def test_stop_answers_queued_requests_unavailable(reference: LLM) -> None:
                     await q
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "still queued" in err.value.details()
-            assert len((await first).token_ids) == 60
+            assert len((await first).token_ids) == 1500
 
     asyncio.run(body())
