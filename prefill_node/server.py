@@ -185,7 +185,6 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         first_token = await pending.first_token
         state.completed = True
         stats = self._stats(pending, state, sent_bytes, messages, req)
-        self.metrics.queue_seconds.observe(stats.queue_seconds)
         return prefill_pb2.PrefillResponse(
             request_id=rid,
             first_token_id=first_token,

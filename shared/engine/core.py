@@ -200,11 +200,20 @@ class EngineCore:
         return request
 
     # ---- one iteration --------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[TokenDelta]:
+        deltas = self._step()
+        self.admit_queued()  # finished or preempted requests freed blocks
+        return deltas
+
+    def admit_queued(self) -> None:
+        """Admit what the freed blocks now allow from the decode-side queue (engine thread,
+        after every step and command: the only moments blocks free up)."""
+        self.admission.admit(self)
+
+    @torch.inference_mode()
+    def _step(self) -> list[TokenDelta]:
         out = self.scheduler.schedule()
         if not out.scheduled:
-            self.admit_queued()  # a preemption may have freed blocks
             return []
         batch = [s.request for s in out.scheduled]
         self.resource_manager.prepare_resources(batch)
@@ -221,16 +230,11 @@ class EngineCore:
             s.request.num_computed_tokens += s.num_new_tokens
         self.resource_manager.update_resources(batch)
         self.num_steps += 1
+        if not sample_rows:
+            return []
         to_sample = [batch[i] for i in sample_rows]
-        tokens = self.sampler.sample(to_sample, logits[sample_rows]) if sample_rows else []
-        deltas = [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
-        self.admit_queued()  # finished requests freed blocks
-        return deltas
-
-    def admit_queued(self) -> None:
-        """Admit what the freed blocks now allow from the decode-side queue (engine thread,
-        after every step and command: the only moments blocks free up)."""
-        self.admission.admit(self)
+        tokens = self.sampler.sample(to_sample, logits[sample_rows])
+        return [self._accept_token(r, t) for r, t in zip(to_sample, tokens, strict=True)]
 
     def _entry(self, s: ScheduledRequest) -> SeqEntry:
         r = s.request
