@@ -33,7 +33,7 @@ from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
-from shared.engine.transfer_admission import TransferGrant
+from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
 from shared.serving.grpc_server import (
     NodeMetrics,
     NodeServing,
@@ -357,6 +357,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
             ) from None
+        except AdmissionClosed as e:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"decode node: {e}") from None
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             grant = await asyncio.wait_for(asyncio.shield(stream.admission), timeout)

@@ -11,7 +11,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine.request import FinishReason, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.transfer_admission import TransferGrant
+from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
 
 S = LlmRequestState
 
@@ -157,5 +157,7 @@ def test_deadline_in_the_queue_and_drain() -> None:
     assert b.finish_reason == FinishReason.ABORTED and b.history[-2][0] == S.QUEUED
     assert core.admission.drain(core) == ["c"]
     assert "c" not in core.requests
+    with pytest.raises(AdmissionClosed):  # a request racing the shutdown is not queued
+        core.admission.enqueue(core, [5, 6], greedy(2), "late")
     core.abort("a")
     core.check_conservation()

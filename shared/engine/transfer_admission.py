@@ -27,6 +27,10 @@ S = LlmRequestState
 DEFAULT_MAX_QUEUED = 1024
 
 
+class AdmissionClosed(RuntimeError):
+    """The node is draining (shutting down): nothing new is queued (mapped to UNAVAILABLE)."""
+
+
 @dataclass
 class TransferGrant:
     """What an admitted request needs for its transfer: the blocks the prefill node fills and the
@@ -48,6 +52,7 @@ class TransferAdmission:
         self.max_admitted = max_admitted  # requests past the queue at once (--max-inflight)
         self.on_admission: AdmissionCallback | None = None
         self._grants: dict[str, TransferGrant] = {}  # admitted this round, not yet reported
+        self.closed = False  # set by drain: a request racing the shutdown is not queued
 
     def configure(self, max_queued: int, max_admitted: int | None) -> None:
         self.queue.max_queued = max_queued
@@ -69,6 +74,8 @@ class TransferAdmission:
         ResourcesExhausted (queue full, with `retry_after_s`)."""
         from shared.engine.core import ResourcesExhausted
 
+        if self.closed:
+            raise AdmissionClosed("node is shutting down: retry on another node")
         request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED)
         try:
             self.queue.push(request.request_id, request, time.monotonic(), deadline)
@@ -83,7 +90,9 @@ class TransferAdmission:
         self.queue.remove(request_id)
 
     def drain(self, core: EngineCore) -> list[str]:
-        """Shutting down: end every queued request (ABORTED); returns their ids."""
+        """Shutting down: end every queued request (ABORTED) and queue no more; returns their
+        ids."""
+        self.closed = True
         ids = self.queue.keys()
         for rid in ids:
             request = core.requests.get(rid)
