@@ -131,7 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-timeout", type=float, default=limits.PREFILL_TIMEOUT_S, help="seconds"
     )
     dc.add_argument("--prefill-retries", type=int, default=1)
-    dc.add_argument("--max-inflight", type=int, default=256)
+    dc.add_argument(
+        "--max-inflight", type=int, default=256, help="requests holding KV blocks at once"
+    )
+    dc.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="requests waiting (holding nothing) for KV blocks; past it RESOURCE_EXHAUSTED",
+    )
     dc.add_argument(
         "--health-check-interval",
         type=float,
@@ -371,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                 prefill_timeout=a.prefill_timeout,
                 prefill_retries=a.prefill_retries,
                 max_inflight=a.max_inflight,
+                max_queued=a.max_queued,
                 health_check_interval=a.health_check_interval,
                 layerwise=not a.whole_request_push,
                 tls=_server_tls(a),

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.support.inprocess import PdCluster, pd_cluster
 from shared.serving.tls import ServerTls
-from tests.pd_harness import PdCluster, pd_cluster
 
 MODEL = "tiny"
 _EVENT = re.compile(rb"data: ([^\n]*)\n\n")

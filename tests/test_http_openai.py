@@ -84,6 +84,7 @@ def model_dir(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path) -> Iterator[Cluster]:
     decode_args = ["--api-key", KEY, "--served-model-name", SERVED, "--max-inflight", "16"]
+    decode_args += ["--max-queued", "0"]  # the 17th concurrent request is refused, not queued
     decode_args += ["--chat-template", str(model_dir / "llama2.jinja")]
     c = Cluster(str(model_dir), 2, 1, 0, [], http_port=0, decode_extra=decode_args)
     try:

@@ -41,6 +41,7 @@ from shared.engine.resource_manager import (
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from shared.engine.transfer_admission import TransferAdmission
 from shared.engine.utils import cdiv
 from shared.model.attention import ForwardBatch, SeqEntry
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
@@ -58,7 +59,12 @@ class RequestRejected(ValueError):
 
 
 class ResourcesExhausted(RuntimeError):
-    """The request is valid but cannot be admitted now (mapped to RESOURCE_EXHAUSTED)."""
+    """The request is valid but cannot be admitted now (mapped to RESOURCE_EXHAUSTED);
+    `retry_after_s` is a hint for the client (HTTP Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -127,12 +133,13 @@ class EngineCore:
                 scratch_block=num_blocks,
             )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_size, config.max_num_tokens),
+            SchedulerConfig(config.max_batch_size, config.max_num_tokens, 0 if context_only else 1),
             self.kv_manager,
             self.seq_slot_manager,
             self.free_request_resources,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
+        self.admission = TransferAdmission()  # decode side: Generate requests waiting for blocks
         self.requests: dict[str, LlmRequest] = {}
         # n > 1: parent id -> its forks' ids, until every completion of the group has ended
         self.forks: dict[str, list[str]] = {}
@@ -178,17 +185,22 @@ class EngineCore:
                 f"({params.max_tokens}) = {total} exceeds the model's context of "
                 f"{self.max_model_len} tokens"
             )
-        need = cdiv(len(prompt_token_ids) + params.max_tokens - 1, self.config.block_size)
-        # n completions share only the prompt's full blocks
-        need += (params.n - 1) * (need - len(prompt_token_ids) // self.config.block_size)
-        if params.n > self.max_num_sequences and not self.context_only:
-            raise RequestRejected(
-                f"sampling.n ({params.n}) exceeds this node's {self.max_num_sequences} seats"
-            )
+        # never admissible: it could not finish even alone (a prefill node holds the prompt only)
+        tokens = len(prompt_token_ids) + (0 if self.context_only else params.max_tokens - 1)
+        need = cdiv(tokens, self.config.block_size)
+        if not self.context_only:
+            # n completions share only the prompt's full blocks
+            need += (params.n - 1) * (need - len(prompt_token_ids) // self.config.block_size)
+            if params.n > self.max_num_sequences:
+                raise RequestRejected(
+                    f"sampling.n ({params.n}) exceeds this node's {self.max_num_sequences} seats"
+                )
         if need > self.kv_manager.blocks.num_blocks:
+            what = "prompt" if self.context_only else "prompt + sampling.max_tokens"
             raise RequestRejected(
-                f"request needs {need} KV blocks but this node's whole pool has "
-                f"{self.kv_manager.blocks.num_blocks}; shorten the prompt or max_tokens"
+                f"request needs {need} KV blocks for its {what} ({tokens} tokens) but this "
+                f"node's whole pool has {self.kv_manager.blocks.num_blocks}; it could never "
+                "be served here: shorten the prompt or max_tokens"
             )
 
     def new_request(
@@ -212,13 +224,23 @@ class EngineCore:
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
     ) -> LlmRequest:
-        request = self.new_request(prompt_token_ids, params, request_id)
-        self.scheduler.add_request(request)
+        request = self.new_request(prompt_token_ids, params, request_id, LlmRequestState.QUEUED)
+        self.scheduler.add_request(request)  # QUEUED there until its blocks are free
         return request
 
     # ---- one iteration --------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[TokenDelta]:
+        deltas = self._step()
+        self.admit_queued()  # finished or preempted requests freed blocks
+        return deltas
+
+    def admit_queued(self) -> None:
+        """Admit what the freed blocks now allow from the decode-side queue (engine thread,
+        after every step and command: the only moments blocks free up)."""
+        self.admission.admit(self)
+
+    @torch.inference_mode()
+    def _step(self) -> list[TokenDelta]:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -446,6 +468,7 @@ class EngineCore:
         state: LlmRequestState = LlmRequestState.GENERATION_COMPLETE,
     ) -> None:
         self.scheduler.remove(request)
+        self.admission.forget(request.request_id)
         self.kv_manager.unpin_request(request.request_id)
         self.free_request_resources(request)
         request.finish_reason = reason
