@@ -8,6 +8,10 @@ import pytest
 
 # UCX must be configured before ucxx is imported anywhere in the test process
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# One intra-op thread per process (the test process and every node it starts inherit it): the
+# suite runs several torch processes at once on 2 cores, and their thread pools spinning against
+# each other made each op ~30x slower. Tests check behaviour, not speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
