@@ -246,6 +246,17 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(run, llm: LLM, model_dir:
                 assert entry[str(t)]["rank"] == rank and abs(entry[str(t)]["logprob"] - v) < TOL
         assert out["choices"][0]["text"] == want.text[: len(out["choices"][0]["text"])]
 
+        # n = 2: every choice echoes the prompt with its logprobs (computed once, on choice 0)
+        both = await _post(http, "/v1/completions", **{**fields, "n": 2, "temperature": 1.0})
+        for c in both["choices"]:
+            assert c["text"].startswith(text)
+            lps = c["logprobs"]
+            assert lps["tokens"][: len(prompt)] == choice["logprobs"]["tokens"][: len(prompt)]
+            head = lps["token_logprobs"][: len(prompt)]
+            echoed = choice["logprobs"]["token_logprobs"][1 : len(prompt)]
+            assert head[0] is None
+            assert all(abs(u - v) < TOL for u, v in zip(head[1:], echoed, strict=True))
+
     run(body)
 
 
