@@ -1,9 +1,10 @@
 """The OpenAI API over the decode node's one request path.
 
-A request becomes one or more prompts (a batch is one engine request per prompt, its choices
-indexed), each prompt runs through `backend.generate` (the same async generator the gRPC
-Generate handler consumes), and the deltas come back as `Piece`s. Nothing here allocates engine
-resources itself: closing or cancelling a piece stream releases the request on both nodes.
+A request becomes one or more prompts (a batch is one engine request per prompt, each with its
+n completions; choice i * n + j is prompt i's completion j), each prompt runs through
+`backend.generate` (the same async generator the gRPC Generate handler consumes), and the deltas
+come back as `Piece`s. Nothing here allocates engine resources itself: closing or cancelling a
+piece stream releases the request, all n completions, on both nodes.
 """
 
 from __future__ import annotations
