@@ -188,7 +188,7 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
             with pytest.raises(openai.NotFoundError):
                 await client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
             with pytest.raises(openai.BadRequestError, match="logprobs"):
-                await client.completions.create(model=SERVED, prompt="x", logprobs=2)
+                await client.completions.create(model=SERVED, prompt="x", logprobs=21)
             with pytest.raises(openai.BadRequestError, match="max_tokens"):
                 await client.completions.create(model=SERVED, prompt="x", max_tokens=10**7)
             with pytest.raises(openai.BadRequestError, match="alternate"):
