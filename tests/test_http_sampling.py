@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.support.inprocess import PdCluster, pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM
@@ -25,11 +26,6 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
-
-try:
-    from benchmarks.support.inprocess import PdCluster, pd_cluster
-except ImportError:  # a branch from before the harness moved out of tests/
-    from tests.pd_harness import PdCluster, pd_cluster  # type: ignore[no-redef]
 from tests.sampling_reference import hf_log_softmax, pd_generate
 
 CHATML = (
