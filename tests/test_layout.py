@@ -68,3 +68,23 @@ def test_node_packages_meet_only_through_proto_and_transfer(package: str, other:
 @pytest.mark.parametrize("package", ["pdserve", "benchmarks", "decode_node", "prefill_node"])
 def test_nothing_shipped_imports_the_tests(package: str) -> None:
     assert violations(package, ("tests",)) == []
+
+
+BOOKKEEPING = [
+    "shared.engine.block_manager",
+    "shared.engine.resource_manager",
+    "shared.engine.request",
+    "shared.engine.admission_queue",
+    "shared.engine.cuda_graph_padding",
+]
+
+
+@pytest.mark.parametrize("module", BOOKKEEPING)
+def test_bookkeeping_imports_no_torch(module: str) -> None:
+    """Blocks, seats, requests and queues are pure bookkeeping: importing one loads no torch."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False)
+    assert done.returncode == 0, f"importing {module} imports torch"
