@@ -90,7 +90,7 @@ def _smollm2_dir() -> Path | None:
     if not (folder / SMOLLM2_GGUF).exists():
         return None
     out = CACHE / "smollm2-135m-instruct"
-    if (out / "model.safetensors").exists():
+    if (out / "config.json").exists():  # written last: the directory is complete
         return out
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,12 +98,13 @@ def _smollm2_dir() -> Path | None:
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     out.mkdir(parents=True, exist_ok=True)
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config))
     tokenizer.save_pretrained(out)
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(out / "model.safetensors"))
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf).__name__]
+    (out / "config.json").write_text(json.dumps(config))
     return out
 
 
