@@ -289,24 +289,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     started, load_before = time.time(), [round(x, 2) for x in os.getloadavg()]
-    bw = {}
+    bw: dict[int, dict[str, float]] = {}
     for threads in a.threads:
         torch.set_num_threads(threads)
         bw[threads] = {"threads": threads, **bandwidth(a.bandwidth_mib * 2**20, a.reps)}
         print(f"read bandwidth, {threads} thread(s): {bw[threads]['read_gbps']:.1f} GB/s")
     points = len(a.models) * len(a.dtypes) * len(a.threads) * (len(a.lengths) + len(a.batches))
-    runs = []
+    runs: list[dict[str, Any]] = []
     with tqdm(total=points, desc="roofline", unit="pt") as bar:
         for model in a.models:
             for dtype in a.dtypes:
                 runs.append(measure_run(model, dtype, a, {t: bw[t]["read_gbps"] for t in bw}, bar))
                 _report(runs[-1])
+                # a long run keeps what it has measured if it is stopped later
+                write_json(a.out / "roofline.partial.json", {"runs": runs, "bandwidth": bw})
+    result = _result(a, runs, bw, started, load_before)
+    write_json(a.out / "roofline.json", result)
+    (a.out / "roofline.partial.json").unlink(missing_ok=True)
+    roofline_plot(a.out / "roofline.png", runs, bw[a.threads[0]]["read_gbps"])
+    return result
+
+
+def _result(
+    a: argparse.Namespace,
+    runs: list[dict[str, Any]],
+    bw: dict[int, dict[str, float]],
+    started: float,
+    load_before: list[float],
+) -> dict[str, Any]:
     greedy = {}
     for model in a.models:
         by_dtype = {r["dtype"]: r.pop("greedy", None) for r in runs if r["model"] == model}
         if by_dtype.get("fp32") and by_dtype.get("bf16"):
             greedy[model] = agreement(by_dtype["fp32"], by_dtype["bf16"])
-    result = {
+    return {
         "benchmark": "roofline",
         "quick": a.quick,
         "environment": environment(),
@@ -317,9 +333,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bf16_vs_fp32_greedy": greedy,
         "targets": targets(runs),
     }
-    write_json(a.out / "roofline.json", result)
-    roofline_plot(a.out / "roofline.png", runs, bw[a.threads[0]]["read_gbps"])
-    return result
 
 
 def _report(run: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from benchmarks.roofline_parts import linear_params, linear_shapes
 from shared.model.loader import tiny_config
 
 OP_KEYS = {"op", "self_ms", "share", "calls"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
 
 
 def test_roofline_quick(tmp_path: Path) -> None:
@@ -39,7 +40,7 @@ def test_roofline_quick(tmp_path: Path) -> None:
         for step in ("prefill", "decode"):
             ops = run["profile"][step]["top_ops"]
             assert ops and all(set(o) == OP_KEYS for o in ops)
-            assert any(o["op"] in ("aten::mm", "aten::addmm") for o in ops)  # the GEMMs show up
+            assert any(o["op"] in GEMM_OPS for o in ops)  # the GEMMs show up
     greedy = on_disk["bf16_vs_fp32_greedy"]["tiny"]
     assert greedy["prompts"] == 2 and greedy["tokens_per_prompt"] == 8
     assert 0.0 <= greedy["share_identical"] <= 1.0 and len(greedy["first_divergence"]) == 2
