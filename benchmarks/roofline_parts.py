@@ -204,7 +204,8 @@ def roofline_plot(path: Path, runs: list[dict[str, Any]], read_gbps: float) -> N
         for run in (r for r in runs if r["model"] == model):
             color, dt = colors[run["dtype"]], run["dtype"]
             peak = max(m["gflops"] for m in run["matmul_ceiling"] if m["threads"] == 1)
-            xs = [0.5 * 1.25**i for i in range(60)]
+            top = 2 * max(x["intensity"] for x in run["prefill"] + run["decode"])
+            xs = [0.5 * 1.25**i for i in range(80) if 0.5 * 1.25**i <= top]
             ax.plot(xs, [min(peak, read_gbps * x) for x in xs], color=color, label=f"{dt} ceiling")
             pre = [p for p in run["prefill"] if p["threads"] == 1]
             ax.scatter(
