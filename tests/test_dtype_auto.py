@@ -22,8 +22,12 @@ def no_override(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pytest.skip("no x86 flags line in /proc/cpuinfo")
+    return set(line.split(":", 1)[1].split())
 
 
 def test_auto_follows_the_cpu_flags(no_override: None, caplog: pytest.LogCaptureFixture) -> None:
