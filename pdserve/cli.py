@@ -31,7 +31,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=0)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on CUDA and on CPUs with AMX / AVX-512 BF16, else float32), float32, "
+        "bfloat16 or float16",
+    )
     g.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
@@ -156,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
 
-    bench = sub.add_parser("bench", help="benchmarks: transfer, serve, ttft, engine")
-    bench.add_argument("name", choices=["transfer", "serve", "ttft", "engine"])
+    bench = sub.add_parser("bench", help="benchmarks: transfer, serve, ttft, engine, roofline")
+    bench.add_argument("name", choices=["transfer", "serve", "ttft", "engine", "roofline"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
 
     gen = sub.add_parser("generate", help="stream a completion from a decode node")
@@ -319,6 +324,7 @@ BENCHMARKS = {
     "serve": "benchmarks.serve",
     "ttft": "benchmarks.ttft",
     "engine": "benchmarks.engine",
+    "roofline": "benchmarks.roofline",
 }
 
 
