@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 import time
+from typing import Any, TypeVar
 
 from decode_node.config import DecodeNodeConfig
 from pdserve.cli_args import _engine_args as _engine_args  # re-export: benchmarks/peers
@@ -16,7 +18,9 @@ from shared.engine.config import EngineConfig
 from shared.engine.sampling_params import SamplingParams
 from shared.serving.tls import ClientTls, ServerTls
 
-__all__ = ["BENCHMARKS", "build_parser", "main", "run_prompt"]
+__all__ = ["BENCHMARKS", "build_parser", "from_args", "main", "run_prompt"]
+
+T = TypeVar("T")
 
 
 def _server_tls(a: argparse.Namespace) -> ServerTls | None:
@@ -25,19 +29,19 @@ def _server_tls(a: argparse.Namespace) -> ServerTls | None:
     return ServerTls(a.tls_cert, a.tls_key, a.tls_client_ca)
 
 
+def from_args(cls: type[T], a: argparse.Namespace, **overrides: Any) -> T:
+    """A config dataclass from the flags named after its fields, plus `overrides` for the
+    rest: each flag is mapped once, where it is declared (`cli_args`)."""
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if hasattr(a, f.name)}
+    return cls(**{**given, **overrides})
+
+
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model,
-        block_size=a.block_size,
-        num_kv_blocks=a.num_kv_blocks,
+    return from_args(
+        EngineConfig,
+        a,
         kv_cache_memory_mb=a.kv_cache_mb,
-        max_batch_size=a.max_batch_size,
-        max_num_tokens=a.max_num_tokens,
-        max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching,
-        device=a.device,
-        dtype=a.dtype,
-        cuda_graphs=a.cuda_graphs,
     )
 
 
@@ -102,15 +106,7 @@ def run_prompt(model: str, text: str) -> str | list[int]:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     tls = ClientTls(a.tls_ca, a.tls_cert, a.tls_key) if a.tls_ca else None
-    params = SamplingParams(
-        max_tokens=a.max_tokens,
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        seed=a.seed,
-        stop=tuple(a.stop),
-        ignore_eos=a.ignore_eos,
-    )
+    params = from_args(SamplingParams, a, stop=tuple(a.stop))
     return _stream_to_stdout(a.target, a.prompt, params, timeout=a.timeout, tls=tls)
 
 
@@ -197,47 +193,26 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     from pdserve.nodes import run_prefill
 
     return run_prefill(
-        PrefillNodeConfig(
-            engine=_engine_config(a),
-            host=a.host,
-            port=a.port,
-            metrics_port=a.metrics_port,
-            tls=_server_tls(a),
-        )
+        from_args(PrefillNodeConfig, a, engine=_engine_config(a), tls=_server_tls(a))
     )
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
     from pdserve.nodes import run_decode
 
+    prefill_tls = None
+    if a.prefill_tls_ca:
+        prefill_tls = ClientTls(a.prefill_tls_ca, a.prefill_tls_cert, a.prefill_tls_key)
     return run_decode(
-        DecodeNodeConfig(
+        from_args(
+            DecodeNodeConfig,
+            a,
             engine=_engine_config(a),
             prefill_targets=tuple(t.strip() for t in a.prefill.split(",") if t.strip()),
-            host=a.host,
-            port=a.port,
-            ucx_host=a.ucx_host,
-            ucx_port=a.ucx_port,
             ucx_bind_host=a.ucx_bind,
-            metrics_port=a.metrics_port,
-            http_port=a.http_port,
-            served_model_name=a.served_model_name,
-            api_key=a.api_key,
-            chat_template=a.chat_template,
-            max_request_bytes=a.max_request_bytes,
-            kv_transfer_timeout=a.kv_transfer_timeout,
-            prefill_timeout=a.prefill_timeout,
-            prefill_retries=a.prefill_retries,
-            max_inflight=a.max_inflight,
-            max_queued=a.max_queued,
-            health_check_interval=a.health_check_interval,
             layerwise=not a.whole_request_push,
             tls=_server_tls(a),
-            prefill_tls=(
-                ClientTls(a.prefill_tls_ca, a.prefill_tls_cert, a.prefill_tls_key)
-                if a.prefill_tls_ca
-                else None
-            ),
+            prefill_tls=prefill_tls,
         )
     )
 
