@@ -29,6 +29,12 @@ def _server_tls(a: argparse.Namespace) -> ServerTls | None:
     return ServerTls(a.tls_cert, a.tls_key, a.tls_client_ca)
 
 
+def client_tls(a: argparse.Namespace, prefix: str) -> ClientTls | None:
+    """From `cli_args.client_tls_args`' flags; None (plaintext) without a CA."""
+    ca, cert, key = (getattr(a, f"{prefix}tls_{part}") for part in ("ca", "cert", "key"))
+    return ClientTls(ca, cert, key) if ca else None
+
+
 def from_args(cls: type[T], a: argparse.Namespace, **overrides: Any) -> T:
     """A config dataclass from the flags named after its fields, plus `overrides` for the
     rest: each flag is mapped once, where it is declared (`cli_args`)."""
@@ -105,7 +111,7 @@ def run_prompt(model: str, text: str) -> str | list[int]:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    tls = ClientTls(a.tls_ca, a.tls_cert, a.tls_key) if a.tls_ca else None
+    tls = client_tls(a, "")
     params = from_args(SamplingParams, a, stop=tuple(a.stop))
     return _stream_to_stdout(a.target, a.prompt, params, timeout=a.timeout, tls=tls)
 
@@ -200,9 +206,6 @@ def cmd_prefill(a: argparse.Namespace) -> int:
 def cmd_decode(a: argparse.Namespace) -> int:
     from pdserve.nodes import run_decode
 
-    prefill_tls = None
-    if a.prefill_tls_ca:
-        prefill_tls = ClientTls(a.prefill_tls_ca, a.prefill_tls_cert, a.prefill_tls_key)
     return run_decode(
         from_args(
             DecodeNodeConfig,
@@ -212,7 +215,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             ucx_bind_host=a.ucx_bind,
             layerwise=not a.whole_request_push,
             tls=_server_tls(a),
-            prefill_tls=prefill_tls,
+            prefill_tls=client_tls(a, "prefill_"),
         )
     )
 

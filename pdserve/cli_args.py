@@ -102,9 +102,7 @@ def _add_decode(sub: argparse._SubParsersAction) -> None:
     _decode_limit_args(dc)
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
     _server_tls_args(dc)
-    dc.add_argument("--prefill-tls-ca", default="", help="CA that signed the prefill nodes' certs")
-    dc.add_argument("--prefill-tls-cert", default="", help="client cert for mutual TLS")
-    dc.add_argument("--prefill-tls-key", default="", help="client key for mutual TLS")
+    client_tls_args(dc, "prefill-", "CA that signed the prefill nodes' certs")
 
 
 def _ucx_args(p: argparse.ArgumentParser) -> None:
@@ -171,9 +169,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=120.0)
-    gen.add_argument("--tls-ca", default="", help="verify the server with this CA (enables TLS)")
-    gen.add_argument("--tls-cert", default="", help="client certificate (mutual TLS)")
-    gen.add_argument("--tls-key", default="", help="client key (mutual TLS)")
+    client_tls_args(gen, "", "verify the server with this CA (enables TLS)")
+
+
+def client_tls_args(p: argparse.ArgumentParser, prefix: str, ca_help: str) -> None:
+    """--{prefix}tls-ca/-cert/-key: how this process, as a gRPC client, verifies and proves."""
+    p.add_argument(f"--{prefix}tls-ca", default="", help=ca_help)
+    p.add_argument(f"--{prefix}tls-cert", default="", help="client certificate (mutual TLS)")
+    p.add_argument(f"--{prefix}tls-key", default="", help="client key (mutual TLS)")
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:
