@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import environment, write_json
 from benchmarks.roofline_parts import (
     DTYPES,
     bandwidth,
@@ -36,6 +35,7 @@ from benchmarks.roofline_parts import (
     top_ops,
     weight_bytes_per_step,
 )
+from benchmarks.support.util import environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
 from shared.engine.llm import LLM
@@ -125,8 +125,6 @@ def measure_run(
     c, name = loaded.config, {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     lengths = [t for t in a.lengths if t < c.max_context_len]
     params, weights = linear_params(c), weight_bytes_per_step(loaded)
-    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * elem
     run: dict[str, Any] = {
         "model": model,
         "dtype": dtype,
@@ -141,47 +139,8 @@ def measure_run(
     blocks = max(max(lengths), max(a.batches) * (DECODE_CONTEXT + DECODE_STEPS + 16)) // 16 + 64
     for threads in a.threads:
         torch.set_num_threads(threads)
-        prefill = _core(loaded, name, 1, max(lengths), blocks)
-        for tokens in lengths:
-            bar.set_postfix_str(f"{model} {dtype} {threads}t prefill {tokens}")
-            ceiling = matmul_ceiling(c, DTYPES[dtype], tokens, a.reps)
-            run["matmul_ceiling"].append({"threads": threads, **ceiling})
-            seconds = min(prefill_seconds(prefill, tokens, a.prefill_reps))
-            gflops = 2.0 * params * tokens / seconds / 1e9
-            run["prefill"].append(
-                {
-                    "tokens": tokens,
-                    "threads": threads,
-                    "seconds": seconds,
-                    "tokens_per_s": tokens / seconds,
-                    "effective_gflops": gflops,
-                    "ceiling_gflops": ceiling["gflops"],
-                    "ratio": gflops / ceiling["gflops"],
-                    "intensity": 2.0 * tokens / elem,
-                }
-            )
-            bar.update()
-        del prefill
-        decode = _core(loaded, name, max(a.batches), 4096, blocks)
-        for batch in a.batches:
-            bar.set_postfix_str(f"{model} {dtype} {threads}t decode {batch}")
-            step = _median(decode_step_seconds(decode, batch, DECODE_STEPS))
-            kv_bytes = batch * (DECODE_CONTEXT + DECODE_STEPS // 2) * kv_per_token
-            run["decode"].append(
-                {
-                    "batch": batch,
-                    "threads": threads,
-                    "step_ms": step * 1e3,
-                    "output_tokens_per_s": batch / step,
-                    "weight_gbps": weights / step / 1e9,
-                    "weight_and_kv_gbps": (weights + kv_bytes) / step / 1e9,
-                    "bandwidth_ratio": weights / step / 1e9 / read_gbps[threads],
-                    "effective_gflops": 2.0 * weights / elem * batch / step / 1e9,
-                    "intensity": 2.0 * batch / elem,
-                }
-            )
-            bar.update()
-        del decode
+        _measure_prefill(run, loaded, dtype, threads, lengths, blocks, a, bar)
+        _measure_decode(run, loaded, dtype, threads, blocks, read_gbps, a, bar)
     torch.set_num_threads(a.threads[0])
     run["profile"] = profile_steps(loaded, name, max(lengths), 8, blocks)
     if a.agreement_tokens:
@@ -189,6 +148,80 @@ def measure_run(
     del loaded
     gc.collect()
     return run
+
+
+def _measure_prefill(
+    run: dict[str, Any],
+    loaded: LoadedModel,
+    dtype: str,
+    threads: int,
+    lengths: list[int],
+    blocks: int,
+    a: argparse.Namespace,
+    bar: tqdm,
+) -> None:
+    """Prefill tokens/s at each length against the bare-matmul ceiling of the same shapes."""
+    c, model, name = loaded.config, run["model"], {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    params = run["linear_params"]
+    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    prefill = _core(loaded, name, 1, max(lengths), blocks)
+    for tokens in lengths:
+        bar.set_postfix_str(f"{model} {dtype} {threads}t prefill {tokens}")
+        ceiling = matmul_ceiling(c, DTYPES[dtype], tokens, a.reps)
+        run["matmul_ceiling"].append({"threads": threads, **ceiling})
+        seconds = min(prefill_seconds(prefill, tokens, a.prefill_reps))
+        gflops = 2.0 * params * tokens / seconds / 1e9
+        run["prefill"].append(
+            {
+                "tokens": tokens,
+                "threads": threads,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "effective_gflops": gflops,
+                "ceiling_gflops": ceiling["gflops"],
+                "ratio": gflops / ceiling["gflops"],
+                "intensity": 2.0 * tokens / elem,
+            }
+        )
+        bar.update()
+    del prefill
+
+
+def _measure_decode(
+    run: dict[str, Any],
+    loaded: LoadedModel,
+    dtype: str,
+    threads: int,
+    blocks: int,
+    read_gbps: dict[int, float],
+    a: argparse.Namespace,
+    bar: tqdm,
+) -> None:
+    """Decode step time at each batch against the measured read bandwidth."""
+    c, model, name = loaded.config, run["model"], {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    weights = run["weight_bytes_per_decode_step"]
+    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * elem
+    decode = _core(loaded, name, max(a.batches), 4096, blocks)
+    for batch in a.batches:
+        bar.set_postfix_str(f"{model} {dtype} {threads}t decode {batch}")
+        step = _median(decode_step_seconds(decode, batch, DECODE_STEPS))
+        kv_bytes = batch * (DECODE_CONTEXT + DECODE_STEPS // 2) * kv_per_token
+        run["decode"].append(
+            {
+                "batch": batch,
+                "threads": threads,
+                "step_ms": step * 1e3,
+                "output_tokens_per_s": batch / step,
+                "weight_gbps": weights / step / 1e9,
+                "weight_and_kv_gbps": (weights + kv_bytes) / step / 1e9,
+                "bandwidth_ratio": weights / step / 1e9 / read_gbps[threads],
+                "effective_gflops": 2.0 * weights / elem * batch / step / 1e9,
+                "intensity": 2.0 * batch / elem,
+            }
+        )
+        bar.update()
+    del decode
 
 
 def profile_steps(

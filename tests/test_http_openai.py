@@ -65,7 +65,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.checkpoints import BOS_TOKEN, EOS_TOKEN, cached_checkpoint
+    from benchmarks.support.checkpoints import BOS_TOKEN, EOS_TOKEN, cached_checkpoint
 
     src = cached_checkpoint(checkpoint_root, "llama")
     path = tmp_path_factory.mktemp("chat") / "llama-chat"

@@ -39,7 +39,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.checkpoints import BOS_TOKEN, EOS_TOKEN
+    from benchmarks.support.checkpoints import BOS_TOKEN, EOS_TOKEN
 
     path = tmp_path_factory.mktemp("sampling") / "llama-chat"
     shutil.copytree(checkpoint("llama"), path)
