@@ -19,7 +19,7 @@ from shared.engine.cuda_graph_padding import (
 )
 from shared.engine.resource_manager import DUMMY_REQUEST_ID
 from shared.engine.utils import cdiv
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 
 BLOCK = 4
 SEATS = 16  # max_num_sequences: the scratch row is 16

@@ -23,7 +23,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import allocate_kv_pool
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from shared.model.loader import LoadedModel, load_model
 

@@ -15,7 +15,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import allocate_kv_pool
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.gguf_loader import unpermute_rope_rows
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts

@@ -99,7 +99,6 @@ SIZE_ALLOW = {
     "decode_node/server.py",
     "pdserve/proxy.py",
     "pdserve/proxy.py:forward",
-    "shared/model/attention.py",
 }
 NOT_SOURCE = ("tests", "proto/pdserve/v1", "docker/wheelhouse")  # tests and generated stubs
 

@@ -44,7 +44,7 @@ from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.utils import cdiv
-from shared.model.attention import ForwardBatch
+from shared.model.forward_batch import ForwardBatch
 from shared.model.loader import LoadedModel, tiny_config
 from shared.model.tokenizer import ByteTokenizer
 

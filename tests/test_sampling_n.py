@@ -19,7 +19,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from shared.serving.wire import sampling_to_proto
 from tests.engine_helpers import hf_greedy, random_prompts

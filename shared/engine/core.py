@@ -45,8 +45,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from shared.engine.transfer_admission import TransferAdmission
 from shared.engine.transfer_role import TransferRole
-from shared.model.attention import ForwardBatch, SeqEntry
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
 
 __all__ = ["EngineCore", "RequestOutput", "RequestRejected", "ResourcesExhausted"]

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.attention import ForwardBatch, GatherScratch, paged_attention
+from shared.model.attention import GatherScratch, paged_attention
 from shared.model.config import ModelConfig, RopeScaling
+from shared.model.forward_batch import ForwardBatch
 from shared.model.gemm import PackedGemm
 
 LayerHook = Callable[[int], None]
