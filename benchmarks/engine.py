@@ -53,11 +53,16 @@ def workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int
 
 
 def run_pdserve(path: Path, prompts: list[list[int]], outputs: list[int], batch: int) -> float:
+    # fp32 like the transformers baseline (`--dtype auto` is bf16 on AMX CPUs)
     engine = LLM(
         EngineConfig(
-            model=str(path), num_kv_blocks=4096, max_batch_size=batch, max_num_tokens=1024
+            model=str(path),
+            num_kv_blocks=4096,
+            max_batch_size=batch,
+            max_num_tokens=1024,
+            dtype="float32",
         ),
-        load_model(str(path)),
+        load_model(str(path), dtype=torch.float32),
     )
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in outputs]
     start = time.perf_counter()

@@ -322,6 +322,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="grpc",
         help="grpc, openai, or both (e.g. grpc,openai): P/D's load through each, same workload",
     )
+    p.add_argument(
+        "--sweep", default="", metavar="RATES", help="request-rate sweep, e.g. 4,8,16,inf"
+    )
+    p.add_argument("--max-queued", type=int, default=100, help="decode node queue (--sweep)")
     g = p.add_argument_group("interference experiment")
     g.add_argument("--no-interference", action="store_true")
     g.add_argument("--decode-streams", type=int, default=None)
@@ -362,6 +366,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     exit_on_sigterm()
     slos = parse_goodput(a.goodput)
     model = resolve(a.model, a.out / "models")
+    if a.sweep:  # past saturation: benchmarks/serve_sweep.py
+        from benchmarks import serve_sweep
+
+        return serve_sweep.main(a, model, slos)
     load_at_start = load_average()
     results: dict[str, Any] = {}
     bar = tqdm(a.setups, desc="serve", unit="setup")

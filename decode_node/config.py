@@ -37,7 +37,10 @@ class DecodeNodeConfig:
     api_key: str | None = None  # HTTP bearer token; None: no authentication
     chat_template: str | None = None  # a Jinja file overriding the model's own chat template
     max_request_bytes: int = 16 * 1024 * 1024  # HTTP request bodies over this get 413
-    max_inflight: int = 256  # admitted requests (any state) before RESOURCE_EXHAUSTED
+    max_inflight: int = 256  # requests past the admission queue at once (blocks reserved)
+    # requests waiting, holding nothing, for blocks or an inflight slot; past it
+    # RESOURCE_EXHAUSTED with a retry hint (0: refuse whatever cannot be admitted at once)
+    max_queued: int = 1024
     kv_transfer_timeout: float = (
         KV_TRANSFER_TIMEOUT_S  # from prefill dispatch to the last KV byte placed
     )
@@ -112,5 +115,7 @@ class DecodeNodeConfig:
                 tls.validate()
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.prefill_retries < 0:
             raise ValueError(f"prefill_retries must be >= 0, got {self.prefill_retries}")

@@ -1,6 +1,8 @@
 """The decode node: the public front door.
 
-A `Generate` call is admitted in DISAGG_GENERATION_INIT (KV blocks reserved and pinned, no seat),
+A `Generate` call waits QUEUED (holding nothing) in the engine's admission queue until the blocks
+for its prompt and first token are free (FIFO, bounded by max_queued, its own deadline kept),
+then is admitted in DISAGG_GENERATION_INIT (KV blocks reserved and pinned, no seat),
 dispatched to the least-loaded healthy prefill node with the destination of those blocks
 (DISAGG_GENERATION_TRANS_IN_PROGRESS), and once every layer of every block has landed it becomes
 DISAGG_GENERATION_TRANS_COMPLETE: the first token (sampled by the prefill node) is streamed at once
@@ -29,9 +31,10 @@ from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason, LlmRequest
+from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
+from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
 from shared.serving.grpc_server import (
     GenerateError,
     NodeMetrics,
@@ -79,6 +82,10 @@ class _Stream:
     peer: PrefillPeer | None = None
     prefill_done: bool = False
     admitted_at: float = field(default_factory=time.monotonic)
+    # set by the engine thread's admission callback: a grant, None (deadline passed in the
+    # queue) or an exception (drained at shutdown)
+    admission: asyncio.Future[TransferGrant | None] | None = None
+    admission_wait: float = 0.0  # seconds QUEUED on this node
     queue_seconds: float = 0.0
     prefill_seconds: float = 0.0
     kv_transfer_seconds: float = 0.0
@@ -109,6 +116,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         config.validate()
         self.config = config
         self.core = core or EngineCore(config.engine)
+        self.core.admission.configure(config.max_queued, config.max_inflight)
         self.layout_info = layout_info(self.core.layout)
         self.streams: dict[str, _Stream] = {}
         self.thread: EngineThread | None = None
@@ -169,6 +177,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(self.core, loop, self._on_deltas, name="decode-engine")
+        self.core.admission.on_admission = lambda rid, grant: loop.call_soon_threadsafe(
+            self._on_admission, rid, grant
+        )
         self.thread.start()
         await self.receiver.start()
         await self.pool.start()
@@ -203,6 +214,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         everything and return whether seats and blocks were all conserved."""
         self.accepting = False
         conserved = True
+        await self._drain_queue()
         if self.serving is not None:
             await asyncio.gather(self.serving.stop_admitting(grace), self._close_http(grace))
         # first: closing the receiver ends every posted KV write, so that the conservation
@@ -225,6 +237,29 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if self.http is not None:
             await self.http.close(grace)
 
+    async def _drain_queue(self) -> None:
+        """Shutting down: requests still queued are answered UNAVAILABLE now (they hold
+        nothing; another node can serve them), not left to be cut off at the grace's end."""
+        if self.thread is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            drained = await self.thread.call(lambda core: core.admission.drain(core))
+            for rid in drained:
+                stream = self.streams.get(rid)
+                if stream is not None and stream.admission and not stream.admission.done():
+                    stream.admission.set_exception(
+                        GenerateError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"decode node is shutting down; {rid} was still queued and was "
+                            "never started: retry on another node",
+                        )
+                    )
+
+    def _on_admission(self, rid: str, grant: TransferGrant | None) -> None:
+        stream = self.streams.get(rid)
+        if stream is not None and stream.admission is not None and not stream.admission.done():
+            stream.admission.set_result(grant)
+
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
             stream = self.streams.get(delta.request_id)
@@ -241,7 +276,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             async for response in self._generate(rid, request, context.time_remaining()):
                 yield response
         except GenerateError as e:
-            await context.abort(e.code, str(e))
+            await context.abort(e.code, str(e), trailing_metadata=e.trailing_metadata)
 
     async def _generate(
         self, rid: str, request: generation_pb2.GenerateRequest, time_left: float | None
@@ -264,12 +299,6 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if rid in self.streams:
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
-            )
-        if sum(s.n for s in self.streams.values()) + params.n > self.config.max_inflight:
-            raise GenerateError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode node is at its admission limit ({self.config.max_inflight} requests "
-                "in flight); retry with backoff",
             )
         stream = _Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
@@ -340,20 +369,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         params: SamplingParams,
         deadline: float | None,
     ) -> list[TokenDelta]:
-        """Admit, prefill on a peer, land the KV; returns the first token's delta of each of
-        the n completions."""
+        """Admit (queued until blocks are free), prefill on a peer, land the KV; returns the
+        first token's delta of each of the n completions."""
         assert self.thread is not None
+        grant = await self._admit(stream, prompt, params, deadline)
         rid = stream.request_id
-        try:
-            # one hand-off to the engine thread for both steps: it is on the TTFT path
-            req, blocks, first_block = await self.thread.call(
-                lambda core: _reserve_and_start(core, prompt, params, rid)
-            )
-        except RequestRejected as e:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        except ResourcesExhausted as e:
-            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        stream.cached_tokens = req.cached_tokens
+        blocks, first_block = grant.blocks, grant.first_block
+        stream.cached_tokens = grant.request.cached_tokens
         tried: set[str] = set()
         last_error = "every prefill node is marked unhealthy (failing health checks)"
         for _ in range(1 + self.config.prefill_retries):
@@ -379,6 +401,44 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             grpc.StatusCode.UNAVAILABLE,
             f"no healthy prefill node could serve {rid}: {last_error}",
         )
+
+    async def _admit(
+        self,
+        stream: _Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float | None,
+    ) -> TransferGrant:
+        """Queue the request and wait (its deadline kept) until it holds its blocks."""
+        assert self.thread is not None
+        rid = stream.request_id
+        stream.admission = asyncio.get_running_loop().create_future()
+        try:
+            await self.thread.call(
+                lambda core: core.admission.enqueue(core, prompt, params, rid, deadline)
+            )
+        except RequestRejected as e:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except ResourcesExhausted as e:
+            raise GenerateError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
+            ) from None
+        except AdmissionClosed as e:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"decode node: {e}") from None
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            grant = await asyncio.wait_for(asyncio.shield(stream.admission), timeout)
+        except TimeoutError:
+            grant = None
+        if grant is None:
+            raise GenerateError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request {rid} exceeded its deadline while queued for KV blocks "
+                f"({time.monotonic() - stream.admitted_at:.2f}s queued)",
+            )
+        stream.admission_wait = grant.queue_seconds
+        self.metrics.queue_seconds.observe(grant.queue_seconds)
+        return grant
 
     async def _prefill_once(
         self,
@@ -421,7 +481,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         while len(self.transfer_log) > 1024:
             self.transfer_log.popitem(last=False)
         stats = response.stats
-        stream.queue_seconds = stats.queue_seconds
+        # queued here, then on the prefill node
+        stream.queue_seconds = stream.admission_wait + stats.queue_seconds
         stream.prefill_seconds = stats.prefill_seconds
         stream.kv_transfer_seconds = stats.transfer_tail_seconds
         self.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
@@ -589,11 +650,3 @@ def _first_token(
         lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
     return response.first_token_id, first, prompt, list(zip(tokens, lps, strict=True))
 
-
-def _reserve_and_start(
-    core: EngineCore, prompt: list[int], params: SamplingParams, rid: str
-) -> tuple[LlmRequest, list[int], int]:
-    """DISAGG_GENERATION_INIT (blocks reserved, no seat), then TRANS_IN_PROGRESS."""
-    reserved = core.reserve_for_transfer(prompt, params, rid)
-    core.start_transfer(rid)
-    return reserved

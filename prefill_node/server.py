@@ -204,11 +204,13 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         sent_bytes, messages = await self._drain(job, push)
         first = await job.first_token
         job.completed = True
+        stats = self._stats(job, sent_bytes, messages, req)
+        self.metrics.queue_seconds.observe(stats.queue_seconds)
         response = prefill_pb2.PrefillResponse(
             request_id=job.request_id,
             first_token_id=first.token_ids[0],
             cached_tokens=req.cached_tokens,
-            stats=self._stats(job, sent_bytes, messages, req),
+            stats=stats,
         )
         if first.logprobs:
             response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))

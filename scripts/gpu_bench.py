@@ -237,39 +237,33 @@ def section(result: dict[str, Any], key: str, fn: Any, out: Path) -> Any:
     return result[key]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("gpu_check_out"))
     p.add_argument("--budget", type=float, default=170.0, help="seconds for the whole run")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: test the plumbing")
-    a = p.parse_args(argv)
-    if a.dry_run:
-        return dry_run()
-    import torch
+    return p.parse_args(argv)
 
-    if a.smoke:
-        use_smoke()
-        PROMPT_LENGTHS[:] = [32, 64]
-        REPS[0] = 1
-        DECODE_BATCHES[:] = [1, 4]
-        DECODE.update(prompt=8, tokens=8)
-    budget = Budget(a.budget)
-    a.out.mkdir(parents=True, exist_ok=True)
-    cuda = DEVICE["name"] == "cuda"
-    result: dict[str, Any] = {
-        "summary": [],
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
-    }
+
+def shrink_for_smoke() -> None:
+    use_smoke()
+    PROMPT_LENGTHS[:] = [32, 64]
+    REPS[0] = 1
+    DECODE_BATCHES[:] = [1, 4]
+    DECODE.update(prompt=8, tokens=8)
+
+
+def bandwidth_sections(result: dict[str, Any], out: Path) -> float | None:
+    """The copy and UCX ceilings (CUDA only); returns ucx_perftest's GB/s, if it ran."""
     perf = None
-    if cuda:
-        copy = section(result, "copy_gbs", copy_bandwidth, a.out)
+    if DEVICE["name"] == "cuda":
+        copy = section(result, "copy_gbs", copy_bandwidth, out)
         if isinstance(copy, float):
             row = ["D2D copy (torch, 1 GiB), GB/s", f"{copy:.0f}", "ceiling", ""]
             result["summary"].append(row)
         binary = perftest_binary()
-        perf = section(result, "perftest_gbs", lambda: binary and perftest_cuda(binary), a.out)
+        perf = section(result, "perftest_gbs", lambda: binary and perftest_cuda(binary), out)
         perf = perf if isinstance(perf, float) else None
     result["summary"].append(
         [
@@ -279,15 +273,20 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     )
+    return perf
+
+
+def model_sections(result: dict[str, Any], budget: Budget, out: Path, perf: float | None) -> None:
+    """Write each model's checkpoint, then decode throughput and P/D runs within the budget."""
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
         paths = {
-            n: section(result, f"checkpoint_{n}", lambda n=n: write_checkpoint(n, Path(tmp)), a.out)
+            n: section(result, f"checkpoint_{n}", lambda n=n: write_checkpoint(n, Path(tmp)), out)
             for n in MODELS
         }
         result.update({f"checkpoint_{n}": str(v) for n, v in paths.items()})
         if isinstance(paths["smollm2-135m"], Path):
             dec = section(
-                result, "decode", lambda: decode_section(paths["smollm2-135m"], budget), a.out
+                result, "decode", lambda: decode_section(paths["smollm2-135m"], budget), out
             )
             if "tokens_per_s" in dec:
                 result["summary"] += decode_summary(dec)
@@ -295,11 +294,29 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(path, Path) or budget.left() < 40:
                 result["summary"].append([f"P/D {n}", "skipped: time budget", "", ""])
                 continue
-            pd = section(
-                result, f"pd_{n}", lambda n=n, path=path: pd_section(n, path, budget), a.out
-            )
+            pd = section(result, f"pd_{n}", lambda n=n, path=path: pd_section(n, path, budget), out)
             if "requests" in pd:
                 result["summary"] += pd_summary(pd, perf)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.dry_run:
+        return dry_run()
+    import torch
+
+    if a.smoke:
+        shrink_for_smoke()
+    budget = Budget(a.budget)
+    a.out.mkdir(parents=True, exist_ok=True)
+    cuda = DEVICE["name"] == "cuda"
+    result: dict[str, Any] = {
+        "summary": [],
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+    }
+    perf = bandwidth_sections(result, a.out)
+    model_sections(result, budget, a.out, perf)
     (a.out / "gpu_bench.json").write_text(json.dumps(result, indent=1, default=str))
     return 0
 

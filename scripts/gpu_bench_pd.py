@@ -36,7 +36,8 @@ def pd_nodes(path: Path) -> tuple[list[Any], dict[str, str]]:
     ]
     prefill = spawn("prefill", engine, echo=False)
     wait_ready([prefill], 180)
-    target = ["--prefill", f"127.0.0.1:{prefill.info['port']}"]
+    # the benchmark speaks gRPC: two decode nodes on HTTP's default port would collide
+    target = ["--prefill", f"127.0.0.1:{prefill.info['port']}", "--http-port", "-1"]
     layerwise = spawn("decode", [*engine, *target], echo=False)
     whole = spawn("decode", [*engine, *target, "--whole-request-push"], echo=False)
     nodes = [prefill, layerwise, whole]

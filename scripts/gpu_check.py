@@ -114,27 +114,16 @@ def check_wheels(folder: Path) -> tuple[list[str], list[str]]:
     return problems, notes
 
 
+def run_in_tree(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`cmd` from the repository root, importing this tree's code, its output captured."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
 # ---- tests ------------------------------------------------------------------------------------
 def collect_cuda_tests(python: str, paths: list[str]) -> list[str]:
-    out = subprocess.run(
-        [
-            python,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-m",
-            "cuda",
-            "-p",
-            "no:cacheprovider",
-            *paths,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=300,
-    )
+    pytest = ["-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    out = run_in_tree([python, *pytest, *paths], timeout=300)
     if out.returncode != 0:
         raise RuntimeError(
             f"pytest --collect-only failed ({out.returncode}):\n{out.stdout[-2000:]}"
@@ -160,14 +149,7 @@ def check_tests(python: str) -> tuple[list[str], list[str]]:
 
 
 def check_bench(python: str) -> tuple[list[str], list[str]]:
-    out = subprocess.run(
-        [python, str(ROOT / "scripts" / "gpu_bench.py"), "--dry-run"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=120,
-    )
+    out = run_in_tree([python, str(ROOT / "scripts" / "gpu_bench.py"), "--dry-run"], timeout=120)
     if out.returncode != 0:
         return [f"gpu_bench.py --dry-run failed:\n{out.stdout[-1500:]}{out.stderr[-1500:]}"], []
     return [], [out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "bench plan ok"]

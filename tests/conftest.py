@@ -8,6 +8,14 @@ import pytest
 
 # UCX must be configured before ucxx is imported anywhere in the test process
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# One intra-op thread per process (the test process and every node it starts inherit it): the
+# suite runs several torch processes at once on 2 cores, and their thread pools spinning against
+# each other made each op ~30x slower. Tests check behaviour, not speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# `--dtype auto` is bf16 on CPUs with AMX / AVX-512 BF16; parity tests compare against fp32
+# transformers, so every engine the suite builds (and every node process it starts, which
+# inherits this) resolves auto to float32. tests/test_dtype_auto.py covers the detection itself.
+os.environ["PDSERVE_AUTO_DTYPE"] = "float32"
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -52,3 +54,16 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
             min_new_tokens=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+@contextlib.contextmanager
+def single_torch_thread() -> Iterator[None]:
+    """One intra-op thread for the block: the tiny test models run one op per microsecond, and on
+    a shared few-core machine several processes' OpenMP pools spinning against each other made
+    each op ~30x slower. Restores the previous setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

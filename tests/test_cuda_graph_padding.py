@@ -19,7 +19,7 @@ from shared.engine.cuda_graph_padding import (
 )
 from shared.engine.resource_manager import DUMMY_REQUEST_ID
 from shared.engine.utils import cdiv
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 
 BLOCK = 4
 SEATS = 16  # max_num_sequences: the scratch row is 16
@@ -108,6 +108,8 @@ def decode_batches(draw: st.DrawFn) -> list[DecodeRow]:
         position = draw(st.integers(0, 8 * BLOCK - 1))
         need = cdiv(position + 1, BLOCK)
         extra = draw(st.integers(0, 2))
+        if need + extra > len(free):
+            break  # the pool is used up: the batch is what fitted
         table = [free.pop(draw(st.integers(0, len(free) - 1))) for _ in range(need + extra)]
         rows.append(DecodeRow(f"r{i}", i, draw(st.integers(0, 999)), position, table))
     return rows

@@ -13,7 +13,7 @@ from benchmarks.support.checkpoints import load_hf_model
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from tests.cuda_facts import CUDA_MARKS, record
 from tests.engine_helpers import random_max_tokens, random_prompts

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
@@ -16,7 +17,6 @@ from shared.engine.request import LlmRequestState
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
-from tests.pd_harness import pd_cluster
 
 S = LlmRequestState
 
@@ -53,6 +53,8 @@ def test_greedy_parity_lifecycle_and_chunked_prefill(checkpoint: Callable[..., P
 
 
 def check_decode_lifecycle(history: list[tuple[S, int | None]], single_token: bool) -> None:
+    assert history[0] == (S.QUEUED, None)  # admission: holds nothing until blocks are free
+    history = history[1:]
     states = [s for s, _ in history]
     head = [
         S.DISAGG_GENERATION_INIT,

@@ -22,11 +22,11 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
 from tests.engine_helpers import hf_greedy
 from tests.fuzz_loop import LoopThread
-from tests.pd_harness import PdCluster, pd_cluster
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
 # The Generate statuses proto/pdserve/v1/generation.proto documents for a healthy cluster

@@ -29,10 +29,10 @@ from hypothesis import strategies as st  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
+from benchmarks.support.inprocess import PdCluster, pd_cluster  # noqa: E402
 from pdserve.client import generate  # noqa: E402
 from tests.engine_helpers import hf_greedy  # noqa: E402
 from tests.fuzz_loop import LoopThread  # noqa: E402
-from tests.pd_harness import PdCluster, pd_cluster  # noqa: E402
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
 DOCUMENTED = {200, 400, 401, 404, 413, 429, 503, 504}

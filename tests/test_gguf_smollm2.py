@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import allocate_kv_pool
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from shared.model.loader import LoadedModel, load_model
-from tests.pd_harness import pd_cluster
 
 MAX_TOKENS = 8
 CHUNK = 64  # max_num_tokens: prompts longer than this prefill in several steps

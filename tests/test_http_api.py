@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.support.inprocess import PdCluster, pd_cluster
 from shared.serving.tls import ServerTls
-from tests.pd_harness import PdCluster, pd_cluster
 
 MODEL = "tiny"
 _EVENT = re.compile(rb"data: ([^\n]*)\n\n")
@@ -137,8 +137,8 @@ def test_bad_requests_get_their_status_and_name_the_field(run) -> None:
         assert error["param"] == "top_p"
         error = _error(await post("/v1/completions", json=_completion(prompt=[10**6])), 400)
         assert error["param"] == "prompt"
-        error = _error(await post("/v1/completions", json=_completion(n=2, logprobs=1)), 400)
-        assert "n" in error["message"] and "logprobs" in error["message"]
+        error = _error(await post("/v1/completions", json=_completion(best_of=2, suffix="x")), 400)
+        assert "best_of" in error["message"] and "suffix" in error["message"]
         error = _error(await post("/v1/completions", json=_completion(model="gpt-4")), 404)
         assert error["param"] == "model" and error["code"] == "model_not_found"
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -65,7 +65,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.checkpoints import BOS_TOKEN, EOS_TOKEN, cached_checkpoint
+    from benchmarks.support.checkpoints import BOS_TOKEN, EOS_TOKEN, cached_checkpoint
 
     src = cached_checkpoint(checkpoint_root, "llama")
     path = tmp_path_factory.mktemp("chat") / "llama-chat"
@@ -84,6 +84,7 @@ def model_dir(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path) -> Iterator[Cluster]:
     decode_args = ["--api-key", KEY, "--served-model-name", SERVED, "--max-inflight", "16"]
+    decode_args += ["--max-queued", "0"]  # the 17th concurrent request is refused, not queued
     decode_args += ["--chat-template", str(model_dir / "llama2.jinja")]
     c = Cluster(str(model_dir), 2, 1, 0, [], http_port=0, decode_extra=decode_args)
     try:
@@ -187,7 +188,7 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
             with pytest.raises(openai.NotFoundError):
                 await client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
             with pytest.raises(openai.BadRequestError, match="logprobs"):
-                await client.completions.create(model=SERVED, prompt="x", logprobs=2)
+                await client.completions.create(model=SERVED, prompt="x", logprobs=21)
             with pytest.raises(openai.BadRequestError, match="max_tokens"):
                 await client.completions.create(model=SERVED, prompt="x", max_tokens=10**7)
             with pytest.raises(openai.BadRequestError, match="alternate"):

@@ -11,8 +11,8 @@ import time
 
 import httpx
 
+from benchmarks.support.inprocess import PdCluster, pd_cluster
 from pdserve.proxy import Proxy
-from tests.pd_harness import PdCluster, pd_cluster
 
 MODEL = "tiny"
 

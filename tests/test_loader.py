@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
 from shared.engine.kv_cache import allocate_kv_pool
-from shared.model.attention import ForwardBatch, SeqEntry
 from shared.model.config import ModelConfig
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer
 

@@ -13,8 +13,8 @@ import torch
 from benchmarks.support.checkpoints import load_hf_model
 from shared.engine.kv_cache import allocate_kv_pool
 from shared.engine.utils import cdiv
-from shared.model.attention import ForwardBatch, SeqEntry
 from shared.model.config import ModelConfig, RopeScaling
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.llama import rope_inv_freq
 from shared.model.loader import LoadedModel, load_model
 

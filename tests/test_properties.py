@@ -44,7 +44,7 @@ from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.utils import cdiv
-from shared.model.attention import ForwardBatch
+from shared.model.forward_batch import ForwardBatch
 from shared.model.loader import LoadedModel, tiny_config
 from shared.model.tokenizer import ByteTokenizer
 
@@ -159,6 +159,8 @@ def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest]
             assert rid not in in_sched, f"{rid} schedulable before its KV arrived"
         elif r.state == S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             assert rid not in in_sched, f"{rid} still scheduled while its KV is pushed"
+        elif rid in core.admission.queue:
+            assert r.state == S.QUEUED and rid not in in_sched, (rid, r.state)
         else:
             assert rid in in_sched, f"{rid} ({r.state.name}) is live but lost by the scheduler"
         assert len(r.output_token_ids) <= r.sampling_params.max_tokens
@@ -186,7 +188,7 @@ def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest]
 
     # -- state machine: every recorded move is allowed; seats only in GENERATION_IN_PROGRESS
     for r in tracked:
-        assert r.history[0][0] in (S.CONTEXT_INIT, S.DISAGG_GENERATION_INIT)
+        assert r.history[0][0] in (S.QUEUED, S.DISAGG_GENERATION_INIT)
         for (a, _), (b, _) in zip(r.history, r.history[1:], strict=False):
             assert b in ALLOWED_TRANSITIONS[a], f"{r.request_id}: {a.name} -> {b.name}"
         for state, seat in r.history:
@@ -238,6 +240,9 @@ def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest]
             assert len(pins[rid]) == cdiv(r.prompt_len, bs)
             # nobody overwrote the blocks being sent
             assert_content(model, pins[rid], r.all_token_ids, r.prompt_len, bs, rid)
+        elif rid in core.admission.queue:
+            assert table is None and r.seq_slot is None, f"queued {rid} holds {table}"
+            assert rid not in kv.pinned, f"queued {rid} pins blocks"
         elif any(r is w for w in waiting):
             if r.state == S.DISAGG_GENERATION_TRANS_COMPLETE:
                 assert table is not None and len(table) == cdiv(r.prompt_len, bs)
@@ -309,13 +314,26 @@ class PdMachine(RuleBasedStateMachine):
         self.bs = bs
         self.dec, self.dec_model = make_engine(bs, blocks, batch, budget, caching, False)
         self.pre, self.pre_model = make_engine(bs, blocks, batch, budget, caching, True)
+        self.dec.admission.configure(max_queued=4, max_admitted=3)
+        self.dec.admission.on_admission = self._on_grant
+
+    def _on_grant(self, rid: str, grant) -> None:
+        """The decode node's admission callback: the request now holds pinned blocks."""
+        assert grant is not None  # no deadlines in this machine
+        assert grant.request.state == S.DISAGG_GENERATION_TRANS_IN_PROGRESS
+        assert self.dec.kv_manager.block_table(rid)[grant.first_block :] == grant.blocks
+        event("queue: admitted")
+        self.dec_pins[rid] = list(grant.blocks)
+        self.dec_first[rid] = grant.first_block
+        self._land(rid, 0.5)
 
     def _rid(self) -> str:
         self.n += 1
         return f"r{self.n}"
 
     def _fits(self, core: EngineCore, prompt: list[int], max_tokens: int) -> bool:
-        return cdiv(len(prompt) + max_tokens - 1, self.bs) <= core.kv_manager.blocks.num_blocks
+        tokens = len(prompt) + (0 if core.context_only else max_tokens - 1)  # prefill: prompt only
+        return cdiv(tokens, self.bs) <= core.kv_manager.blocks.num_blocks
 
     def _in(self, core: EngineCore, *states: LlmRequestState) -> list[str]:
         return sorted(rid for rid, r in core.requests.items() if r.state in states)
@@ -353,6 +371,26 @@ class PdMachine(RuleBasedStateMachine):
         self.tracked["dec"].append(request)
         self.dec_pins[rid] = list(blocks)
         self.dec_first[rid] = first
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 8), ignore_eos=st.booleans())
+    def queue_for_transfer(self, prompt, max_tokens, ignore_eos) -> None:
+        """A Generate through the admission queue: admitted at once (blocks reserved, pinned,
+        transfer started) or QUEUED holding nothing until a step or command frees blocks."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        rid = self._rid()
+        if not self._fits(self.dec, prompt, max_tokens):
+            with pytest.raises(RequestRejected):
+                self.dec.admission.enqueue(self.dec, prompt, params, rid)
+            return
+        try:
+            request = self.dec.admission.enqueue(self.dec, prompt, params, rid)
+        except ResourcesExhausted:
+            event("queue: full")
+            assert rid not in self.dec.requests and rid not in self.dec.kv_manager.block_tables
+            return
+        self.tracked["dec"].append(request)
+        if request.state == S.QUEUED:
+            event("queue: waits")
 
     @rule(prompt=prompts, max_tokens=st.integers(1, 8))
     def add_prefill(self, prompt, max_tokens) -> None:
@@ -411,7 +449,7 @@ class PdMachine(RuleBasedStateMachine):
             del self.dec_pins[rid]
         self.dec.fail_transfer(rid)
         assert rid not in self.dec.requests and request.finish_reason == FinishReason.ABORTED
-        if mid_transfer or request.history[-2][0] == S.CONTEXT_INIT:
+        if mid_transfer or request.history[-2][0] in (S.QUEUED, S.CONTEXT_INIT):
             assert request.state == S.DISAGG_TRANS_ERROR
         else:
             assert request.state == S.GENERATION_COMPLETE
@@ -491,7 +529,16 @@ class PdMachine(RuleBasedStateMachine):
     @rule(tokens=token_choices)
     def drain_decode(self, tokens) -> None:
         """Liveness: with no transfer in flight (nothing pinned), stepping finishes everything."""
+        self.dec.admit_queued()  # what the engine thread runs after every command
         self._drain(self.dec, self.dec_model, tokens)
+        in_flight = self._in(
+            self.dec, S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS
+        )
+        if not in_flight:  # nothing pinned by a transfer: the queue's head must have been let in
+            assert not len(self.dec.admission), (
+                f"admission queue stuck: {self.dec.admission.queue.keys()}, "
+                f"free blocks={self.dec.kv_manager.num_free_blocks}"
+            )
         if not self.dec.has_work:
             return
         if self._in(self.dec, S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS):

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
-from tests.pd_harness import pd_cluster
 from tests.sampling_reference import (
     assert_logprobs_match,
     hf_log_softmax,

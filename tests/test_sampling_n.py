@@ -12,17 +12,17 @@ import grpc
 import pytest
 from grpc import aio
 
+from benchmarks.support.inprocess import pd_cluster
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from shared.serving.wire import sampling_to_proto
 from tests.engine_helpers import hf_greedy, random_prompts
-from tests.pd_harness import pd_cluster
 from tests.sampling_reference import pd_generate, same_logprobs
 
 

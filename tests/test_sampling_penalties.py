@@ -13,14 +13,14 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.support.checkpoints import EOS_TOKEN, special_ids
+from benchmarks.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
-from tests.checkpoints import EOS_TOKEN, special_ids
 from tests.engine_helpers import _hf_model, random_prompts
-from tests.pd_harness import pd_cluster
 from tests.sampling_reference import hf_generate, pd_generate
 
 EOS = special_ids()[EOS_TOKEN]

@@ -8,14 +8,14 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.support.checkpoints import EOS_TOKEN, special_ids
+from benchmarks.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
-from tests.checkpoints import EOS_TOKEN, special_ids
 from tests.engine_helpers import random_prompts
-from tests.pd_harness import pd_cluster
 from tests.sampling_reference import Completion, pd_generate, same_logprobs
 
 EOS = special_ids()[EOS_TOKEN]

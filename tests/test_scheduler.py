@@ -95,7 +95,10 @@ def test_preempts_newest_by_full_release_and_recomputes() -> None:
     h.run()
     assert b.num_preemptions >= 1 and a.num_preemptions == 0
     assert {r.request_id for r in h.finished} == {"a", "b"}
-    assert LlmRequestState.CONTEXT_INIT in [s for s, _ in b.history[1:]]  # back to the queue
+    states = [s for s, _ in b.history[1:]]
+    # back to the queue holding nothing, then admitted again for recompute
+    i = states.index(LlmRequestState.QUEUED)
+    assert states[i + 1] == LlmRequestState.CONTEXT_INIT
     h.rm.shutdown()  # asserts seat and block conservation
 
 
@@ -116,4 +119,17 @@ def test_whole_prompt_cached_still_computes_last_token() -> None:
     h.run()
     h.add("b", list(range(8)), 1)
     assert h.step() == [("b", 4)]  # last block recomputed: its final token needs logits
+    h.rm.shutdown()
+
+
+def test_admits_with_blocks_for_context_and_first_token_only() -> None:
+    # 4 blocks of 4: a needs all 4 to completion (8 + 7 tokens) but 3 to start (8 + 1), so b
+    # (3 tokens + 1: one block) starts beside it; a reservation to completion would hold b back
+    h = Harness(blocks=4, block_size=4, batch=4, budget=64)
+    a = h.add("a", list(range(8)), 8)
+    b = h.add("b", [1, 2, 3], 4)
+    assert h.step() == [("a", 8), ("b", 3)]
+    h.run()  # they grow into each other: b (the newest) is preempted, both finish
+    assert {r.request_id for r in h.finished} == {"a", "b"}
+    assert a.num_preemptions == 0 and len(b.output_token_ids) == 4
     h.rm.shutdown()

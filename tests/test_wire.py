@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.support.inprocess import pd_cluster
 from pdserve.client import build_generate_request, generate
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.sampling_params import SamplingParams
@@ -22,7 +23,6 @@ from shared.serving.wire import (
     validate_request,
 )
 from tests.engine_helpers import hf_greedy
-from tests.pd_harness import pd_cluster
 
 VOCAB = 1000
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from shared.model.gguf_tokenizer import byte_alphabet
+
 ARCHES: tuple[str, ...] = ("llama", "llama3", "qwen2", "mistral")
 
 BOS_TOKEN = "<s>"
@@ -58,29 +60,12 @@ _MERGES: list[tuple[str, str]] = [
 ]
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
 def build_tokenizer() -> Tokenizer:
     """Byte-level BPE: id b < 256 is byte b, a few merges above, then <s>, </s>, <|eot|>.
 
     Built by hand rather than trained so the ids never depend on trainer tie-breaking.
     """
-    byte_chars = bytes_to_unicode()
+    byte_chars = byte_alphabet()
     vocab = {byte_chars[b]: b for b in range(256)}
     for left, right in _MERGES:
         vocab[left + right] = len(vocab)

@@ -1,4 +1,5 @@
-"""The engine core shared by every role, and the colocated engine built on it.
+"""The engine core shared by every role; the role-specific halves are mixed in from
+`context_role` (prefill node) and `transfer_role` (decode node).
 
 `EngineCore.step()` is one iteration of continuous batching: schedule, prepare resources (seats
 in order, KV last), one batched forward over the paged pool, one batched sample, then output
@@ -13,16 +14,16 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
+from shared.engine.context_role import ContextRole
+from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.fork import fork_completions, fork_id
 from shared.engine.kv_cache import KvLayout, allocate_kv_pool, dtype_name
 from shared.engine.logprobs import TokenLogprobs, fill_prompt_logprobs
-from shared.engine.output import OutputProcessor, TokenDelta
+from shared.engine.output import OutputProcessor, RequestOutput, TokenDelta
 from shared.engine.request import (
     ALLOWED_TRANSITIONS,
     FinishReason,
@@ -30,6 +31,7 @@ from shared.engine.request import (
     LlmRequest,
     LlmRequestState,
 )
+from shared.engine.request_limits import RequestLimits
 from shared.engine.resource_manager import (
     KVCacheManager,
     ResourceManager,
@@ -38,13 +40,16 @@ from shared.engine.resource_manager import (
     compute_max_num_sequences,
     validate_seq_slot_pool_covers_admission,
 )
-from shared.engine.sampler import Sampler
+from shared.engine.sampler import SampleOutput, Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from shared.engine.utils import cdiv
-from shared.model.attention import ForwardBatch, SeqEntry
+from shared.engine.transfer_admission import TransferAdmission
+from shared.engine.transfer_role import TransferRole
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
+
+__all__ = ["EngineCore", "RequestOutput", "RequestRejected", "ResourcesExhausted"]
 
 log = logging.getLogger(__name__)
 
@@ -53,29 +58,7 @@ log = logging.getLogger(__name__)
 LayerHookFactory = Callable[[Sequence[ScheduledRequest]], Callable[[int], None] | None]
 
 
-class RequestRejected(ValueError):
-    """Bad input: the message names the field (mapped to INVALID_ARGUMENT)."""
-
-
-class ResourcesExhausted(RuntimeError):
-    """The request is valid but cannot be admitted now (mapped to RESOURCE_EXHAUSTED)."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    cached_tokens: int
-    num_preemptions: int
-    logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
-    index: int = 0  # which of the prompt's n completions
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when asked
-
-
-class EngineCore:
+class EngineCore(ContextRole, TransferRole):
     def __init__(
         self,
         config: EngineConfig,
@@ -95,16 +78,46 @@ class EngineCore:
         self.model_config = self.loaded.config
         self.layout: KvLayout = self.model_config.kv_layout(config.block_size, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
+        self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_mb * 2**20 // self._bytes_per_block()
         )
+        self._build_pools(num_blocks)
+        self.sampler = Sampler(self.max_num_sequences, self.device, self.loaded.eos_token_ids)
+        self.decode_runner = self._build_decode_runner(num_blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_batch_size, config.max_num_tokens, 0 if context_only else 1),
+            self.kv_manager,
+            self.seq_slot_manager,
+            self.free_request_resources,
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
+        self.admission = TransferAdmission()  # decode side: Generate requests waiting for blocks
+        self.requests: dict[str, LlmRequest] = {}
+        # n > 1: parent id -> its forks' ids, until every completion of the group has ended
+        self.forks: dict[str, list[str]] = {}
+        self.layer_hook_factory: LayerHookFactory | None = None
+        self.num_steps = 0
+        # lifecycles of recently ended requests, for tests and debugging
+        self.recent_history: deque[tuple[str, list[tuple[LlmRequestState, int | None]]]] = deque(
+            maxlen=1024
+        )
+
+    @property
+    def _uses_cuda_graphs(self) -> bool:
+        return self.config.cuda_graphs and self.device.type == "cuda" and not self.context_only
+
+    def _build_pools(self, num_blocks: int) -> None:
+        """The KV pool and the two managers over it: blocks (KV) and seats."""
         # CUDA graphs pad decode batches with dummy rows whose K/V land in one scratch block
         # past the BlockManager's blocks (never allocated, never counted); CPU runs eagerly
-        graphs = config.cuda_graphs and self.device.type == "cuda" and not context_only
-        self.kv_pool = allocate_kv_pool(self.layout, num_blocks + int(graphs), self.device)
-        self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
+        scratch = int(self._uses_cuda_graphs)
+        self.kv_pool = allocate_kv_pool(self.layout, num_blocks + scratch, self.device)
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, self.max_num_sequences, config.enable_prefix_caching
+            num_blocks,
+            self.config.block_size,
+            self.max_num_sequences,
+            self.config.enable_prefix_caching,
         )
         self.seq_slot_manager = SeqSlotManager(self.max_num_sequences)
         validate_seq_slot_pool_covers_admission(self.max_num_sequences, self.kv_manager)
@@ -114,33 +127,18 @@ class EngineCore:
                 ResourceManagerType.SEQ_SLOT_MANAGER: self.seq_slot_manager,
             }
         )
-        self.sampler = Sampler(self.max_num_sequences, self.device, self.loaded.eos_token_ids)
-        self.decode_runner: DecodeGraphRunner | None = None
-        if graphs:
-            self.decode_runner = engine_decode_runner(
-                self.model,
-                self.kv_pool,
-                max_batch_size=config.max_batch_size,
-                max_model_len=self.max_model_len,
-                block_size=config.block_size,
-                dummy_slot_row=self.sampler.dummy_slot_row,
-                scratch_block=num_blocks,
-            )
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_size, config.max_num_tokens),
-            self.kv_manager,
-            self.seq_slot_manager,
-            self.free_request_resources,
-        )
-        self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
-        self.requests: dict[str, LlmRequest] = {}
-        # n > 1: parent id -> its forks' ids, until every completion of the group has ended
-        self.forks: dict[str, list[str]] = {}
-        self.layer_hook_factory: LayerHookFactory | None = None
-        self.num_steps = 0
-        # lifecycles of recently ended requests, for tests and debugging
-        self.recent_history: deque[tuple[str, list[tuple[LlmRequestState, int | None]]]] = deque(
-            maxlen=1024
+
+    def _build_decode_runner(self, num_blocks: int) -> DecodeGraphRunner | None:
+        if not self._uses_cuda_graphs:
+            return None
+        return engine_decode_runner(
+            self.model,
+            self.kv_pool,
+            max_batch_size=self.config.max_batch_size,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            dummy_slot_row=self.sampler.dummy_slot_row,
+            scratch_block=num_blocks,
         )
 
     def _bytes_per_block(self) -> int:
@@ -161,35 +159,15 @@ class EngineCore:
     # ---- admission ------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field; nothing is allocated before this passes."""
-        try:
-            params.validate(self.model_config.vocab_size)
-        except ValueError as e:
-            raise RequestRejected(str(e)) from None
-        if not prompt_token_ids:
-            raise RequestRejected("prompt is empty: send non-empty text or token_ids")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt token id {bad} is out of range [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({len(prompt_token_ids)} tokens) + sampling.max_tokens "
-                f"({params.max_tokens}) = {total} exceeds the model's context of "
-                f"{self.max_model_len} tokens"
-            )
-        need = cdiv(len(prompt_token_ids) + params.max_tokens - 1, self.config.block_size)
-        # n completions share only the prompt's full blocks
-        need += (params.n - 1) * (need - len(prompt_token_ids) // self.config.block_size)
-        if params.n > self.max_num_sequences and not self.context_only:
-            raise RequestRejected(
-                f"sampling.n ({params.n}) exceeds this node's {self.max_num_sequences} seats"
-            )
-        if need > self.kv_manager.blocks.num_blocks:
-            raise RequestRejected(
-                f"request needs {need} KV blocks but this node's whole pool has "
-                f"{self.kv_manager.blocks.num_blocks}; shorten the prompt or max_tokens"
-            )
+        limits = RequestLimits(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.config.block_size,
+            self.kv_manager.blocks.num_blocks,
+            self.max_num_sequences,
+            self.context_only,
+        )
+        limits.check(prompt_token_ids, params)
 
     def new_request(
         self,
@@ -212,43 +190,74 @@ class EngineCore:
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
     ) -> LlmRequest:
-        request = self.new_request(prompt_token_ids, params, request_id)
-        self.scheduler.add_request(request)
+        request = self.new_request(prompt_token_ids, params, request_id, LlmRequestState.QUEUED)
+        self.scheduler.add_request(request)  # QUEUED there until its blocks are free
         return request
 
     # ---- one iteration --------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[TokenDelta]:
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        with torch.inference_mode():
+            scheduled = self._schedule()  # the batch, its seats and KV blocks prepared
+            to_sample, logits = self._run_model(scheduled)  # one forward over the paged pool
+            sampled = self._sample(to_sample, logits)  # one batched sample
+            deltas = self._process(to_sample, sampled)  # tokens out, finished requests freed
+        self.admit_queued()  # finished or preempted requests freed blocks
+        return deltas
+
+    def admit_queued(self) -> None:
+        """Admit what the freed blocks now allow from the decode-side queue (engine thread,
+        after every step and command: the only moments blocks free up)."""
+        self.admission.admit(self)
+
+    def _schedule(self) -> list[ScheduledRequest]:
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
             return []
-        batch = [s.request for s in out.scheduled]
-        self.resource_manager.prepare_resources(batch)
-        for s in out.scheduled:
+        self.resource_manager.prepare_resources([s.request for s in scheduled])
+        for s in scheduled:
             if s.request.state == LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE:
                 s.request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
-        hook = self.layer_hook_factory(out.scheduled) if self.layer_hook_factory else None
-        entries = [self._entry(s) for s in out.scheduled]
-        logits = self._forward(out.scheduled, entries, hook)
-        sample_rows = [i for i, s in enumerate(out.scheduled) if s.completes_context]
-        for s in out.scheduled:
+        return scheduled
+
+    def _run_model(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[LlmRequest], torch.Tensor | None]:
+        """The requests whose context is complete after this step, and their logits rows
+        (followed by any CUDA-graph padding rows, which sample into the scratch row)."""
+        if not scheduled:
+            return [], None
+        batch = [s.request for s in scheduled]
+        hook = self.layer_hook_factory(scheduled) if self.layer_hook_factory else None
+        entries = [self._entry(s) for s in scheduled]
+        logits = self._forward(scheduled, entries, hook)
+        sample_rows = [i for i, s in enumerate(scheduled) if s.completes_context]
+        for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         self.resource_manager.update_resources(batch)
         self.num_steps += 1
         if not sample_rows:
-            return []
-        to_sample = [batch[i] for i in sample_rows]
-        pad = logits.shape[0] - len(batch)  # CUDA-graph padding rows: the scratch row
+            return [], None
+        pad_rows = list(range(len(batch), logits.shape[0]))
+        return [batch[i] for i in sample_rows], logits[sample_rows + pad_rows]
+
+    def _sample(
+        self, to_sample: list[LlmRequest], logits: torch.Tensor | None
+    ) -> SampleOutput | None:
+        if logits is None:
+            return None
+        pad = logits.shape[0] - len(to_sample)
         rows: list[LlmRequest | None] = [*to_sample, *[None] * pad]
-        pad_rows = list(range(len(batch), len(batch) + pad))
-        sampled = self.sampler.sample_step(rows, logits[sample_rows + pad_rows])
+        return self.sampler.sample_step(rows, logits)
+
+    def _process(
+        self, to_sample: list[LlmRequest], sampled: SampleOutput | None
+    ) -> list[TokenDelta]:
+        if sampled is None:
+            return []
         deltas: list[TokenDelta] = []
+        n = len(to_sample)
         for r, t, lp, choices in zip(
-            to_sample,
-            sampled.tokens[: len(to_sample)],
-            sampled.logprobs[: len(to_sample)],
-            sampled.choices[: len(to_sample)],
-            strict=True,
+            to_sample, sampled.tokens[:n], sampled.logprobs[:n], sampled.choices[:n], strict=True
         ):
             r.choice_first_tokens = choices
             deltas.extend(self._accept_token(r, t, lp))
@@ -301,138 +310,6 @@ class EngineCore:
             self.finish_request(request, delta.finish_reason)
         return [delta, *forks]
 
-    # ---- prefill side of P/D -------------------------------------------------------------
-    def _finish_context(
-        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None
-    ) -> TokenDelta:
-        """Last chunk computed: the seat goes back now; the blocks stay pinned until the push
-        completes (`complete_context`), so nothing can evict or reuse them mid-send."""
-        request.output_token_ids.append(token)
-        self.scheduler.remove(request)
-        self.kv_manager.pin_blocks(
-            request.request_id, self.kv_manager.block_table(request.request_id)
-        )
-        self.free_request_resources(request)
-        request.transition(LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
-        return TokenDelta(
-            request.request_id,
-            [token],
-            "",
-            None,
-            logprobs=None if logprobs is None else [logprobs],
-            prompt_logprobs=request.prompt_logprobs,
-        )
-
-    def complete_context(self, request_id: str, ok: bool) -> None:
-        """The push finished (ok) or failed: unpin; the blocks stay in the prefix cache."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return
-        if request.state != LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
-            self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
-            return
-        self.kv_manager.unpin_request(request_id)
-        request.transition(
-            LlmRequestState.DISAGG_CONTEXT_COMPLETE if ok else LlmRequestState.DISAGG_TRANS_ERROR
-        )
-        request.finish_time = time.monotonic()
-        self.requests.pop(request_id, None)
-        self.outputs.forget(request_id)
-        self.recent_history.append((request_id, list(request.history)))
-
-    def context_pushed(self, request_id: str, ok: bool) -> None:
-        """The prefill node is done with `request_id` (its push ended, ok or not, or it was
-        cancelled before its context was computed): release it either way."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return
-        if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
-            self.complete_context(request_id, ok)
-        else:
-            self.abort(request_id)
-
-    # ---- decode side of P/D ---------------------------------------------------------------
-    def reserve_for_transfer(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
-    ) -> tuple[LlmRequest, list[int], int]:
-        """Admit a request in DISAGG_GENERATION_INIT: blocks reserved (minus this node's own
-        prefix-cache hit) and pinned for the incoming transfer, no seat. Returns the request,
-        the blocks to fill and the prompt block index of the first of them."""
-        request = self.new_request(
-            prompt_token_ids, params, request_id, LlmRequestState.DISAGG_GENERATION_INIT
-        )
-        try:
-            # the prefill node computes the prompt (and its logprobs): any hit here is usable
-            cached = self.kv_manager.acquire_prefix(request, request.prompt_len - 1)
-            request.cached_tokens = cached
-            new_blocks = self.kv_manager.reserve(request, request.prompt_len)
-        except NoFreeBlocksError:
-            self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
-            raise ResourcesExhausted(
-                f"no KV blocks free for a {request.prompt_len}-token prompt; retry later"
-            ) from None
-        self.kv_manager.pin_blocks(request.request_id, new_blocks)
-        return request, new_blocks, cached // self.config.block_size
-
-    def start_transfer(self, request_id: str) -> None:
-        self._live(request_id).transition(LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS)
-
-    def complete_transfer(
-        self,
-        request_id: str,
-        first_token: int,
-        first_logprobs: TokenLogprobs | None = None,
-        prompt_logprobs: list[TokenLogprobs | None] | None = None,
-    ) -> TokenDelta:
-        return self.complete_transfer_all(request_id, first_token, first_logprobs, prompt_logprobs)[
-            0
-        ]
-
-    def complete_transfer_all(
-        self,
-        request_id: str,
-        first_token: int,
-        first_logprobs: TokenLogprobs | None = None,
-        prompt_logprobs: list[TokenLogprobs | None] | None = None,
-        choices: Sequence[tuple[int, TokenLogprobs | None]] = (),
-    ) -> list[TokenDelta]:
-        """All KV landed: the request becomes schedulable (its seat comes at the next prepare);
-        the first token, sampled on the prefill node, is processed at once, with the logprobs
-        the prefill node computed for it and for the prompt. n > 1: `choices` are the other
-        completions' first tokens; they are forked off the landed KV here (deltas after the
-        request's own)."""
-        request = self._live(request_id)
-        if prompt_logprobs is not None:
-            request.prompt_logprobs = prompt_logprobs
-        # transition first: an illegal call must not drop the pins of a transfer in flight
-        request.transition(LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE)
-        self.kv_manager.unpin_request(request_id)
-        request.num_computed_tokens = request.prompt_len
-        self.kv_manager.cache_computed_blocks(request)
-        request.first_token_time = time.monotonic()
-        request.choice_first_tokens = list(choices)
-        forks = fork_completions(self, request) if choices else []
-        delta = self.outputs.process(request, first_token, first_logprobs)
-        if delta.finish_reason is not None:
-            self.finish_request(request, delta.finish_reason)
-        else:
-            self.scheduler.add_request(request)
-        return [delta, *forks]
-
-    def fail_transfer(self, request_id: str) -> None:
-        for fork in list(self.forks.get(request_id, ())):
-            if fork in self.requests:
-                self.finish_request(self.requests[fork], FinishReason.ABORTED)
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.finish_request(request, FinishReason.ABORTED, LlmRequestState.DISAGG_TRANS_ERROR)
-
-    def _live(self, request_id: str) -> LlmRequest:
-        request = self.requests.get(request_id)
-        if request is None:
-            raise KeyError(f"request {request_id} is not live (aborted or finished)")
-        return request
-
     # ---- release --------------------------------------------------------------------------
     def free_request_resources(self, request: LlmRequest) -> None:
         """seat-system.md §7: sampler state first, then managers in reverse (KV, then seat)."""
@@ -446,6 +323,7 @@ class EngineCore:
         state: LlmRequestState = LlmRequestState.GENERATION_COMPLETE,
     ) -> None:
         self.scheduler.remove(request)
+        self.admission.forget(request.request_id)
         self.kv_manager.unpin_request(request.request_id)
         self.free_request_resources(request)
         request.finish_reason = reason
@@ -475,11 +353,15 @@ class EngineCore:
             f"request {request.request_id} cannot end from {request.state}"
         )
 
-    def abort(self, request_id: str) -> LlmRequest | None:
-        """End the request and, for n > 1, every completion forked from it."""
+    def abort_forks(self, request_id: str) -> None:
+        """n > 1: end every completion forked from `request_id`."""
         for fork in list(self.forks.get(request_id, ())):
             if fork in self.requests:
                 self.finish_request(self.requests[fork], FinishReason.ABORTED)
+
+    def abort(self, request_id: str) -> LlmRequest | None:
+        """End the request and, for n > 1, every completion forked from it."""
+        self.abort_forks(request_id)
         request = self.requests.get(request_id)
         if request is None:
             return None

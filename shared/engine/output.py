@@ -115,3 +115,17 @@ class OutputProcessor:
             return False
         state.text = state.text[:best]
         return True
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    cached_tokens: int
+    num_preemptions: int
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
+    index: int = 0  # which of the prompt's n completions
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when asked

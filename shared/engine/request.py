@@ -10,13 +10,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # request bookkeeping imports no torch
+    from shared.engine.logprobs import TokenLogprobs
 
 
 class LlmRequestState(enum.Enum):
-    CONTEXT_INIT = "context_init"  # queued or prefilling (also after preemption)
+    # waiting for admission (fresh, or preempted for recompute): holds no seat and no block
+    QUEUED = "queued"
+    CONTEXT_INIT = "context_init"  # admitted: prefilling (blocks grow with each chunk)
     GENERATION_IN_PROGRESS = "generation_in_progress"
     GENERATION_COMPLETE = "generation_complete"
     # decode side of P/D
@@ -34,15 +39,21 @@ class LlmRequestState(enum.Enum):
 S = LlmRequestState
 
 ALLOWED_TRANSITIONS: dict[LlmRequestState, frozenset[LlmRequestState]] = {
+    # admitted locally (CONTEXT_INIT) or for a KV transfer (DISAGG_GENERATION_INIT); the two
+    # terminal moves are a cancel, an expired deadline or a drain: nothing to free
+    S.QUEUED: frozenset(
+        {S.CONTEXT_INIT, S.DISAGG_GENERATION_INIT, S.GENERATION_COMPLETE, S.DISAGG_TRANS_ERROR}
+    ),
     S.CONTEXT_INIT: frozenset(
         {
+            S.QUEUED,  # preempted mid-prefill
             S.GENERATION_IN_PROGRESS,
             S.GENERATION_COMPLETE,
             S.DISAGG_CONTEXT_TRANS_IN_PROGRESS,
             S.DISAGG_TRANS_ERROR,
         }
     ),
-    S.GENERATION_IN_PROGRESS: frozenset({S.GENERATION_COMPLETE, S.CONTEXT_INIT}),
+    S.GENERATION_IN_PROGRESS: frozenset({S.GENERATION_COMPLETE, S.QUEUED}),
     S.GENERATION_COMPLETE: frozenset(),
     S.DISAGG_GENERATION_INIT: frozenset(
         {S.DISAGG_GENERATION_TRANS_IN_PROGRESS, S.DISAGG_TRANS_ERROR, S.GENERATION_COMPLETE}
@@ -51,7 +62,7 @@ ALLOWED_TRANSITIONS: dict[LlmRequestState, frozenset[LlmRequestState]] = {
         {S.DISAGG_GENERATION_TRANS_COMPLETE, S.DISAGG_TRANS_ERROR, S.GENERATION_COMPLETE}
     ),
     S.DISAGG_GENERATION_TRANS_COMPLETE: frozenset(
-        {S.GENERATION_IN_PROGRESS, S.GENERATION_COMPLETE, S.CONTEXT_INIT}
+        {S.GENERATION_IN_PROGRESS, S.GENERATION_COMPLETE, S.QUEUED}
     ),
     S.DISAGG_CONTEXT_TRANS_IN_PROGRESS: frozenset(
         {S.DISAGG_CONTEXT_COMPLETE, S.DISAGG_TRANS_ERROR}

@@ -235,6 +235,13 @@ class KVCacheManager(BaseResourceManager):
         self.block_tables[request.request_id] = list(hit)
         return len(hit) * self.block_size
 
+    def needed_to_admit(self, request: LlmRequest, lookahead: int = 1) -> int:
+        """Blocks still missing for the request's whole context plus `lookahead` new tokens
+        (never past what it can ever hold): what incremental reservation asks at admission."""
+        tokens = min(request.num_tokens + lookahead, request.max_total_tokens())
+        held = len(self.block_tables.get(request.request_id, ()))
+        return max(0, cdiv(max(tokens, request.num_tokens), self.block_size) - held)
+
     def blocks_to_allocate(self, request: LlmRequest, num_new_tokens: int) -> int:
         held = len(self.block_tables.get(request.request_id, ()))
         need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)

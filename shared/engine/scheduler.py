@@ -2,11 +2,15 @@
 
 Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
 the next chunk), then waiting requests FCFS while a seat, batch room, token budget and blocks
-remain; a fresh request is admitted only if the blocks it needs to completion
-(`get_needed_resource_to_completion`) are free at that moment. When running requests need more
-blocks than are free, the newest running request is preempted by full release and re-queued at
-the front (recompute), never by pausing alone: a paused request keeping its seat would be
-double-seated when it resumes.
+remain. Waiting requests are QUEUED ones (holding nothing: fresh, or preempted) and, on a decode
+node, requests whose KV arrived (holding their prompt's blocks). Reservation is incremental: a
+QUEUED request is admitted when the blocks for its context plus its first new token
+(`admit_lookahead`) are free, and grows block by block as it decodes. When running requests need
+more blocks than are free, the newest running request is preempted by full release and re-queued
+QUEUED at the front (recompute), never by pausing alone: a paused request keeping its seat would
+be double-seated when it resumes. Preempting the newest means the oldest running request always
+progresses, and every request alone fits the pool (admission refuses those that cannot), so the
+queue drains.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from shared.engine.resource_manager import KVCacheManager, SeqSlotManager
 class SchedulerConfig:
     max_batch_size: int = 32
     max_num_tokens: int = 512  # token budget per step; prompts longer than this are chunked
+    # tokens past the context a QUEUED request needs blocks for at admission: 1 (its first
+    # generated token) where the node decodes; 0 on a prefill node, whose requests end there
+    admit_lookahead: int = 1
 
     def validate(self) -> None:
         if self.max_batch_size < 1:
@@ -68,6 +75,13 @@ class Scheduler:
         self._release = release  # the engine's free_request_resources (sampler, KV, seat)
         self.waiting: deque[LlmRequest] = deque()
         self.running: list[LlmRequest] = []
+        self.num_preemptions = 0  # since start: pdserve_preemptions_total
+
+    @property
+    def has_queued(self) -> bool:
+        """A QUEUED request (fresh or preempted) waits here: it comes before anything that a
+        node's own admission queue would admit after it."""
+        return any(r.state == LlmRequestState.QUEUED for r in self.waiting)
 
     def add_request(self, request: LlmRequest) -> None:
         self.waiting.append(request)
@@ -139,10 +153,11 @@ class Scheduler:
                     request.cached_tokens = cached
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.kv.blocks_to_allocate(request, num_new)
-            # a fresh request starts only if it could run to completion in what is free now;
-            # otherwise it would grow into blocks that requests waiting behind it hold, be
-            # preempted, restart, and never finish
-            admit_need = self.kv.get_needed_resource_to_completion(request) if fresh else need
+            # incremental reservation: a fresh request starts once its context and first new
+            # token fit; it grows as it decodes, and preemption of the newest keeps the oldest
+            # progressing
+            lookahead = self.config.admit_lookahead
+            admit_need = self.kv.needed_to_admit(request, lookahead) if fresh else need
             if max(need, admit_need) > self.kv.num_free_blocks - reserved:
                 if fresh:  # give the prefix back; it is matched again next step
                     self.kv.free_resources(request)
@@ -151,6 +166,8 @@ class Scheduler:
                 i += 1
                 continue
             del self.waiting[i]
+            if request.state == LlmRequestState.QUEUED:
+                request.transition(LlmRequestState.CONTEXT_INIT)
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -176,8 +193,8 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self._release(request)
-        if request.state != LlmRequestState.CONTEXT_INIT:
-            request.transition(LlmRequestState.CONTEXT_INIT)
+        request.transition(LlmRequestState.QUEUED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)

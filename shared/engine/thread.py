@@ -37,6 +37,8 @@ class EngineSnapshot:
     blocks_pinned: int = 0
     blocks_cached: int = 0
     requests_by_state: dict[str, int] = field(default_factory=dict)
+    queued: int = 0  # requests holding nothing while they wait for blocks
+    preemptions: int = 0  # since start
     waiting: int = 0
     running: int = 0
     steps: int = 0
@@ -96,6 +98,8 @@ class EngineThread:
                     self._commands.clear()
                 for fn, fut in commands:
                     self._run_command(fn, fut)
+                if commands:
+                    self.core.admit_queued()  # a command (abort, failure) may free blocks
                 if self.core.has_work:
                     deltas = self.core.step()
                     if deltas:
@@ -138,6 +142,8 @@ class EngineThread:
             blocks_pinned=blocks.num_pinned_blocks,
             blocks_cached=blocks.num_cached_blocks,
             requests_by_state=states,
+            queued=states[LlmRequestState.QUEUED.name],
+            preemptions=core.scheduler.num_preemptions,
             waiting=len(core.scheduler.waiting),
             running=len(core.scheduler.running),
             steps=core.num_steps,

@@ -27,7 +27,8 @@ from shared.engine.cuda_graph_padding import (
     default_kv_buckets,
 )
 from shared.engine.utils import cdiv
-from shared.model.attention import AttentionGroup, ForwardBatch, GatherScratch, SeqEntry
+from shared.model.attention import GatherScratch
+from shared.model.forward_batch import AttentionGroup, ForwardBatch, SeqEntry
 
 if TYPE_CHECKING:
     from shared.engine.request import LlmRequest

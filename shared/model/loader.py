@@ -86,7 +86,10 @@ def tiny_config() -> ModelConfig:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """`--dtype auto`: bf16 on CUDA and on CPUs with AMX / AVX-512 BF16, else fp32."""
+    from shared.engine.config import auto_dtype
+
+    return auto_dtype(torch.device(device).type)
 
 
 def load_model(

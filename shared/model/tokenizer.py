@@ -16,17 +16,21 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer(ABC):
+    def __init__(self, bos_token_id: int | None, eos_token_ids: Iterable[int]) -> None:
+        self._bos = bos_token_id
+        self._eos = frozenset(eos_token_ids)
+
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
 
     @property
-    @abstractmethod
-    def bos_token_id(self) -> int | None: ...
+    def bos_token_id(self) -> int | None:
+        return self._bos
 
     @property
-    @abstractmethod
-    def eos_token_ids(self) -> frozenset[int]: ...
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
 
     @abstractmethod
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
@@ -48,8 +52,7 @@ class ByteTokenizer(Tokenizer):
     ) -> None:
         if vocab_size < 256:
             raise ValueError(f"a byte tokenizer needs vocab_size >= 256, got {vocab_size}")
-        self._bos = bos_token_id
-        self._eos = frozenset(eos_token_ids)
+        super().__init__(bos_token_id, eos_token_ids)
         self.pad_token_id = pad_token_id
         self._vocab_size = vocab_size
         specials = {t for t in (bos_token_id, pad_token_id, *self._eos) if t is not None}
@@ -58,14 +61,6 @@ class ByteTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -107,9 +102,8 @@ class HfTokenizer(Tokenizer):
         bos_token_id: int | None,
         eos_token_ids: Iterable[int],
     ) -> None:
+        super().__init__(bos_token_id, eos_token_ids)
         self._tok = tokenizer
-        self._bos = bos_token_id
-        self._eos = frozenset(eos_token_ids)
 
     @classmethod
     def from_file(
@@ -129,14 +123,6 @@ class HfTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

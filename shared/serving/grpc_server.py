@@ -32,11 +32,18 @@ GRPC_SERVER_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 class GenerateError(Exception):
-    """A generation request failed; `code` is the status to report (HTTP maps it to its own)."""
+    """A generation request failed; `code` is the status to report (HTTP maps it to its own),
+    `retry_after_s` a hint for refusals (gRPC trailing metadata "retry-after", HTTP
+    Retry-After)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return () if self.retry_after_s is None else (("retry-after", str(self.retry_after_s)),)
 
 
 def layout_info(layout: KvLayout) -> generation_pb2.KvLayoutInfo:
@@ -195,6 +202,16 @@ class NodeMetrics:
         self.ttft = self._latency("pdserve_time_to_first_token_seconds", "Time to first token")
         self.itl = self._latency(
             "pdserve_inter_token_latency_seconds", "Time between streamed tokens"
+        )
+        self.queue_seconds = self._latency(
+            "pdserve_queue_seconds",
+            "Time a request waited, holding nothing, for KV blocks (admission queue)",
+        )
+        register_scrape_counter(
+            r,
+            "pdserve_preemptions_total",
+            "Requests preempted (full release, re-queued for recompute) when blocks ran out",
+            lambda: float(snapshot().preemptions),
         )
         self.requests_total = Counter(
             "pdserve_requests_total",

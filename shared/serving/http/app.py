@@ -14,7 +14,7 @@ import contextlib
 import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
+from shared.serving.http.render import Renderer, Rendering, merge_logprobs
 from shared.serving.http.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -83,9 +84,7 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     install_error_handlers(app)
-    app.add_middleware(
-        ApiGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes
-    )
+    app.add_middleware(ApiGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
     app.router.routes.extend(metrics_routes(registry, lambda: backend.healthy))
     version = _version()
 
@@ -127,9 +126,10 @@ async def _answer(
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
     deadline = service.deadline(request.headers.get("x-request-timeout"))
+    renderer = Renderer(Rendering.of(body), service.token_texts, jobs)
     pieces = service.pieces(rid, jobs, deadline)
     if not body.stream:
-        collect = _collect(service, rid, created, pieces, chat, len(jobs))
+        collect = _collect(service, rid, created, pieces, renderer, jobs)
         return await until_disconnect(request, collect)
     # the first token is awaited before the headers go out, so that admission errors (429, 503,
     # 400 from the prefill node) keep their HTTP status instead of becoming an SSE error event
@@ -142,7 +142,7 @@ async def _answer(
         rid,
         service.model_name,
         created,
-        chat=chat,
+        renderer,
         usage=body.include_usage,
         continuous=body.continuous_usage,
     )
@@ -156,22 +156,32 @@ async def _collect(
     rid: str,
     created: int,
     pieces: AsyncIterator[Piece],
-    chat: bool,
-    n: int,
+    renderer: Renderer,
+    jobs: list[Job],
 ) -> Response:
+    n = sum(job.params.n for job in jobs)
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
+    prompt_logprobs: dict[int, list[Any] | None] = {}
     last: dict[int, Piece] = {}
     async with contextlib.aclosing(pieces):  # type: ignore[type-var]
         async for piece in pieces:
-            texts[piece.index].append(piece.text)
+            shown = renderer.render(piece)
+            texts[piece.index].append(shown.text)
+            if shown.logprobs is not None:
+                logprobs[piece.index].append(shown.logprobs)
+            if shown.prompt_logprobs is not None:
+                prompt_logprobs[piece.index] = shown.prompt_logprobs
             last[piece.index] = piece
     usage = usage_of(last)
     common = {"id": rid, "created": created, "model": service.model_name, "usage": usage}
+    chat = renderer.rendering.chat
     if chat:
         choices = [
             ChatChoice(
                 index=i,
                 message=AssistantMessage(content="".join(texts[i])),
+                logprobs=merge_logprobs(True, logprobs[i]),
                 finish_reason=last[i].finish_reason,
             )
             for i in range(n)
@@ -181,7 +191,13 @@ async def _collect(
         )
     else:
         completions = [
-            CompletionChoice(index=i, text="".join(texts[i]), finish_reason=last[i].finish_reason)
+            CompletionChoice(
+                index=i,
+                text="".join(texts[i]),
+                logprobs=merge_logprobs(False, logprobs[i]),
+                finish_reason=last[i].finish_reason,
+                prompt_logprobs=prompt_logprobs.get(i),
+            )
             for i in range(n)
         ]
         out = CompletionResponse(choices=completions, **common)

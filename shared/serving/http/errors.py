@@ -91,7 +91,10 @@ def from_generate_error(e: GenerateError) -> ApiError:
     param = match.group(1) if match else ("prompt" if "prompt" in message else None)
     message = _FIELD_RE.sub(r"\1", message)
     code = {429: "rate_limit_exceeded", 503: "unavailable", 504: "timeout"}.get(status)
-    return ApiError(status, message, param=param if status == 400 else None, code=code)
+    headers = {} if e.retry_after_s is None else {"Retry-After": str(e.retry_after_s)}
+    return ApiError(
+        status, message, param=param if status == 400 else None, code=code, headers=headers
+    )
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:

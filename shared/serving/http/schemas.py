@@ -1,8 +1,8 @@
 """OpenAI request and response shapes (the subset pdserve serves), as pydantic models.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; fields pdserve knows but does not
-implement yet are declared so that `unsupported_fields` can refuse them by name instead of
-dropping them silently.
+implement are declared so that `unsupported_fields` can refuse them by name instead of dropping
+them silently.
 """
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from shared.engine.sampling_params import MAX_LOGPROBS, MAX_N
+
 # Token ids and counts: an int that is not a bool and not a float with no fraction.
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Prompt = StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
+TopK = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[StrictFloat, Field(ge=-2, le=2)]  # OpenAI's range
 
 
 class StreamOptions(BaseModel):
@@ -22,7 +26,9 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """The fields completions and chat share."""
+    """The fields completions and chat share. Ranges are checked here, so that a bad value is a
+    400 naming the field as the client spelled it; engine-level checks (vocabulary, context)
+    follow in `DecodeNode.validate`."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -37,30 +43,27 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    # known, not implemented yet: refused with a 400 naming them when set
-    n: StrictInt | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
-    logit_bias: dict[str, Any] | None = None
-    min_tokens: StrictInt | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0)] | None = None  # vLLM extension
+    # OpenAI's shape: token ids as strings -> bias in [-100, 100]
+    logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-100, le=100)]] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension
+    stop_token_ids: list[TokenId] | None = None  # vLLM extension
+    # known, not implemented: refused with a 400 naming them when set
     min_p: StrictFloat | None = None
-    best_of: StrictInt | None = None
+    best_of: Annotated[StrictInt, Field(ge=1)] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
     def unsupported_fields(self) -> list[str]:
-        """Fields set to something pdserve cannot honour yet (their no-op values pass)."""
+        """Fields set to something pdserve cannot honour (their no-op values pass)."""
         bad = []
         no_ops: dict[str, tuple[object, ...]] = {
-            "n": (None, 1),
-            "best_of": (None, 1),
-            "presence_penalty": (None, 0, 0.0),
-            "frequency_penalty": (None, 0, 0.0),
-            "repetition_penalty": (None, 1, 1.0),
-            "logit_bias": (None, {}),
-            "min_tokens": (None, 0),
+            # best_of = n samples exactly the n completions returned; more would need ranking
+            "best_of": (None, self.n or 1),
             "min_p": (None, 0, 0.0),
             "response_format": (None, {"type": "text"}),
             "tools": (None, []),
@@ -80,6 +83,11 @@ class _Sampling(BaseModel):
         return self.max_tokens
 
     @property
+    def generated_logprobs(self) -> int | None:
+        """Alternatives per generated token (None: no logprobs)."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -91,12 +99,24 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    logprobs: StrictInt | None = None
+    logprobs: TopK | None = None
     echo: StrictBool = False
+    prompt_logprobs: TopK | None = None  # vLLM extension
     suffix: StrictStr | None = None
 
     def _extra_no_ops(self) -> dict[str, tuple[object, ...]]:
-        return {"logprobs": (None,), "echo": (False,), "suffix": (None, "")}
+        return {"suffix": (None, "")}
+
+    @property
+    def generated_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes for the prompt: echo with logprobs needs them too."""
+        echoed = self.logprobs if self.echo else None
+        present = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(present) if present else None
 
 
 class TextPart(BaseModel):
@@ -123,11 +143,12 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: TopK | None = None
     add_generation_prompt: StrictBool = True
 
-    def _extra_no_ops(self) -> dict[str, tuple[object, ...]]:
-        return {"logprobs": (None, False), "top_logprobs": (None, 0)}
+    @property
+    def generated_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -150,11 +171,34 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: parallel lists, one entry per token; `top_logprobs`
+    maps token text to logprob (the top k, plus the chosen token when it is not among them);
+    the first prompt token (echo) has no logprob: null."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry (keyed by the token id as a string)."""
+
+    logprob: float
+    rank: int | None = None  # 1-based rank when among the top k computed, else unknown
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    # only when asked (vLLM extension): one per prompt token, the first null
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -171,10 +215,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

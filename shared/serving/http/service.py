@@ -1,9 +1,10 @@
 """The OpenAI API over the decode node's one request path.
 
-A request becomes one or more prompts (a batch is one engine request per prompt, its choices
-indexed), each prompt runs through `backend.generate` (the same async generator the gRPC
-Generate handler consumes), and the deltas come back as `Piece`s. Nothing here allocates engine
-resources itself: closing or cancelling a piece stream releases the request on both nodes.
+A request becomes one or more prompts (a batch is one engine request per prompt, each with its
+n completions; choice i * n + j is prompt i's completion j), each prompt runs through
+`backend.generate` (the same async generator the gRPC Generate handler consumes), and the deltas
+come back as `Piece`s. Nothing here allocates engine resources itself: closing or cancelling a
+piece stream releases the request, all n completions, on both nodes.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from shared.engine.core import EngineCore
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.chat_template import ChatTemplate, ChatTemplateError
 from shared.model.loader import LoadedModel
 from shared.serving.http.errors import ApiError
+from shared.serving.http.logprobs import TokenTexts
+from shared.serving.http.sampling import to_sampling_params
 from shared.serving.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,15 +35,11 @@ from shared.serving.http.schemas import (
     Usage,
 )
 
-# OpenAI's defaults for what neither the request nor generation_config.json sets
-OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
 
 class RequestStats(Protocol):
     prompt_len: int
     cached_tokens: int
-    completion_tokens: int
+    tokens_by_index: dict[int, int]  # completion tokens of each of the request's n completions
 
 
 class Backend(Protocol):
@@ -68,63 +68,29 @@ class HttpApiConfig:
 
 @dataclass(frozen=True)
 class Job:
+    """One prompt of a request: one engine request with params.n completions, its choices
+    indexed index * n + j (OpenAI's and vLLM's order)."""
+
     index: int
     prompt: list[int]
     params: SamplingParams
+    prompt_text: str = ""  # what echo prepends (the prompt as given, or its ids decoded)
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One delta of one choice, with the request's running usage."""
+    """One delta of one choice, with its running usage."""
 
-    index: int
+    index: int  # the choice
+    job: int  # the prompt it completes
     text: str
     finish_reason: str | None
     prompt_tokens: int
     cached_tokens: int
-    completion_tokens: int
-
-
-def to_sampling_params(
-    req: CompletionRequest | ChatCompletionRequest,
-    defaults: dict[str, Any],
-    prompt_len: int,
-    context_limit: int,
-) -> SamplingParams:
-    """The one mapping from an OpenAI request to SamplingParams: request, else the model's
-    generation_config.json, else OpenAI's defaults. Engine-level ranges are checked later."""
-    unsupported = req.unsupported_fields()
-    if unsupported:
-        raise ApiError(
-            400,
-            f"not supported by pdserve yet: {', '.join(unsupported)}",
-            param=unsupported[0],
-            code="unsupported_parameter",
-        )
-    max_tokens = req.requested_max_tokens
-    if max_tokens is None:
-        room = max(1, context_limit - prompt_len)
-        chat = isinstance(req, ChatCompletionRequest)
-        fallback = room if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-        max_tokens = min(int(defaults.get("max_new_tokens") or fallback), room)
-
-    def pick(name: str) -> Any:
-        value = getattr(req, name)
-        if value is not None:
-            return value
-        return defaults.get(name, OPENAI_DEFAULTS[name])
-
-    top_k = int(pick("top_k"))
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=float(pick("temperature")),
-        top_p=float(pick("top_p")),
-        top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "off"
-        seed=req.seed,
-        stop=stop,
-        ignore_eos=req.ignore_eos,
-    )
+    completion_tokens: int  # this choice's so far
+    logprobs: list[TokenLogprobs] | None = None  # one per token of the delta, when asked
+    # on a choice's first piece, when the engine computed them: one per prompt token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def load_chat_template(path: str, loaded: LoadedModel) -> ChatTemplate:
@@ -151,6 +117,7 @@ class OpenAIService:
         self.chat_template = config.chat_template or loaded.chat_template
         self.defaults = dict(loaded.generation_defaults)
         self.created = int(time.time())
+        self.token_texts = TokenTexts(backend.core.tokenizer)
 
     @property
     def tokenizer(self):
@@ -175,13 +142,21 @@ class OpenAIService:
             )
 
     # ---- prompts --------------------------------------------------------------------------
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    def completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+        """Each prompt's ids, with its text for echo (token ids given: decoded)."""
         prompt = req.prompt
-        if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
-        if not prompt or isinstance(prompt[0], int):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            batch = [prompt]
+        else:
+            batch = list(prompt)
+        out = []
+        for p in batch:
+            if isinstance(p, str):
+                out.append((self.tokenizer.encode(p), p))
+            else:
+                ids = list(p)  # type: ignore[arg-type]
+                out.append((ids, self.tokenizer.decode(ids) if req.echo else ""))
+        return out
 
     def render_chat(self, req: ChatCompletionRequest) -> str:
         if self.chat_template is None:
@@ -200,21 +175,24 @@ class OpenAIService:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
         # the template already wrote BOS and the role markers: no second set of specials
-        return self.tokenizer.encode(self.render_chat(req), add_special_tokens=False)
+        text = self.render_chat(req)
+        return self.tokenizer.encode(text, add_special_tokens=False), text
 
     def jobs(
-        self, req: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]]
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: Sequence[tuple[list[int], str]],
     ) -> list[Job]:
         core = self.backend.core
         # a default max_tokens must also fit this node's whole KV pool (validate_request)
         pool_tokens = core.kv_manager.blocks.num_blocks * core.config.block_size
         limit = min(core.max_model_len, pool_tokens)
         jobs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, text) in enumerate(prompts):
             params = to_sampling_params(req, self.defaults, len(prompt), limit)
-            jobs.append(Job(i, prompt, self.backend.validate(prompt, params)))
+            jobs.append(Job(i, prompt, self.backend.validate(prompt, params), text))
         return jobs
 
     # ---- generation -----------------------------------------------------------------------
@@ -224,18 +202,28 @@ class OpenAIService:
 
     async def run(self, rid: str, job: Job, deadline: float | None) -> AsyncIterator[Piece]:
         gen = self.backend.generate(f"{rid}-{job.index}", job.prompt, job.params, deadline)
+        n = job.params.n
+        started: set[int] = set()
+        prompt_logprobs = None  # the prompt's, computed once for all n (on completion 0)
         async with contextlib.aclosing(gen):
             async for stats, delta in gen:
                 if delta.finish_reason is FinishReason.ABORTED:
                     raise ApiError(503, "the request was aborted: the node is shutting down")
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs = delta.prompt_logprobs
+                first = delta.index not in started
+                started.add(delta.index)
                 finish = None if delta.finish_reason is None else delta.finish_reason.value
                 yield Piece(
-                    job.index,
-                    delta.text,
-                    finish,
-                    stats.prompt_len,
-                    stats.cached_tokens,
-                    stats.completion_tokens,
+                    index=job.index * n + delta.index,
+                    job=job.index,
+                    text=delta.text,
+                    finish_reason=finish,
+                    prompt_tokens=stats.prompt_len,
+                    cached_tokens=stats.cached_tokens,
+                    completion_tokens=stats.tokens_by_index.get(delta.index, 0),
+                    logprobs=delta.logprobs,
+                    prompt_logprobs=prompt_logprobs if first else None,
                 )
 
     def pieces(self, rid: str, jobs: list[Job], deadline: float | None) -> AsyncIterator[Piece]:
@@ -244,12 +232,15 @@ class OpenAIService:
 
 
 def usage_of(last: dict[int, Piece]) -> Usage:
-    prompt = sum(p.prompt_tokens for p in last.values())
+    """From each choice's latest piece: the prompt counted once per prompt (its n choices
+    share it), completion tokens summed over every choice."""
+    prompts = {p.job: p for p in last.values()}
+    prompt = sum(p.prompt_tokens for p in prompts.values())
     completion = sum(p.completion_tokens for p in last.values())
     usage = Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
-    usage.prompt_tokens_details.cached_tokens = sum(p.cached_tokens for p in last.values())
+    usage.prompt_tokens_details.cached_tokens = sum(p.cached_tokens for p in prompts.values())
     return usage
 
 

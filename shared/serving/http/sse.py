@@ -12,6 +12,7 @@ from typing import Any
 
 from shared.serving.grpc_server import GenerateError
 from shared.serving.http.errors import ApiError, from_generate_error
+from shared.serving.http.render import Renderer
 from shared.serving.http.service import Piece, usage_of
 
 log = logging.getLogger(__name__)
@@ -24,10 +25,19 @@ class ChunkWriter:
     """Builds one request's chunks (completion or chat), tracking running usage per choice."""
 
     def __init__(
-        self, rid: str, model: str, created: int, *, chat: bool, usage: bool, continuous: bool
+        self,
+        rid: str,
+        model: str,
+        created: int,
+        renderer: Renderer,
+        *,
+        usage: bool,
+        continuous: bool,
     ) -> None:
-        self.chat, self.usage, self.continuous = chat, usage, continuous
-        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.renderer = renderer
+        self.chat = renderer.rendering.chat
+        self.usage, self.continuous = usage, continuous
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.last: dict[int, Piece] = {}
         # every chunk starts the same: serialise that part once, not once per token
         head = {"id": rid, "object": self.object, "created": created, "model": model}
@@ -42,25 +52,30 @@ class ChunkWriter:
     def piece(self, piece: Piece) -> bytes:
         first = piece.index not in self.last
         self.last[piece.index] = piece
+        shown = self.renderer.render(piece)
         out = b""
         if self.chat:
             if first:  # OpenAI's first chat chunk names the role
                 role = {"role": "assistant", "content": ""}
-                out += self._chunk([self._choice(piece.index, role, None)])
-            body: dict[str, Any] = {"content": piece.text} if piece.text else {}
-            choice = self._choice(piece.index, body, piece.finish_reason)
+                out += self._chunk([self._choice(piece.index, role, None, None)])
+            body: dict[str, Any] = {"content": shown.text} if shown.text else {}
+            choice = self._choice(piece.index, body, shown.logprobs, piece.finish_reason)
         else:
             choice = {
                 "index": piece.index,
-                "text": piece.text,
-                "logprobs": None,
+                "text": shown.text,
+                "logprobs": shown.logprobs,
                 "finish_reason": piece.finish_reason,
             }
+            if shown.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = shown.prompt_logprobs
         return out + self._chunk([choice])
 
     @staticmethod
-    def _choice(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _choice(
+        index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish: str | None
+    ) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def final(self) -> bytes:
         if not self.usage:

@@ -1,0 +1,199 @@
+"""The flags of every `pdserve` subcommand: one function per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.serving import limits
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
+    )
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=0, help="0: size from --kv-cache-mb")
+    g.add_argument("--kv-cache-mb", type=int, default=256)
+    g.add_argument("--max-batch-size", type=int, default=32)
+    g.add_argument("--max-num-tokens", type=int, default=512, help="per-step token budget")
+    g.add_argument("--max-model-len", type=int, default=0)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--device", default="auto")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on CUDA and on CPUs with AMX / AVX-512 BF16, else float32), float32, "
+        "bfloat16 or float16",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode steps through CUDA graphs (CUDA only; ignored on CPU)",
+    )
+    g.add_argument("--log-level", default="info")
+
+
+def _server_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (gRPC)")
+    g.add_argument("--tls-cert", default="", help="server certificate (PEM); enables TLS")
+    g.add_argument("--tls-key", default="", help="server private key (PEM)")
+    g.add_argument("--tls-client-ca", default="", help="require client certs signed by this CA")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Prefill/decode disaggregated LLM serving"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_up(sub)
+    _add_export_hf(sub)
+    _add_prefill(sub)
+    _add_decode(sub)
+    _add_proxy(sub)
+    _add_bench(sub)
+    _add_generate(sub)
+    return parser
+
+
+# one function per subcommand: `sub` is the parser's subparsers action
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start a local cluster (separate processes)")
+    up.add_argument("--model", default="tiny", help="as for prefill/decode, e.g. smollm2")
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
+    up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    up.add_argument("--port", type=int, default=50051, help="first decode node's gRPC port")
+    up.add_argument(
+        "--http-port", type=int, default=8000, help="first decode node's HTTP port (-1: off)"
+    )
+    up.add_argument(
+        "--run",
+        metavar="PROMPT",
+        default=None,
+        help="start, stream one greedy answer to PROMPT (as a chat user message when the model "
+        "has a chat template), then stop (the newcomer's demo)",
+    )
+    up.add_argument("--max-tokens", type=int, default=32, help="with --run")
+
+
+def _add_export_hf(sub: argparse._SubParsersAction) -> None:
+    ex = sub.add_parser("export-hf", help="write a model as a Hugging Face directory")
+    ex.add_argument("--model", required=True, help="tiny, smollm2, a GGUF file or an HF directory")
+    ex.add_argument("out_dir", help="directory to write (created if missing)")
+    ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _add_prefill(sub: argparse._SubParsersAction) -> None:
+    pf = sub.add_parser("prefill", help="run one prefill node")
+    _engine_args(pf)
+    pf.add_argument("--host", default="127.0.0.1")
+    pf.add_argument("--port", type=int, default=50061)
+    pf.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
+    _server_tls_args(pf)
+
+
+def _add_decode(sub: argparse._SubParsersAction) -> None:
+    dc = sub.add_parser("decode", help="run one decode node (the public front door)")
+    _engine_args(dc)
+    dc.add_argument("--prefill", required=True, help="HOST:PORT[,HOST:PORT...] of prefill nodes")
+    dc.add_argument("--host", default="127.0.0.1")
+    dc.add_argument("--port", type=int, default=50051)
+    _ucx_args(dc)
+    dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
+    _http_args(dc)
+    _decode_limit_args(dc)
+    dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
+    _server_tls_args(dc)
+    client_tls_args(dc, "prefill-", "CA that signed the prefill nodes' certs")
+
+
+def _ucx_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ucx-host",
+        default="127.0.0.1",
+        help="this node's KV transfer address, given to prefill nodes (and bound, see --ucx-bind)",
+    )
+    p.add_argument("--ucx-port", type=int, default=0, help="KV listener port (0: ephemeral)")
+    p.add_argument(
+        "--ucx-bind",
+        default=None,
+        metavar="ADDR",
+        help="address the KV listener binds (default: --ucx-host; 0.0.0.0 for every interface)",
+    )
+
+
+def _decode_limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-transfer-timeout", type=float, default=limits.KV_TRANSFER_TIMEOUT_S, help="seconds"
+    )
+    p.add_argument(
+        "--prefill-timeout", type=float, default=limits.PREFILL_TIMEOUT_S, help="seconds"
+    )
+    p.add_argument("--prefill-retries", type=int, default=1)
+    p.add_argument(
+        "--max-inflight", type=int, default=256, help="requests holding KV blocks at once"
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=1024,
+        help="requests waiting (holding nothing) for KV blocks; past it RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=limits.HEALTH_CHECK_INTERVAL_S,
+        help="seconds",
+    )
+
+
+def _add_proxy(sub: argparse._SubParsersAction) -> None:
+    from pdserve.proxy import add_arguments as add_proxy_arguments
+
+    add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from pdserve.cli import BENCHMARKS
+
+    bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)}")
+    bench.add_argument("name", choices=list(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="stream a completion from a decode node")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=120.0)
+    client_tls_args(gen, "", "verify the server with this CA (enables TLS)")
+
+
+def client_tls_args(p: argparse.ArgumentParser, prefix: str, ca_help: str) -> None:
+    """--{prefix}tls-ca/-cert/-key: how this process, as a gRPC client, verifies and proves."""
+    p.add_argument(f"--{prefix}tls-ca", default="", help=ca_help)
+    p.add_argument(f"--{prefix}tls-cert", default="", help="client certificate (mutual TLS)")
+    p.add_argument(f"--{prefix}tls-key", default="", help="client key (mutual TLS)")
+
+
+def _http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible HTTP API, also /metrics /health /version (0: ephemeral, -1: off)",
+    )
+    p.add_argument("--served-model-name", default="", help="the `model` HTTP requests name")
+    p.add_argument("--api-key", default=None, help="require this HTTP bearer token")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="override the model's")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)

@@ -1,0 +1,61 @@
+"""What a node can ever serve: a request outside these limits is rejected before anything is
+allocated, with a message naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.engine.errors import RequestRejected
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.utils import cdiv
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int  # the whole KV pool
+    max_num_sequences: int  # seats
+    context_only: bool  # a prefill node holds the prompt only
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestRejected naming the field."""
+        try:
+            params.validate(self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+        if not prompt_token_ids:
+            raise RequestRejected("prompt is empty: send non-empty text or token_ids")
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad} is out of range [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(prompt_token_ids)} tokens) + sampling.max_tokens "
+                f"({params.max_tokens}) = {total} exceeds the model's context of "
+                f"{self.max_model_len} tokens"
+            )
+        self._check_fits_alone(prompt_token_ids, params)
+
+    def _check_fits_alone(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Never admissible: it could not finish even alone on this node."""
+        tokens = len(prompt_token_ids) + (0 if self.context_only else params.max_tokens - 1)
+        need = cdiv(tokens, self.block_size)
+        if not self.context_only:
+            # n completions share only the prompt's full blocks
+            need += (params.n - 1) * (need - len(prompt_token_ids) // self.block_size)
+            if params.n > self.max_num_sequences:
+                raise RequestRejected(
+                    f"sampling.n ({params.n}) exceeds this node's {self.max_num_sequences} seats"
+                )
+        if need > self.num_blocks:
+            what = "prompt" if self.context_only else "prompt + sampling.max_tokens"
+            raise RequestRejected(
+                f"request needs {need} KV blocks for its {what} ({tokens} tokens) but this "
+                f"node's whole pool has {self.num_blocks}; it could never "
+                "be served here: shorten the prompt or max_tokens"
+            )

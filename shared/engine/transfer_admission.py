@@ -1,0 +1,163 @@
+"""Decode-side admission: a `Generate` request waits QUEUED (no seat, no block) until the blocks
+for its prompt and first generated token are free, then gets them reserved and pinned for the
+incoming KV transfer (DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS).
+
+Runs on the engine thread, driven by the EngineCore after every step and command (the only
+moments blocks can free up). Admission is FIFO through `AdmissionQueue`, and defers to requests
+the scheduler itself holds QUEUED (preempted for recompute): they were admitted earlier, and
+letting new transfers take the blocks they wait for would starve them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shared.engine.admission_queue import AdmissionQueue, QueueEntry, QueueFull
+from shared.engine.request import FinishReason, LlmRequest, LlmRequestState
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.utils import cdiv
+
+if TYPE_CHECKING:
+    from shared.engine.core import EngineCore
+
+S = LlmRequestState
+DEFAULT_MAX_QUEUED = 1024
+
+
+class AdmissionClosed(RuntimeError):
+    """The node is draining (shutting down): nothing new is queued (mapped to UNAVAILABLE)."""
+
+
+@dataclass
+class TransferGrant:
+    """What an admitted request needs for its transfer: the blocks the prefill node fills and the
+    prompt block index of the first of them (the ones before it are this node's prefix hit)."""
+
+    request: LlmRequest
+    blocks: list[int]
+    first_block: int
+    queue_seconds: float
+
+
+# (request_id, grant) on admission, (request_id, None) when its deadline passed in the queue
+AdmissionCallback = Callable[[str, TransferGrant | None], None]
+
+
+class TransferAdmission:
+    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED, max_admitted: int | None = None):
+        self.queue: AdmissionQueue[LlmRequest] = AdmissionQueue(max_queued)
+        self.max_admitted = max_admitted  # requests past the queue at once (--max-inflight)
+        self.on_admission: AdmissionCallback | None = None
+        self._grants: dict[str, TransferGrant] = {}  # admitted this round, not yet reported
+        self.closed = False  # set by drain: a request racing the shutdown is not queued
+
+    def configure(self, max_queued: int, max_admitted: int | None) -> None:
+        self.queue.max_queued = max_queued
+        self.max_admitted = max_admitted
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def enqueue(
+        self,
+        core: EngineCore,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        deadline: float | None = None,
+    ) -> LlmRequest:
+        """Validate, create the request QUEUED and queue it (then try to admit at once).
+        Raises RequestRejected (bad input, or a request the pool could never hold) or
+        ResourcesExhausted (queue full, with `retry_after_s`)."""
+        from shared.engine.core import ResourcesExhausted
+
+        if self.closed:
+            raise AdmissionClosed("node is shutting down: retry on another node")
+        request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED)
+        now = time.monotonic()
+        entry = QueueEntry(request_id, request, now, deadline)
+        if not self.queue and self._admit_now(core, entry):
+            return request  # it fits now: it never counts against the queue's bound
+        try:
+            self.queue.push(request.request_id, request, now, deadline)
+        except QueueFull as e:
+            core.finish_request(request, FinishReason.ABORTED)
+            raise ResourcesExhausted(str(e), e.retry_after_s) from None
+        self.admit(core)
+        return request
+
+    def forget(self, request_id: str) -> None:
+        """A cancel: the request leaves the queue; it held nothing."""
+        self.queue.remove(request_id)
+
+    def drain(self, core: EngineCore) -> list[str]:
+        """Shutting down: end every queued request (ABORTED) and queue no more; returns their
+        ids."""
+        self.closed = True
+        ids = self.queue.keys()
+        for rid in ids:
+            request = core.requests.get(rid)
+            if request is not None:
+                core.finish_request(request, FinishReason.ABORTED)
+        return ids
+
+    def admit(self, core: EngineCore) -> None:
+        if not self.queue:
+            return
+        now = time.monotonic()
+        for entry in self.queue.pop_expired(now):
+            core.finish_request(entry.item, FinishReason.ABORTED)
+            if self.on_admission is not None:
+                self.on_admission(entry.key, None)
+        for entry in self.queue.admit(lambda e: self._try_admit(core, e, now), now):
+            grant = self._grants.pop(entry.key)
+            if self.on_admission is not None:
+                self.on_admission(entry.key, grant)
+
+    def _admit_now(self, core: EngineCore, entry: QueueEntry[LlmRequest]) -> bool:
+        if not self._try_admit(core, entry, entry.enqueued_at, queued=False):
+            return False
+        grant = self._grants.pop(entry.key)
+        if self.on_admission is not None:
+            self.on_admission(entry.key, grant)
+        return True
+
+    def _try_admit(
+        self, core: EngineCore, entry: QueueEntry[LlmRequest], now: float, queued: bool = True
+    ) -> bool:
+        if core.scheduler.has_queued:
+            return False
+        if self.max_admitted is not None:
+            # every live request not waiting here (the candidate itself excluded)
+            admitted = len(core.requests) - len(self.queue) - (0 if queued else 1)
+            if admitted >= self.max_admitted:
+                return False
+        request = entry.item
+        grant = reserve_transfer_blocks(core, request)
+        if grant is None:
+            return False
+        grant.queue_seconds = now - entry.enqueued_at
+        self._grants[entry.key] = grant
+        return True
+
+
+def reserve_transfer_blocks(core: EngineCore, request: LlmRequest) -> TransferGrant | None:
+    """QUEUED -> DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS when the prompt's blocks (minus
+    this node's prefix hit) and room for the first decoded token are free: the prompt's blocks
+    are reserved and pinned; otherwise nothing is taken and None is returned."""
+    kv = core.kv_manager
+    cached = kv.acquire_prefix(request)
+    held = len(kv.block_table(request.request_id))
+    need = cdiv(request.prompt_len + 1, kv.block_size) - held
+    if need > kv.num_free_blocks:
+        kv.free_resources(request)  # the prefix goes back; it is matched again next time
+        return None
+    request.cached_tokens = cached
+    request.transition(S.DISAGG_GENERATION_INIT)
+    new_blocks = kv.reserve(request, request.prompt_len)
+    kv.pin_blocks(request.request_id, new_blocks)
+    request.transition(S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+    return TransferGrant(request, new_blocks, cached // kv.block_size, 0.0)

@@ -1,0 +1,59 @@
+"""`pdserve bench roofline --quick`: runs end to end on the tiny model and writes JSON of the
+documented shape plus the roofline PNG. No timing assertions: the machine is shared and noisy;
+the numbers live in docs/performance.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import roofline
+from benchmarks.roofline_parts import linear_params, linear_shapes
+from shared.model.loader import tiny_config
+
+OP_KEYS = {"op", "self_ms", "share", "calls"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
+
+
+def test_roofline_quick(tmp_path: Path) -> None:
+    result = roofline.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "roofline.png").stat().st_size > 0
+    on_disk = json.loads((tmp_path / "roofline.json").read_text())
+    assert on_disk["benchmark"] == "roofline" == result["benchmark"]
+    assert len(on_disk["load_average"]["start"]) == 3
+    assert [b["threads"] for b in on_disk["bandwidth"]] == [1]
+    assert all(b["read_gbps"] > 0 and b["copy_gbps"] > 0 for b in on_disk["bandwidth"])
+    assert [(r["model"], r["dtype"]) for r in on_disk["runs"]] == [
+        ("tiny", "fp32"),
+        ("tiny", "bf16"),
+    ]
+    for run in on_disk["runs"]:
+        assert run["linear_params"] == linear_params(tiny_config())
+        assert [p["tokens"] for p in run["prefill"]] == [128, 512]
+        for p in run["prefill"]:
+            assert p["tokens_per_s"] > 0 and p["ceiling_gflops"] > 0
+            assert abs(p["ratio"] - p["effective_gflops"] / p["ceiling_gflops"]) < 1e-9
+        assert [d["batch"] for d in run["decode"]] == [1, 8]
+        assert all(d["step_ms"] > 0 and d["bandwidth_ratio"] > 0 for d in run["decode"])
+        for ceiling in run["matmul_ceiling"]:
+            assert len(ceiling["shapes"]) == len(linear_shapes(tiny_config()))
+        for step in ("prefill", "decode"):
+            ops = run["profile"][step]["top_ops"]
+            assert ops and all(set(o) == OP_KEYS for o in ops)
+            assert any(o["op"] in GEMM_OPS for o in ops)  # the GEMMs show up
+    greedy = on_disk["bf16_vs_fp32_greedy"]["tiny"]
+    assert greedy["prompts"] == 2 and greedy["tokens_per_prompt"] == 8
+    assert 0.0 <= greedy["share_identical"] <= 1.0 and len(greedy["first_divergence"]) == 2
+    for checks in on_disk["targets"].values():
+        assert set(checks) == {
+            "prefill_ge_0_7x_matmul_ge_512_tokens",
+            "decode_b1_ge_0_7x_bandwidth",
+        }
+        assert all(isinstance(c["met"], bool) for c in checks.values())
+
+
+def test_agreement_finds_the_first_divergence() -> None:
+    got = roofline.agreement([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]])
+    assert got["share_identical"] == 1 / 3
+    assert got["first_divergence"] == [None, 1, 0]
+    assert got["mean_first_divergence"] == 0.5
