@@ -106,6 +106,58 @@ def quick(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def engine_phase(a: argparse.Namespace, model: Path, python: Path, work: Path) -> dict[str, Any]:
+    batches = {int(b): (a.batch1_requests if b == "1" else a.requests)
+               for b in a.batches.split(",")}  # fmt: skip
+    w = vllm_offline.EngineWorkload(requests=max(batches.values()))
+    rows = vllm_offline.run_phase(
+        model, model_vocab(model), python, a.cores, a.dtypes.split(","), batches, w, work
+    )
+    return {"workload": w.__dict__, "rows": rows}
+
+
+def online_config(a: argparse.Namespace) -> vllm_online.OnlineConfig:
+    return vllm_online.OnlineConfig(
+        rates=tuple(float(r) for r in a.rates.split(",")),
+        num_prompts=a.serve_prompts,
+        input_len=a.input_len,
+        output_len=a.output_len,
+        slo=tuple(a.slo.split(",")),
+        pd_lengths=tuple(int(n) for n in a.pd_lengths.split(",")),
+        pd_repeats=a.pd_repeats,
+        interference=vllm_http.Interference(
+            decode_streams=a.decode_streams,
+            decode_output_len=a.decode_output_len,
+            long_prompts=a.long_prompts,
+            long_input_len=a.long_input_len,
+        ),
+    )
+
+
+def online_phases(
+    a: argparse.Namespace, phases: list[str], model: Path, python: Path, work: Path
+) -> dict[str, Any]:
+    """The `serve` and `pd` entries of peer.json."""
+    cfg = ServerConfig(model_dir=model, vllm_python=python, dtype=a.serve_dtype)
+    oc = online_config(a)
+    sessions = vllm_online.run_phases(phases, cfg, a.cores, oc, model_vocab(model), work)
+    out: dict[str, Any] = {
+        "serve": {
+            "dtype": a.serve_dtype,
+            "config": {**oc.__dict__, "interference": oc.interference.__dict__},
+            "sweep": {k: v["sweep"] for k, v in sessions.items() if "sweep" in v},
+            "interference": {k: v["interference"] for k, v in sessions.items()
+                             if "interference" in v},
+            "load_average": {k: [v["load_average_start"], v["load_average_end"]]
+                             for k, v in sessions.items()},
+        }
+    }  # fmt: skip
+    ttft = {k: v["ttft"] for k, v in sessions.items() if "ttft" in v}
+    if ttft:
+        out["pd"] = {"dtype": a.serve_dtype, "ttft": ttft}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     if a.omp_wait_policy:
@@ -127,45 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = a.out / "runs"
     work.mkdir(parents=True, exist_ok=True)
     if "engine" in phases:
-        batches = {int(b): (a.batch1_requests if b == "1" else a.requests)
-                   for b in a.batches.split(",")}  # fmt: skip
-        w = vllm_offline.EngineWorkload(requests=max(batches.values()))
-        rows = vllm_offline.run_phase(
-            model, model_vocab(model), python, a.cores, a.dtypes.split(","), batches, w, work
-        )
-        result["engine"] = {"workload": w.__dict__, "rows": rows}
+        result["engine"] = engine_phase(a, model, python, work)
         vllm_report.write(a.out, result)
     online = [p for p in phases if p in ("serve", "pd")]
     if online:
-        cfg = ServerConfig(model_dir=model, vllm_python=python, dtype=a.serve_dtype)
-        oc = vllm_online.OnlineConfig(
-            rates=tuple(float(r) for r in a.rates.split(",")),
-            num_prompts=a.serve_prompts,
-            input_len=a.input_len,
-            output_len=a.output_len,
-            slo=tuple(a.slo.split(",")),
-            pd_lengths=tuple(int(n) for n in a.pd_lengths.split(",")),
-            pd_repeats=a.pd_repeats,
-            interference=vllm_http.Interference(
-                decode_streams=a.decode_streams,
-                decode_output_len=a.decode_output_len,
-                long_prompts=a.long_prompts,
-                long_input_len=a.long_input_len,
-            ),
-        )
-        sessions = vllm_online.run_phases(online, cfg, a.cores, oc, model_vocab(model), work)
-        result["serve"] = {
-            "dtype": a.serve_dtype,
-            "config": {**oc.__dict__, "interference": oc.interference.__dict__},
-            "sweep": {k: v["sweep"] for k, v in sessions.items() if "sweep" in v},
-            "interference": {k: v["interference"] for k, v in sessions.items()
-                             if "interference" in v},
-            "load_average": {k: [v["load_average_start"], v["load_average_end"]]
-                             for k, v in sessions.items()},
-        }  # fmt: skip
-        ttft = {k: v["ttft"] for k, v in sessions.items() if "ttft" in v}
-        if ttft:
-            result["pd"] = {"dtype": a.serve_dtype, "ttft": ttft}
+        result.update(online_phases(a, online, model, python, work))
     result["load_average_end"] = load_average()
     vllm_report.write(a.out, result)
     return result
