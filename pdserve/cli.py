@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds",
     )
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
+    _local_prefill_args(dc)
     _server_tls_args(dc)
     dc.add_argument("--prefill-tls-ca", default="", help="CA that signed the prefill nodes' certs")
     dc.add_argument("--prefill-tls-cert", default="", help="client cert for mutual TLS")
@@ -330,6 +331,21 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _local_prefill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=256,
+        help="prefill here a prompt with at most this many uncached tokens (0: never)",
+    )
+    p.add_argument(
+        "--local-prefill-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when no prefill node is healthy, prefill here instead of UNAVAILABLE",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.command == "up":
@@ -381,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_inflight=a.max_inflight,
                 max_queued=a.max_queued,
                 health_check_interval=a.health_check_interval,
+                local_prefill_tokens=a.local_prefill_tokens,
+                local_prefill_fallback=a.local_prefill_fallback,
                 layerwise=not a.whole_request_push,
                 tls=_server_tls(a),
                 prefill_tls=(
