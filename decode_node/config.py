@@ -57,6 +57,8 @@ class DecodeNodeConfig:
     # see docs/performance.md for the measurement behind the default
     local_prefill_tokens: int = 256
     local_prefill_fallback: bool = True  # no prefill node can serve: prefill here
+    # `pdserve colocated`: no prefill nodes, every prompt prefilled here (NODE_ROLE_COLOCATED)
+    colocated: bool = False
     layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
@@ -81,7 +83,9 @@ class DecodeNodeConfig:
 
     def validate(self) -> None:
         self.engine.validate()
-        if not self.prefill_targets:
+        if self.colocated and self.prefill_targets:
+            raise ValueError("a colocated node takes no prefill targets (--prefill)")
+        if not self.prefill_targets and not self.colocated:
             raise ValueError(
                 "a decode node needs at least one prefill target (--prefill HOST:PORT)"
             )

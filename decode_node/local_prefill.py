@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shared.engine.block_manager import compute_block_hashes
-from shared.engine.core import EngineCore
+from shared.engine.core import EngineCore, ResourcesExhausted
 from shared.engine.request import LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
 
@@ -69,9 +69,20 @@ def try_local(
 
 
 def start_local(
-    core: EngineCore, prompt: Sequence[int], params: SamplingParams, request_id: str
+    core: EngineCore,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    request_id: str,
+    max_requests: int | None = None,
 ) -> LlmRequest:
-    """Fallback (no prefill node could serve it): prefill here whatever the length; the
-    scheduler holds it QUEUED until its blocks are free."""
+    """A colocated node, or the fallback (no prefill node could serve it): prefill here
+    whatever the length; the scheduler holds it QUEUED, holding nothing, until its blocks are
+    free. Past `max_requests` live requests (inflight + queued): ResourcesExhausted."""
     core.abort(request_id)  # a transfer reservation made before the prefill nodes failed
+    if max_requests is not None and len(core.requests) >= max_requests:
+        raise ResourcesExhausted(
+            f"{len(core.requests)} requests in flight or queued (--max-inflight + "
+            "--max-queued): retry later",
+            1,
+        )
     return core.add_request(prompt, params, request_id)

@@ -162,7 +162,7 @@ class RemotePrefill:
         return PrefillFailed(f"{peer.target}: {code.name} {e.details()}")
 
     def _transfer_failure(self, e: Exception, stream: Stream, peer: PrefillPeer) -> Exception:
-        if isinstance(e, TransferError):
+        if not isinstance(e, TransferTimeout):  # TransferTimeout is a TransferError too
             self.pool.mark_unhealthy(peer, f"KV transfer failed: {e}")
             return PrefillFailed(f"{peer.target}: KV transfer failed: {e}")
         if stream.deadline_passed():  # the client's deadline, not the node's fault

@@ -1,4 +1,5 @@
-"""The decode node: the public front door.
+"""The decode node: the public front door (and, with `colocated`, a colocated node: the same
+node with no prefill nodes, every prompt prefilled by its own engine).
 
 One request path (`DecodeNode.generate`, for gRPC and HTTP alike):
 1. **local prefill** (decode_node/local_prefill.py): a prompt that, after this node's own
@@ -175,7 +176,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
-        return model_info(self.core, generation_pb2.NODE_ROLE_DECODE)
+        colocated = generation_pb2.NODE_ROLE_COLOCATED
+        role = colocated if self.config.colocated else generation_pb2.NODE_ROLE_DECODE
+        return model_info(self.core, role)
 
     async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -251,6 +254,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         )
 
     def _fallback_now(self) -> bool:
+        if self.config.colocated:
+            return True  # every prompt is prefilled here
         return self.config.local_prefill_fallback and not self.pool.any_healthy()
 
     async def _try_local(
@@ -259,16 +264,25 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         """Add the request to this engine's scheduler if it qualifies (or `force`)."""
         assert self.thread is not None
         rid, threshold = stream.request_id, self.config.local_prefill_tokens
+        if threshold <= 0 and not force:
+            return False  # no engine hop for a decision that cannot be yes
         inflight = self.config.max_inflight
+
+        # a colocated node's scheduler queue is its admission queue: bounded the same way
+        bound = inflight + self.config.max_queued if self.config.colocated else None
 
         def command(core: EngineCore):
             request = try_local(core, prompt, params, rid, threshold, inflight)
-            return request or (start_local(core, prompt, params, rid) if force else None)
+            return request or (start_local(core, prompt, params, rid, bound) if force else None)
 
         try:
             stream.local = await self.thread.call(command)
         except RequestRejected as e:
             raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except ResourcesExhausted as e:
+            raise GenerateError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
+            ) from None
         return stream.local is not None
 
     def _first_token_seen(self, stream: Stream) -> None:
@@ -300,7 +314,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     def healthy(self) -> bool:
         """Serving, and able to prefill: a prefill node routed to, or the local fallback
         (HTTP /health)."""
-        return self.accepting and (self.pool.any_healthy() or self.config.local_prefill_fallback)
+        local = self.config.local_prefill_fallback or self.config.colocated
+        return self.accepting and (self.pool.any_healthy() or local)
 
     async def _next_delta(self, stream: Stream, deadline: float | None) -> TokenDelta:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -153,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--prefill-tls-cert", default="", help="client cert for mutual TLS")
     dc.add_argument("--prefill-tls-key", default="", help="client key for mutual TLS")
 
+    # a decode node with no prefill nodes that prefills every prompt itself: the same flags
+    co = sub.add_parser(
+        "colocated",
+        parents=[dc],
+        add_help=False,
+        conflict_handler="resolve",
+        help="run one colocated node (prefill and decode in one engine)",
+    )
+    co.add_argument("--prefill", default="", help=argparse.SUPPRESS)
+
     from pdserve.proxy import add_arguments as add_proxy_arguments
 
     add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
@@ -379,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_decode(
             DecodeNodeConfig(
                 engine=_engine_config(a),
-                prefill_targets=tuple(t.strip() for t in a.prefill.split(",") if t.strip()),
+                prefill_targets=tuple(
+                    t.strip() for t in getattr(a, "prefill", "").split(",") if t.strip()
+                ),
+                colocated=a.command == "colocated",
                 host=a.host,
                 port=a.port,
                 ucx_host=a.ucx_host,
