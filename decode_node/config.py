@@ -57,6 +57,9 @@ class DecodeNodeConfig:
     # see docs/performance.md for the measurement behind the default
     local_prefill_tokens: int = 256
     local_prefill_fallback: bool = True  # no prefill node can serve: prefill here
+    # how a prompt picks its prefill node: kv (fewest tokens to compute there, by the prefix
+    # chains sent there, plus outstanding work), least-loaded or round-robin
+    prefill_routing: str = "kv"
     # `pdserve colocated`: no prefill nodes, every prompt prefilled here (NODE_ROLE_COLOCATED)
     colocated: bool = False
     layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
@@ -126,6 +129,13 @@ class DecodeNodeConfig:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        from decode_node.kv_router import ROUTING_MODES
+
+        if self.prefill_routing not in ROUTING_MODES:
+            raise ValueError(
+                f"prefill_routing must be one of {', '.join(ROUTING_MODES)}, "
+                f"got {self.prefill_routing!r}"
+            )
         if self.local_prefill_tokens < 0:
             raise ValueError(
                 f"local_prefill_tokens must be >= 0 (0: off), got {self.local_prefill_tokens}"

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 
 import grpc
 from grpc import aio
 
 from decode_node.config import DecodeNodeConfig
+from decode_node.kv_router import PrefixIndex, prefill_cost, prompt_hashes
 from decode_node.peers import LayoutMismatch, PrefillPeer
 from decode_node.stream import PrefillFailed, Stream
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
@@ -49,6 +50,7 @@ class RemotePrefill:
         self.metrics = metrics
         self.layout_info = layout
         self._tasks: set[asyncio.Future[None]] = set()
+        self.index = PrefixIndex()  # what each prefill node likely holds (kv routing)
         # PrefillResponse of recent requests (timestamps, bytes): the layer-wise evidence
         self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
 
@@ -59,8 +61,9 @@ class RemotePrefill:
         blocks; returns the first tokens. Raises PrefillFailed when none could."""
         tried: set[str] = set()
         last_error = "every prefill node is marked unhealthy (failing health checks)"
+        hashes = prompt_hashes(prompt, self.layout_info.block_size)
         for _ in range(1 + self.config.prefill_retries):
-            peer = self.pool.pick(tried)
+            peer = self.pool.pick(tried, self._cost(prompt, hashes))
             if peer is None:
                 break
             tried.add(peer.target)
@@ -69,8 +72,29 @@ class RemotePrefill:
             except PrefillFailed as e:
                 last_error = str(e)
                 continue
+            self.index.record(peer.target, hashes)
             return first_tokens(response, params)
         raise PrefillFailed(last_error)
+
+    def _cost(self, prompt: list[int], hashes: list[bytes]) -> Callable[[PrefillPeer], float]:
+        """How `--prefill-routing` ranks the healthy nodes (ties rotate in the pool)."""
+        mode = self.config.prefill_routing
+        if mode == "round-robin":
+            return lambda peer: 0.0
+        if mode == "least-loaded":
+            return lambda peer: float(peer.load)
+        block = self.layout_info.block_size
+        usable = hashes[: (len(prompt) - 1) // block]  # the last token is always computed
+
+        def kv(peer: PrefillPeer) -> float:
+            cached = self.index.matched_blocks(peer.target, usable) * block
+            return prefill_cost(len(prompt), cached, peer.load)
+
+        return kv
+
+    def _mark_unhealthy(self, peer: PrefillPeer, why: str) -> None:
+        self.pool.mark_unhealthy(peer, why)
+        self.index.forget_node(peer.target)  # it may come back restarted, its cache empty
 
     async def _prefill_once(
         self,
@@ -85,7 +109,7 @@ class RemotePrefill:
         except LayoutMismatch as e:
             raise GenerateError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except (TimeoutError, grpc.RpcError) as e:
-            self.pool.mark_unhealthy(peer, f"model info failed: {e}")
+            self._mark_unhealthy(peer, f"model info failed: {e}")
             raise PrefillFailed(f"{peer.target}: {e}") from None
         dest = self.receiver.expect(stream.request_id, grant.blocks)
         stream.transfer_id, stream.peer, stream.prefill_done = dest.transfer_id, peer, False
@@ -158,12 +182,12 @@ class RemotePrefill:
             return GenerateError(
                 code, f"request {stream.request_id} exceeded its deadline during prefill"
             )
-        self.pool.mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
+        self._mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
         return PrefillFailed(f"{peer.target}: {code.name} {e.details()}")
 
     def _transfer_failure(self, e: Exception, stream: Stream, peer: PrefillPeer) -> Exception:
         if not isinstance(e, TransferTimeout):  # TransferTimeout is a TransferError too
-            self.pool.mark_unhealthy(peer, f"KV transfer failed: {e}")
+            self._mark_unhealthy(peer, f"KV transfer failed: {e}")
             return PrefillFailed(f"{peer.target}: KV transfer failed: {e}")
         if stream.deadline_passed():  # the client's deadline, not the node's fault
             return GenerateError(
@@ -171,7 +195,7 @@ class RemotePrefill:
                 f"request {stream.request_id} exceeded its deadline waiting for its KV",
             )
         # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
-        self.pool.mark_unhealthy(peer, "KV transfer timed out")
+        self._mark_unhealthy(peer, "KV transfer timed out")
         return PrefillFailed(
             f"{peer.target}: KV transfer for {stream.request_id} timed out after "
             f"{self.config.kv_transfer_timeout:.1f}s"

@@ -349,6 +349,12 @@ def _local_prefill_args(p: argparse.ArgumentParser) -> None:
         help="prefill here a prompt with at most this many uncached tokens (0: never)",
     )
     p.add_argument(
+        "--prefill-routing",
+        choices=["kv", "least-loaded", "round-robin"],
+        default="kv",
+        help="kv: the prefill node with the fewest prompt tokens to compute plus outstanding work",
+    )
+    p.add_argument(
         "--local-prefill-fallback",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -412,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 health_check_interval=a.health_check_interval,
                 local_prefill_tokens=a.local_prefill_tokens,
                 local_prefill_fallback=a.local_prefill_fallback,
+                prefill_routing=a.prefill_routing,
                 layerwise=not a.whole_request_push,
                 tls=_server_tls(a),
                 prefill_tls=(
