@@ -297,22 +297,9 @@ class Proxy:
                     return
                 except aio.AioRpcError as e:
                     code = e.code()
-                    retry = (
-                        code == grpc.StatusCode.UNAVAILABLE
-                        and not answered
-                        and requests.replayable
-                        and attempt + 1 < self.max_attempts
-                    )
-                    if not retry:
-                        await context.abort(
-                            code,
-                            e.details() or "",
-                            tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
-                        )
-                    last_error = f"{backend.target}: {e.details()}"
-                    backend.healthy = False  # until the next health round says otherwise
-                    log.info("%s on %s: UNAVAILABLE, retrying elsewhere", method, backend.target)
-                    self.retries.inc()
+                    retry = not answered and requests.replayable
+                    retry = retry and attempt + 1 < self.max_attempts
+                    last_error = await self._failed(method, backend, e, retry, context)
                 except (asyncio.CancelledError, GeneratorExit):
                     code = grpc.StatusCode.CANCELLED  # the client went away
                     raise
@@ -326,6 +313,27 @@ class Proxy:
             )
         finally:
             await requests.close()
+
+    async def _failed(
+        self,
+        method: str,
+        backend: Replica,
+        e: aio.AioRpcError,
+        retry: bool,
+        context: aio.ServicerContext,
+    ) -> str:
+        """A backend's call failed before answering: UNAVAILABLE is retried elsewhere (when
+        `retry` allows); anything else goes to the client as it came. Returns the error."""
+        if e.code() != grpc.StatusCode.UNAVAILABLE or not retry:
+            await context.abort(
+                e.code(),
+                e.details() or "",
+                tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
+            )
+        backend.healthy = False  # until the next health round says otherwise
+        log.info("%s on %s: UNAVAILABLE, retrying elsewhere", method, backend.target)
+        self.retries.inc()
+        return f"{backend.target}: {e.details()}"
 
 
 class _ForwardHandler(grpc.GenericRpcHandler):
