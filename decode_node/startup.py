@@ -13,7 +13,11 @@ from decode_node.peers import PrefillPeer, prefill_pool
 from shared.engine.core import EngineCore
 from shared.engine.thread import EngineSnapshot
 from shared.serving.grpc_server import NodeMetrics
-from shared.serving.metrics import register_scrape_counter, register_scrape_gauge
+from shared.serving.metrics import (
+    prompt_tokens_counter,
+    register_scrape_counter,
+    register_scrape_gauge,
+)
 from shared.serving.replica_pool import ReplicaPool
 from transfer.ucx import KvReceiver
 
@@ -66,17 +70,10 @@ def build_parts(
             ["where"],
             registry=registry,
         ),
-        Counter(
-            "pdserve_prompt_tokens",
-            "Prompt tokens this node prefilled: computed, or reused from its prefix cache",
-            ["source"],
-            registry=registry,
-        ),
+        prompt_tokens_counter(registry),
     )
     for where in ("local", "remote"):
         counters.prefills.labels(where=where)
-    for source in ("computed", "cached"):
-        counters.prompt_tokens.labels(source=source)
     return DecodeParts(receiver, pool, metrics, counters)
 
 

@@ -80,6 +80,7 @@ def test_prompt_with_cached_prefix_goes_to_the_node_holding_it(
                     i for i, p in enumerate(c.prefills) if rid in dict(p.core.recent_history)
                 )
 
+            sent = 0  # prompt tokens sent to the prefill nodes
             for i, (base, tail) in enumerate(zip(bases, tails, strict=True)):
                 first = await generate(target, base, max_tokens=2, timeout=60)
                 longer = [*base, *tail]
@@ -88,6 +89,12 @@ def test_prompt_with_cached_prefix_goes_to_the_node_holding_it(
                 assert served_by(second.request_id) == served_by(first.request_id), i
                 reported = decode.transfer_log[second.request_id].cached_tokens
                 assert reported == (len(base) // BS) * BS, i
+                sent += 2 * len(base) + len(tail)
+            reused = sum(r.cached_tokens for r in decode.transfer_log.values())
+            m = (await asyncio.to_thread(c.metrics))[:2]  # the prefill nodes'
+            cached = sum(x['pdserve_prompt_tokens_total{source="cached"}'] for x in m)
+            computed = sum(x['pdserve_prompt_tokens_total{source="computed"}'] for x in m)
+            assert cached == reused and computed == sent - reused
             await c.assert_idle_and_conserved()
 
     with single_torch_thread():
