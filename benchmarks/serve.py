@@ -13,8 +13,7 @@ one colocated node, each node pinned to its own core, the same client and worklo
 
 Setups: `pd` (prefill on core 0, decode on core 1), `colocated` (core 0, one thread: the same
 compute as one P/D role) and `colocated_2core` (both cores, two threads: the same hardware as
-the whole P/D pair). pdserve has no colocated server, so `benchmarks.peers.colocated` provides one
-with the same Generation service.
+the whole P/D pair); the colocated node is `pdserve colocated` (the same front door).
 
     python -m benchmarks.serve [--quick] [--request-rate 4] [--input-len 512] ...
     pdserve bench serve ...

@@ -1,10 +1,11 @@
 """Time to first token, broken down: P/D (layer-wise and whole-request push) vs colocated.
 
 One prefill node (core 0) serves two decode nodes (core 1): one asks for layer-wise pushes, one
-for whole-request pushes; a colocated node (the benchmark's own, `benchmarks.peers.colocated`)
-runs on core 0. Every node has one torch thread, so a prompt's prefill gets the same core in every
-mode. Requests go one at a time (an idle system: TTFT without queueing), the three modes
-round-robin per prompt length and repeat, every prompt distinct (no prefix-cache hits).
+for whole-request pushes; a colocated node (`pdserve colocated`) runs on core 0. The decode
+nodes run with their defaults, conditional (local) prefill included. Every node has one torch
+thread, so a prompt's prefill gets the same core in every mode. Requests go one at a time (an
+idle system: TTFT without queueing), the three modes round-robin per prompt length and repeat,
+every prompt distinct (no prefix-cache hits).
 
 Per request: client TTFT; the node's own breakdown (queue on the prefill node, prefill compute,
 transfer tail = last layer computed -> last KV byte sent, as the prefill node reports it); the

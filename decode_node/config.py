@@ -52,6 +52,16 @@ class DecodeNodeConfig:
     )
     prefill_retries: int = 1  # re-dispatches to another healthy prefill node after a failure
     health_check_interval: float = HEALTH_CHECK_INTERVAL_S
+    # conditional prefill: a prompt leaving at most this many tokens to compute after this
+    # node's prefix-cache hit is prefilled here when the step budget has room (0: never);
+    # see docs/performance.md for the measurement behind the default
+    local_prefill_tokens: int = 256
+    local_prefill_fallback: bool = True  # no prefill node can serve: prefill here
+    # how a prompt picks its prefill node: kv (fewest tokens to compute there, by the prefix
+    # chains sent there, plus outstanding work), least-loaded or round-robin
+    prefill_routing: str = "kv"
+    # `pdserve colocated`: no prefill nodes, every prompt prefilled here (NODE_ROLE_COLOCATED)
+    colocated: bool = False
     layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
@@ -76,7 +86,9 @@ class DecodeNodeConfig:
 
     def validate(self) -> None:
         self.engine.validate()
-        if not self.prefill_targets:
+        if self.colocated and self.prefill_targets:
+            raise ValueError("a colocated node takes no prefill targets (--prefill)")
+        if not self.prefill_targets and not self.colocated:
             raise ValueError(
                 "a decode node needs at least one prefill target (--prefill HOST:PORT)"
             )
@@ -117,5 +129,16 @@ class DecodeNodeConfig:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        from decode_node.kv_router import ROUTING_MODES
+
+        if self.prefill_routing not in ROUTING_MODES:
+            raise ValueError(
+                f"prefill_routing must be one of {', '.join(ROUTING_MODES)}, "
+                f"got {self.prefill_routing!r}"
+            )
+        if self.local_prefill_tokens < 0:
+            raise ValueError(
+                f"local_prefill_tokens must be >= 0 (0: off), got {self.local_prefill_tokens}"
+            )
         if self.prefill_retries < 0:
             raise ValueError(f"prefill_retries must be >= 0, got {self.prefill_retries}")

@@ -1,14 +1,22 @@
-"""The decode node: the public front door.
+"""The decode node: the public front door (and, with `colocated`, a colocated node: the same
+node with no prefill nodes, every prompt prefilled by its own engine).
 
-A `Generate` call waits QUEUED (holding nothing) in the engine's admission queue until the blocks
-for its prompt and first token are free (FIFO, bounded by max_queued, its own deadline kept),
-then is admitted in DISAGG_GENERATION_INIT (KV blocks reserved and pinned, no seat),
-dispatched to the least-loaded healthy prefill node with the destination of those blocks
-(DISAGG_GENERATION_TRANS_IN_PROGRESS), and once every layer of every block has landed it becomes
-DISAGG_GENERATION_TRANS_COMPLETE: the first token (sampled by the prefill node) is streamed at once
-and the next engine iteration seats the request and decodes it in the continuous batch.
-Every wait has a deadline enforced by the event loop's timers; every exit path releases the
-request on both nodes.
+One request path (`DecodeNode.generate`, for gRPC and HTTP alike):
+1. **local prefill** (decode_node/local_prefill.py): a prompt that, after this node's own
+   prefix-cache hit, leaves at most `local_prefill_tokens` to compute while this engine's step
+   budget has room, is added to this engine's scheduler (QUEUED -> CONTEXT_INIT -> decode);
+2. otherwise **remote prefill** (decode_node/remote_prefill.py): the request waits QUEUED
+   (holding nothing) in the engine's admission queue until the blocks for its prompt and first
+   token are free (FIFO, bounded by max_queued, its deadline kept), is admitted in
+   DISAGG_GENERATION_INIT (blocks reserved and pinned, no seat), dispatched to a healthy
+   prefill node with the destination of those blocks (DISAGG_GENERATION_TRANS_IN_PROGRESS), and
+   once every layer of every block has landed becomes DISAGG_GENERATION_TRANS_COMPLETE: the
+   first token (sampled by the prefill node) is streamed at once and the next iteration seats
+   and decodes it in the continuous batch;
+3. **fallback**: no prefill node could serve it -> prefilled here (`local_prefill_fallback`);
+4. the deltas are streamed (decode_node/responses.py) and, on every exit, the request is
+   released on both nodes.
+Every wait has a deadline enforced by the event loop's timers.
 """
 
 from __future__ import annotations
@@ -18,97 +26,30 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import grpc
-from grpc import aio
 
 from decode_node.config import DecodeNodeConfig
-from decode_node.peers import LayoutMismatch, PrefillPeer, prefill_pool
-from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2
+from decode_node.local_prefill import start_local, try_local
+from decode_node.remote_prefill import RemotePrefill
+from decode_node.responses import generate_response
+from decode_node.startup import build_parts
+from decode_node.stream import PrefillFailed, Stream
+from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
-from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
 from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
-from shared.serving.grpc_server import (
-    GenerateError,
-    NodeMetrics,
-    NodeServing,
-    layout_info,
-    model_info,
-)
+from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
-from shared.serving.metrics import AsgiServer, register_scrape_counter, register_scrape_gauge
-from shared.serving.wire import (
-    WireError,
-    add_servicer,
-    logprob_from_proto,
-    logprob_to_proto,
-    prompt_logprobs_from_proto,
-    prompt_logprobs_to_proto,
-    sampling_from_proto,
-    sampling_to_proto,
-    validate_request,
-)
-from transfer.protocol import TransferDestination
-from transfer.ucx import KvReceiver, TransferError, TransferTimeout
+from shared.serving.metrics import AsgiServer
+from shared.serving.wire import WireError, add_servicer, sampling_from_proto, validate_request
 
 log = logging.getLogger(__name__)
 SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE = SERVICE_DESCRIPTOR.full_name
-
-_FINISH = {
-    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
-    FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORTED,
-}
-
-
-class _PrefillFailed(Exception):
-    """The prefill node could not serve this attempt; another node may."""
-
-
-@dataclass
-class _Stream:
-    request_id: str
-    prompt_len: int
-    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
-    transfer_id: int | None = None
-    peer: PrefillPeer | None = None
-    prefill_done: bool = False
-    admitted_at: float = field(default_factory=time.monotonic)
-    # set by the engine thread's admission callback: a grant, None (deadline passed in the
-    # queue) or an exception (drained at shutdown)
-    admission: asyncio.Future[TransferGrant | None] | None = None
-    admission_wait: float = 0.0  # seconds QUEUED on this node
-    queue_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    kv_transfer_seconds: float = 0.0
-    first_token_at: float | None = None
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    deadline: float | None = None  # monotonic; None: the client set none
-    n: int = 1  # completions; the stream ends when each has finished
-    finished: set[int] = field(default_factory=set)
-    tokens_by_index: dict[int, int] = field(default_factory=dict)
-    failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
-
-    def account(self, delta: TokenDelta) -> None:
-        """Count a delta of completion `delta.index` before it is streamed."""
-        self.completion_tokens += len(delta.token_ids)
-        self.tokens_by_index[delta.index] = self.tokens_by_index.get(delta.index, 0) + len(
-            delta.token_ids
-        )
-        if delta.finish_reason is not None:
-            self.finished.add(delta.index)
-
-    def deadline_passed(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 class DecodeNode(generation_pb2_grpc.GenerationServicer):
@@ -118,56 +59,23 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.core = core or EngineCore(config.engine)
         self.core.admission.configure(config.max_queued, config.max_inflight)
         self.layout_info = layout_info(self.core.layout)
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, Stream] = {}
         self.thread: EngineThread | None = None
-        self.receiver = KvReceiver(
-            self.core.kv_pool,
-            self.core.layout,
-            config.ucx_host,
-            config.ucx_port,
-            bind_host=config.kv_bind_host,
-        )
-        self.pool = prefill_pool(
-            config.prefill_targets,
-            config.health_check_interval,
-            None if config.prefill_tls is None else config.prefill_tls.credentials(),
-        )
-        self.metrics = NodeMetrics(
-            lambda: self._snapshot(), rejected=lambda: self.receiver.rejected_total
-        )
-        registry = self.metrics.registry
-        register_scrape_gauge(
-            registry,
-            "pdserve_prefill_peer_healthy",
-            "1 while a prefill node is routed to, 0 while it is skipped as unhealthy",
-            lambda: {(p.target,): float(p.healthy) for p in self.pool.replicas},
-            labelnames=("peer",),
-        )
-        register_scrape_gauge(
-            registry,
-            "pdserve_kv_writes_in_flight",
-            "KV payload receives posted into the pool and not completed",
-            lambda: float(self.receiver.writes_in_flight),
-        )
-        register_scrape_gauge(
-            registry,
-            "pdserve_kv_fenced_transfers",
-            "ended transfers whose blocks a posted payload receive may still write",
-            lambda: float(self.receiver.fenced_transfers),
-        )
-        register_scrape_counter(
-            registry,
-            "pdserve_kv_endpoint_resets_total",
-            "KV endpoints force-closed to end a receive whose sender stalled mid-payload",
-            lambda: float(self.receiver.endpoint_resets),
+        parts = build_parts(config, self.core, lambda: self._snapshot())
+        self.receiver, self.pool, self.metrics = parts.receiver, parts.pool, parts.metrics
+        self.counters = parts.counters
+        self.remote = RemotePrefill(
+            config, self.pool, self.receiver, self.metrics, self.layout_info
         )
         self.serving: NodeServing | None = None
         self.http: AsgiServer | None = None
         self.port = 0
         self.accepting = True
-        self._tasks: set[asyncio.Future[None]] = set()
-        # PrefillResponse of recent requests (timestamps, bytes): the layer-wise evidence
-        self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
+
+    @property
+    def transfer_log(self):
+        """PrefillResponse of recent remote prefills (timestamps, bytes)."""
+        return self.remote.transfer_log
 
     def _snapshot(self):
         assert self.thread is not None
@@ -268,7 +176,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
-        return model_info(self.core, generation_pb2.NODE_ROLE_DECODE)
+        colocated = generation_pb2.NODE_ROLE_COLOCATED
+        role = colocated if self.config.colocated else generation_pb2.NODE_ROLE_DECODE
+        return model_info(self.core, role)
 
     async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -286,12 +196,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         # closed explicitly: a cancelled call releases the request now, not when collected
         async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
             async for stream, delta in gen:
-                yield self._response(stream, delta)
+                yield generate_response(stream, delta)
 
+    # ---- the one request path -------------------------------------------------------------
     async def generate(
         self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
-    ) -> AsyncIterator[tuple[_Stream, TokenDelta]]:
-        """The one request path, for gRPC and HTTP alike: admit, reserve, dispatch the prefill,
+    ) -> AsyncIterator[tuple[Stream, TokenDelta]]:
+        """The one request path, for gRPC and HTTP alike: prefill (here or on a prefill node),
         stream the deltas; release on both nodes on every exit (finish, error, the consumer
         cancelled or closed). Raises GenerateError with the status to report."""
         if not self.accepting:
@@ -300,14 +211,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
             )
-        stream = _Stream(rid, len(prompt), deadline=deadline, n=params.n)
+        stream = Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
         try:
-            for first in await self._admit_and_transfer(stream, prompt, params, deadline):
-                stream.account(first)
-                yield stream, first
+            pending = await self._prefill(stream, prompt, params)
             while len(stream.finished) < stream.n:
-                delta = await self._next_delta(stream, deadline)
+                delta = pending.pop(0) if pending else await self._next_delta(stream, deadline)
+                self._first_token_seen(stream)
                 stream.account(delta)
                 yield stream, delta
         except GenerateError:
@@ -315,6 +225,78 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             await asyncio.shield(self._release(stream))
+
+    async def _prefill(
+        self, stream: Stream, prompt: list[int], params: SamplingParams
+    ) -> list[TokenDelta]:
+        """Local when short and there is room (or no prefill node is healthy and fallback is
+        on), else remote; returns the first deltas already known (remote: one per completion;
+        local: none, they come from the engine's steps)."""
+        assert self.thread is not None
+        if await self._try_local(stream, prompt, params, force=self._fallback_now()):
+            return []
+        grant = await self._admit(stream, prompt, params, stream.deadline)
+        stream.cached_tokens = grant.request.cached_tokens
+        try:
+            first = await self.remote.prefill(stream, prompt, params, grant)
+        except PrefillFailed as e:
+            if not self.config.local_prefill_fallback:
+                raise GenerateError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no healthy prefill node could serve {stream.request_id}: {e}",
+                ) from None
+            log.warning("prefilling %s locally: %s", stream.request_id, e)
+            await self._try_local(stream, prompt, params, force=True)
+            return []
+        self.counters.remote()
+        return await self.thread.call(
+            lambda core: core.complete_transfer_all(stream.request_id, *first)
+        )
+
+    def _fallback_now(self) -> bool:
+        if self.config.colocated:
+            return True  # every prompt is prefilled here
+        return self.config.local_prefill_fallback and not self.pool.any_healthy()
+
+    async def _try_local(
+        self, stream: Stream, prompt: list[int], params: SamplingParams, force: bool
+    ) -> bool:
+        """Add the request to this engine's scheduler if it qualifies (or `force`)."""
+        assert self.thread is not None
+        rid, threshold = stream.request_id, self.config.local_prefill_tokens
+        if threshold <= 0 and not force:
+            return False  # no engine hop for a decision that cannot be yes
+        inflight = self.config.max_inflight
+
+        # a colocated node's scheduler queue is its admission queue: bounded the same way
+        bound = inflight + self.config.max_queued if self.config.colocated else None
+
+        def command(core: EngineCore):
+            request = try_local(core, prompt, params, rid, threshold, inflight)
+            return request or (start_local(core, prompt, params, rid, bound) if force else None)
+
+        try:
+            stream.local = await self.thread.call(command)
+        except RequestRejected as e:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except ResourcesExhausted as e:
+            raise GenerateError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
+            ) from None
+        return stream.local is not None
+
+    def _first_token_seen(self, stream: Stream) -> None:
+        if stream.first_token_at is not None:
+            return
+        stream.first_token_at = time.monotonic()
+        ttft = stream.first_token_at - stream.admitted_at
+        self.metrics.ttft.observe(ttft)
+        if stream.local is not None:
+            # written by the engine thread when it scheduled the request, before the first
+            # token it sampled reached this loop (call_soon_threadsafe orders the two)
+            stream.cached_tokens = stream.local.cached_tokens
+            stream.prefill_seconds = ttft
+            self.counters.local(stream.prompt_len, stream.cached_tokens)
 
     def validate(
         self, prompt: list[int], params: SamplingParams, request_id: str = ""
@@ -330,10 +312,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
 
     @property
     def healthy(self) -> bool:
-        """Serving and at least one prefill node routed to (HTTP /health)."""
-        return self.accepting and self.pool.any_healthy()
+        """Serving, and able to prefill: a prefill node routed to, or the local fallback
+        (HTTP /health)."""
+        local = self.config.local_prefill_fallback or self.config.colocated
+        return self.accepting and (self.pool.any_healthy() or local)
 
-    async def _next_delta(self, stream: _Stream, deadline: float | None) -> TokenDelta:
+    async def _next_delta(self, stream: Stream, deadline: float | None) -> TokenDelta:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         prev = time.monotonic()
         try:
@@ -361,50 +345,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         params = sampling_from_proto(request.sampling)
         return prompt, self.validate(prompt, params, request.request_id)
 
-    # ---- admission and transfer -----------------------------------------------------------
-    async def _admit_and_transfer(
-        self,
-        stream: _Stream,
-        prompt: list[int],
-        params: SamplingParams,
-        deadline: float | None,
-    ) -> list[TokenDelta]:
-        """Admit (queued until blocks are free), prefill on a peer, land the KV; returns the
-        first token's delta of each of the n completions."""
-        assert self.thread is not None
-        grant = await self._admit(stream, prompt, params, deadline)
-        rid = stream.request_id
-        blocks, first_block = grant.blocks, grant.first_block
-        stream.cached_tokens = grant.request.cached_tokens
-        tried: set[str] = set()
-        last_error = "every prefill node is marked unhealthy (failing health checks)"
-        for _ in range(1 + self.config.prefill_retries):
-            peer = self.pool.pick(tried)
-            if peer is None:
-                break
-            tried.add(peer.target)
-            try:
-                response = await self._prefill_once(
-                    stream, peer, prompt, params, blocks, first_block, deadline
-                )
-            except _PrefillFailed as e:
-                last_error = str(e)
-                continue
-            first = _first_token(response, params)
-            deltas = await self.thread.call(
-                lambda core, first=first: core.complete_transfer_all(rid, *first)
-            )
-            stream.first_token_at = time.monotonic()
-            self.metrics.ttft.observe(stream.first_token_at - stream.admitted_at)
-            return deltas
-        raise GenerateError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"no healthy prefill node could serve {rid}: {last_error}",
-        )
-
+    # ---- admission (remote path) ----------------------------------------------------------
     async def _admit(
         self,
-        stream: _Stream,
+        stream: Stream,
         prompt: list[int],
         params: SamplingParams,
         deadline: float | None,
@@ -440,213 +384,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.metrics.queue_seconds.observe(grant.queue_seconds)
         return grant
 
-    async def _prefill_once(
-        self,
-        stream: _Stream,
-        peer: PrefillPeer,
-        prompt: list[int],
-        params: SamplingParams,
-        blocks: list[int],
-        first_block: int,
-        deadline: float | None,
-    ) -> prefill_pb2.PrefillResponse:
-        try:
-            await peer.ensure_layout(self.layout_info)
-        except LayoutMismatch as e:
-            raise GenerateError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-        except (TimeoutError, grpc.RpcError) as e:
-            self.pool.mark_unhealthy(peer, f"model info failed: {e}")
-            raise _PrefillFailed(f"{peer.target}: {e}") from None
-        dest = self.receiver.expect(stream.request_id, blocks)
-        stream.transfer_id, stream.peer, stream.prefill_done = dest.transfer_id, peer, False
-        budget = self.config.prefill_timeout
-        if deadline is not None:
-            budget = min(budget, max(0.001, deadline - time.monotonic()))
-        call = peer.stub.Prefill(
-            self._prefill_request(stream, prompt, params, dest, first_block), timeout=budget
-        )
-        landed = asyncio.ensure_future(
-            self.receiver.wait(dest.transfer_id, min(budget, self.config.kv_transfer_timeout))
-        )
-        peer.load += len(prompt)
-        started = time.monotonic()
-        try:
-            response = await self._await_both(call, landed, stream, peer)
-        finally:
-            peer.load -= len(prompt)
-            if not landed.done():
-                landed.cancel()
-        stream.prefill_done = True
-        self.transfer_log[stream.request_id] = response
-        while len(self.transfer_log) > 1024:
-            self.transfer_log.popitem(last=False)
-        stats = response.stats
-        # queued here, then on the prefill node
-        stream.queue_seconds = stream.admission_wait + stats.queue_seconds
-        stream.prefill_seconds = stats.prefill_seconds
-        stream.kv_transfer_seconds = stats.transfer_tail_seconds
-        self.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
-        self.metrics.kv_transfer_bytes.inc(stats.bytes_sent)
-        return response
-
-    async def _await_both(
-        self,
-        call: aio.UnaryUnaryCall,
-        landed: asyncio.Future[object],
-        stream: _Stream,
-        peer: PrefillPeer,
-    ) -> prefill_pb2.PrefillResponse:
-        rpc = asyncio.ensure_future(call)
-        try:
-            await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_EXCEPTION)
-            if landed.done() and landed.exception() is not None:
-                raise landed.exception()  # type: ignore[misc]
-            response = await rpc
-            await landed
-            return response
-        except grpc.RpcError as e:
-            await self._forget_transfer(stream)
-            code = e.code()
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                raise GenerateError(code, f"prefill node {peer.target}: {e.details()}") from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED and stream.deadline_passed():
-                raise GenerateError(
-                    code, f"request {stream.request_id} exceeded its deadline during prefill"
-                ) from None
-            self.pool.mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
-            raise _PrefillFailed(f"{peer.target}: {code.name} {e.details()}") from None
-        except TransferTimeout:
-            await self._forget_transfer(stream)
-            call.cancel()
-            self._background(peer.cancel(stream.request_id))
-            if stream.deadline_passed():  # the client's deadline, not the node's fault
-                raise GenerateError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request {stream.request_id} exceeded its deadline waiting for its KV",
-                ) from None
-            # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
-            self.pool.mark_unhealthy(peer, "KV transfer timed out")
-            raise _PrefillFailed(
-                f"{peer.target}: KV transfer for {stream.request_id} timed out after "
-                f"{self.config.kv_transfer_timeout:.1f}s"
-            ) from None
-        except TransferError as e:
-            await self._forget_transfer(stream)
-            call.cancel()
-            self._background(peer.cancel(stream.request_id))
-            self.pool.mark_unhealthy(peer, f"KV transfer failed: {e}")
-            raise _PrefillFailed(f"{peer.target}: KV transfer failed: {e}") from None
-        finally:
-            if not rpc.done():
-                rpc.cancel()
-
-    def _background(self, coro: Coroutine[object, object, None]) -> None:
-        """Fire-and-forget with a strong reference, so the task is not collected mid-flight."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _forget_transfer(self, stream: _Stream) -> None:
-        """Cancel the stream's transfer and wait until nothing writes its blocks any more (a
-        retry reuses them; the release frees them)."""
-        if stream.transfer_id is not None:
-            transfer_id, stream.transfer_id = stream.transfer_id, None
-            await self.receiver.release(transfer_id, self.config.kv_fence_timeout)
-
-    def _prefill_request(
-        self,
-        stream: _Stream,
-        prompt: list[int],
-        params: SamplingParams,
-        dest: TransferDestination,
-        first_block: int,
-    ) -> prefill_pb2.PrefillRequest:
-        return prefill_pb2.PrefillRequest(
-            request_id=stream.request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling_to_proto(params),
-            seed=params.seed or 0,
-            destination=prefill_pb2.KvDestination(
-                ucx_address=dest.address,
-                transfer_id=dest.transfer_id,
-                transfer_token=dest.token,
-                block_ids=list(dest.block_ids),
-                first_block_index=first_block,
-                layout_fingerprint=self.layout_info.fingerprint,
-            ),
-            layerwise=self.config.layerwise,
-        )
-
-    # ---- responses and release ------------------------------------------------------------
-    def _response(self, stream: _Stream, delta: TokenDelta) -> generation_pb2.GenerateResponse:
-        msg = generation_pb2.GenerateResponse(
-            request_id=stream.request_id,
-            token_ids=delta.token_ids,
-            text=delta.text,
-            index=delta.index,
-        )
-        if delta.logprobs:
-            msg.logprobs.extend(logprob_to_proto(lp) for lp in delta.logprobs)
-        if delta.prompt_logprobs is not None:
-            msg.prompt_logprobs.extend(prompt_logprobs_to_proto(delta.prompt_logprobs))
-        if delta.finish_reason is not None:
-            msg.finish_reason = _FINISH[delta.finish_reason]
-            msg.usage.CopyFrom(
-                generation_pb2.Usage(
-                    prompt_tokens=stream.prompt_len,
-                    completion_tokens=stream.tokens_by_index.get(delta.index, 0),
-                    cached_tokens=stream.cached_tokens,
-                )
-            )
-            ttft = (stream.first_token_at or time.monotonic()) - stream.admitted_at
-            msg.timing.CopyFrom(
-                generation_pb2.Timing(
-                    queue_seconds=stream.queue_seconds,
-                    prefill_seconds=stream.prefill_seconds,
-                    kv_transfer_seconds=stream.kv_transfer_seconds,
-                    time_to_first_token_seconds=ttft,
-                    e2e_seconds=time.monotonic() - stream.admitted_at,
-                )
-            )
-        return msg
-
-    async def _release(self, stream: _Stream) -> None:
+    # ---- release --------------------------------------------------------------------------
+    async def _release(self, stream: Stream) -> None:
         """Every exit path: cancel the transfer, tell the prefill node, free seat and blocks."""
         rid = stream.request_id
         self.streams.pop(rid, None)
-        await self._forget_transfer(stream)
-        if stream.peer is not None and not stream.prefill_done:
-            self._background(stream.peer.cancel(rid))
+        await self.remote.release(stream)
         if self.thread is not None:
-            release = EngineCore.fail_transfer if stream.failed else EngineCore.abort
+            # a failed transfer ends DISAGG_TRANS_ERROR; a local request never had one
+            failed = stream.failed and stream.local is None
+            release = EngineCore.fail_transfer if failed else EngineCore.abort
             with contextlib.suppress(RuntimeError):
                 await self.thread.call(lambda core: release(core, rid))
-
-
-def _first_token(
-    response: prefill_pb2.PrefillResponse, params: SamplingParams
-) -> tuple[
-    int,
-    TokenLogprobs | None,
-    list[TokenLogprobs | None] | None,
-    list[tuple[int, TokenLogprobs | None]],
-]:
-    """The prefill node's first token with its logprobs and the prompt's (when asked), and
-    the other completions' first tokens (n > 1)."""
-    first = None
-    if params.logprobs is not None and response.HasField("first_token_logprobs"):
-        first = logprob_from_proto(response.first_token_logprobs)
-    prompt = None
-    if params.prompt_logprobs is not None:
-        prompt = prompt_logprobs_from_proto(response.prompt_logprobs)
-    tokens = list(response.choice_first_token_ids)
-    if len(tokens) != params.n - 1:
-        raise GenerateError(
-            grpc.StatusCode.INTERNAL,
-            f"prefill node returned {len(tokens)} first tokens for n={params.n} completions",
-        )
-    lps: list[TokenLogprobs | None] = [None] * len(tokens)
-    if params.logprobs is not None and len(response.choice_first_token_logprobs) == len(tokens):
-        lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
-    return response.first_token_id, first, prompt, list(zip(tokens, lps, strict=True))
-

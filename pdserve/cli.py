@@ -218,6 +218,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             layerwise=not a.whole_request_push,
             tls=_server_tls(a),
             prefill_tls=client_tls(a, "prefill_"),
+            colocated=a.command == "colocated",
         )
     )
 
@@ -229,7 +230,8 @@ COMMANDS = {
     "export-hf": cmd_export_hf,
     "proxy": cmd_proxy,
 }
-NODE_COMMANDS = {"prefill": cmd_prefill, "decode": cmd_decode}  # log setup, config errors: 2
+# node commands: log setup, config errors exit 2
+NODE_COMMANDS = {"prefill": cmd_prefill, "decode": cmd_decode, "colocated": cmd_decode}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(sub)
     _add_export_hf(sub)
     _add_prefill(sub)
-    _add_decode(sub)
+    _add_colocated(sub, _add_decode(sub))
     _add_proxy(sub)
     _add_bench(sub)
     _add_generate(sub)
@@ -95,7 +95,7 @@ def _add_prefill(sub: argparse._SubParsersAction) -> None:
     _server_tls_args(pf)
 
 
-def _add_decode(sub: argparse._SubParsersAction) -> None:
+def _add_decode(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     dc = sub.add_parser("decode", help="run one decode node (the public front door)")
     _engine_args(dc)
     dc.add_argument("--prefill", required=True, help="HOST:PORT[,HOST:PORT...] of prefill nodes")
@@ -106,8 +106,43 @@ def _add_decode(sub: argparse._SubParsersAction) -> None:
     _http_args(dc)
     _decode_limit_args(dc)
     dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
+    _local_prefill_args(dc)
     _server_tls_args(dc)
     client_tls_args(dc, "prefill-", "CA that signed the prefill nodes' certs")
+    return dc
+
+
+def _add_colocated(sub: argparse._SubParsersAction, dc: argparse.ArgumentParser) -> None:
+    """A decode node with no prefill nodes that prefills every prompt itself: the same flags."""
+    co = sub.add_parser(
+        "colocated",
+        parents=[dc],
+        add_help=False,
+        conflict_handler="resolve",
+        help="run one colocated node (prefill and decode in one engine)",
+    )
+    co.add_argument("--prefill", default="", help=argparse.SUPPRESS)
+
+
+def _local_prefill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=256,
+        help="prefill here a prompt with at most this many uncached tokens (0: never)",
+    )
+    p.add_argument(
+        "--prefill-routing",
+        choices=["kv", "least-loaded", "round-robin"],
+        default="kv",
+        help="kv: the prefill node with the fewest prompt tokens to compute plus outstanding work",
+    )
+    p.add_argument(
+        "--local-prefill-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when no prefill node is healthy, prefill here instead of UNAVAILABLE",
+    )
 
 
 def _ucx_args(p: argparse.ArgumentParser) -> None:

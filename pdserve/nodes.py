@@ -97,7 +97,7 @@ def run_decode(config: DecodeNodeConfig) -> int:
         async def start() -> None:
             await node.start()
             announce(
-                "decode",
+                "colocated" if config.colocated else "decode",
                 port=node.port,
                 ucx_address=node.receiver.address,
                 metrics_port=node.serving.metrics_port if node.serving else None,

@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.http_proxy import HttpForwarder
+from pdserve.replay import ReplayableRequests
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
 from shared.serving.replica_pool import Replica, ReplicaPool
@@ -69,8 +70,6 @@ HOP_HEADERS = frozenset(
         "grpc-message",
     }
 )
-# Requests of one call kept for a retry; a longer client stream is not retried.
-MAX_REPLAY_MESSAGES = 64
 
 
 def forwardable(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, object]]:
@@ -86,57 +85,6 @@ def backend_pool(targets: Sequence[str], health_interval: float) -> ReplicaPool[
         return Replica(target, host, channel, healthy=False)
 
     return ReplicaPool("backend", targets, health_interval, connect, fall_back_to_unhealthy=True)
-
-
-class _Requests:
-    """The client's request stream, read once: each attempt replays what was read so far and
-    then follows the live stream. Replay stops being possible once a backend has answered
-    (`commit`) or the stream grew past MAX_REPLAY_MESSAGES."""
-
-    def __init__(self, request_iterator: AsyncIterator[bytes]):
-        self.history: list[bytes] | None = []
-        self.ended = False
-        self._queue: asyncio.Queue[bytes | None] | None = None
-        self._task = asyncio.create_task(self._read(request_iterator))
-
-    @property
-    def replayable(self) -> bool:
-        return self.history is not None
-
-    def commit(self) -> None:
-        self.history = None
-
-    async def _read(self, request_iterator: AsyncIterator[bytes]) -> None:
-        try:
-            async for msg in request_iterator:
-                if self.history is not None:
-                    self.history.append(msg)
-                    if len(self.history) > MAX_REPLAY_MESSAGES:
-                        self.history = None
-                if self._queue is not None:
-                    self._queue.put_nowait(msg)
-        finally:
-            self.ended = True
-            if self._queue is not None:
-                self._queue.put_nowait(None)
-
-    async def feed(self, call: aio.StreamStreamCall) -> None:
-        """Write this call's requests (replay + live), then half-close."""
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        for msg in self.history or ():
-            queue.put_nowait(msg)
-        if self.ended:
-            queue.put_nowait(None)
-        self._queue = queue
-        with contextlib.suppress(Exception):  # the call ended (error or cancel): stop writing
-            while (msg := await queue.get()) is not None:
-                await call.write(msg)
-            await call.done_writing()
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
 
 
 class Proxy:
@@ -263,7 +211,7 @@ class Proxy:
         metadata = forwardable(context.invocation_metadata())
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        requests = _Requests(request_iterator)
+        requests = ReplayableRequests(request_iterator)
         tried: set[str] = set()
         last_error = "no decode node is known"
         try:
@@ -297,22 +245,9 @@ class Proxy:
                     return
                 except aio.AioRpcError as e:
                     code = e.code()
-                    retry = (
-                        code == grpc.StatusCode.UNAVAILABLE
-                        and not answered
-                        and requests.replayable
-                        and attempt + 1 < self.max_attempts
-                    )
-                    if not retry:
-                        await context.abort(
-                            code,
-                            e.details() or "",
-                            tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
-                        )
-                    last_error = f"{backend.target}: {e.details()}"
-                    backend.healthy = False  # until the next health round says otherwise
-                    log.info("%s on %s: UNAVAILABLE, retrying elsewhere", method, backend.target)
-                    self.retries.inc()
+                    retry = not answered and requests.replayable
+                    retry = retry and attempt + 1 < self.max_attempts
+                    last_error = await self._failed(method, backend, e, retry, context)
                 except (asyncio.CancelledError, GeneratorExit):
                     code = grpc.StatusCode.CANCELLED  # the client went away
                     raise
@@ -326,6 +261,27 @@ class Proxy:
             )
         finally:
             await requests.close()
+
+    async def _failed(
+        self,
+        method: str,
+        backend: Replica,
+        e: aio.AioRpcError,
+        retry: bool,
+        context: aio.ServicerContext,
+    ) -> str:
+        """A backend's call failed before answering: UNAVAILABLE is retried elsewhere (when
+        `retry` allows); anything else goes to the client as it came. Returns the error."""
+        if e.code() != grpc.StatusCode.UNAVAILABLE or not retry:
+            await context.abort(
+                e.code(),
+                e.details() or "",
+                tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
+            )
+        backend.healthy = False  # until the next health round says otherwise
+        log.info("%s on %s: UNAVAILABLE, retrying elsewhere", method, backend.target)
+        self.retries.inc()
+        return f"{backend.target}: {e.details()}"
 
 
 class _ForwardHandler(grpc.GenericRpcHandler):

@@ -30,6 +30,7 @@ from shared.engine.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
 from shared.serving.limits import PUSH_QUIESCE_S
+from shared.serving.metrics import prompt_tokens_counter
 from shared.serving.wire import (
     WireError,
     add_servicer,
@@ -61,6 +62,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.sender = KvSender(self.layout)
         self.thread: EngineThread | None = None
         self.metrics = NodeMetrics(lambda: self._snapshot())
+        self.prompt_tokens = prompt_tokens_counter(self.metrics.registry)
         self.serving: NodeServing | None = None
         self.port = 0
 
@@ -206,6 +208,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         job.completed = True
         stats = self._stats(job, sent_bytes, messages, req)
         self.metrics.queue_seconds.observe(stats.queue_seconds)
+        self.prompt_tokens.labels(source="computed").inc(len(prompt) - req.cached_tokens)
+        self.prompt_tokens.labels(source="cached").inc(req.cached_tokens)
         response = prefill_pb2.PrefillResponse(
             request_id=job.request_id,
             first_token_id=first.token_ids[0],

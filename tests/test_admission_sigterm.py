@@ -42,6 +42,7 @@ def test_sigterm_answers_queued_requests_unavailable(monkeypatch: pytest.MonkeyP
         wait_ready([p], 120)
         target_p = f"127.0.0.1:{p.info['port']}"
         args = ["--model", MODEL, "--port", "0", "--prefill", target_p, "--max-inflight", "1"]
+        args += ["--local-prefill-tokens", "0"]  # every request through the admission queue
         d = spawn("decode", args, echo=False)
         nodes.append(d)
         wait_ready([d], 120)

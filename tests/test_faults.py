@@ -57,6 +57,10 @@ class Nodes:
             "0.5",
             "--http-port",
             "0",
+            # the P/D path under test: every prompt goes to a prefill node
+            "--local-prefill-tokens",
+            "0",
+            "--no-local-prefill-fallback",
             *extra,
         ]
         node = spawn("decode", args, echo=False)

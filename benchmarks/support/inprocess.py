@@ -90,6 +90,10 @@ async def pd_cluster(
                 prefill_targets=targets,
                 port=0,
                 metrics_port=0,
+                # the P/D path under test: every prompt goes to a prefill node (local prefill
+                # and its fallback are asked for through decode_overrides)
+                local_prefill_tokens=0,
+                local_prefill_fallback=False,
             )
             cfg = replace(cfg, **(decode_overrides or {}))
             node = DecodeNode(cfg, EngineCore(cfg.engine, load_model(str(model))))

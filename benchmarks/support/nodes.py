@@ -1,5 +1,5 @@
-"""Node processes for the TTFT and serving benchmarks: real `pdserve prefill/decode` nodes and the
-benchmark's colocated node, each pinned with `taskset` to its own core and limited to one torch
+"""Node processes for the TTFT and serving benchmarks: real `pdserve prefill/decode/colocated`
+nodes, each pinned with `taskset` to its own core and limited to one torch
 thread, so that P/D and colocated get the same compute per role."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def core(i: int) -> str:
 @dataclass
 class NodeSpec:
     name: str  # unique in a setup: "prefill", "decode", "decode-whole", "colocated"
-    module: str  # "pdserve.cli" or "benchmarks.peers.colocated"
+    module: str  # "pdserve.cli"
     args: list[str]
     cpus: str | None  # taskset list; None: unpinned
     threads: int = 1
@@ -131,5 +131,7 @@ def pd_specs(
 def colocated_spec(
     model: str, engine: dict[str, Any] | None = None, cpus: str | None = None, threads: int = 1
 ) -> NodeSpec:
-    args = [*engine_args(model, engine), "--port", "0"]
-    return NodeSpec("colocated", "benchmarks.peers.colocated", args, cpus or core(0), threads)
+    """`pdserve colocated`: a decode node with no prefill nodes, every prompt prefilled by its
+    own engine (the same front door, admission and gRPC stack as the P/D cluster's)."""
+    args = ["colocated", *engine_args(model, engine), "--port", "0", "--http-port", "0"]
+    return NodeSpec("colocated", "pdserve.cli", args, cpus or core(0), threads)

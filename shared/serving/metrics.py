@@ -24,7 +24,7 @@ import ssl
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import uvicorn
-from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.parser import text_string_to_metric_families
@@ -135,6 +135,20 @@ def register_scrape_counter(
     collector = ScrapeCollector(name, documentation, fn, kind="counter")
     registry.register(collector)
     return collector
+
+
+def prompt_tokens_counter(registry: CollectorRegistry) -> Counter:
+    """pdserve_prompt_tokens_total{source="computed|cached"}, on every node that prefills:
+    prompt tokens it computed vs reused from its own prefix cache."""
+    counter = Counter(
+        "pdserve_prompt_tokens",
+        "Prompt tokens this node prefilled: computed, or reused from its prefix cache",
+        ["source"],
+        registry=registry,
+    )
+    for source in ("computed", "cached"):
+        counter.labels(source=source)
+    return counter
 
 
 def render(registry: CollectorRegistry) -> str:

@@ -1,0 +1,266 @@
+"""Remote prefill dispatch: the prompt goes to a healthy prefill node with the destination of
+the blocks this node reserved for it; the KV lands layer by layer through the receiver while the
+`Prefill` RPC runs, and the first token (sampled there) comes back in the RPC's response."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+
+import grpc
+from grpc import aio
+
+from decode_node.config import DecodeNodeConfig
+from decode_node.kv_router import PrefixIndex, prefill_cost, prompt_hashes
+from decode_node.peers import LayoutMismatch, PrefillPeer
+from decode_node.stream import PrefillFailed, Stream
+from proto.pdserve.v1 import generation_pb2, prefill_pb2
+from shared.engine.logprobs import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.transfer_admission import TransferGrant
+from shared.serving.grpc_server import GenerateError, NodeMetrics
+from shared.serving.replica_pool import ReplicaPool
+from shared.serving.wire import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
+from transfer.protocol import TransferDestination
+from transfer.ucx import KvReceiver, TransferError, TransferTimeout
+
+# the first token of each completion as the engine's complete_transfer_all takes it
+FirstTokens = tuple[
+    int,
+    TokenLogprobs | None,
+    list[TokenLogprobs | None] | None,
+    list[tuple[int, TokenLogprobs | None]],
+]
+
+
+class RemotePrefill:
+    def __init__(
+        self,
+        config: DecodeNodeConfig,
+        pool: ReplicaPool[PrefillPeer],
+        receiver: KvReceiver,
+        metrics: NodeMetrics,
+        layout: generation_pb2.KvLayoutInfo,
+    ):
+        self.config = config
+        self.pool = pool
+        self.receiver = receiver
+        self.metrics = metrics
+        self.layout_info = layout
+        self._tasks: set[asyncio.Future[None]] = set()
+        self.index = PrefixIndex()  # what each prefill node likely holds (kv routing)
+        # PrefillResponse of recent requests (timestamps, bytes): the layer-wise evidence
+        self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
+
+    async def prefill(
+        self, stream: Stream, prompt: list[int], params: SamplingParams, grant: TransferGrant
+    ) -> FirstTokens:
+        """Try healthy prefill nodes (1 + prefill_retries of them) until one fills the granted
+        blocks; returns the first tokens. Raises PrefillFailed when none could."""
+        tried: set[str] = set()
+        last_error = "every prefill node is marked unhealthy (failing health checks)"
+        hashes = prompt_hashes(prompt, self.layout_info.block_size)
+        for _ in range(1 + self.config.prefill_retries):
+            peer = self.pool.pick(tried, self._cost(prompt, hashes))
+            if peer is None:
+                break
+            tried.add(peer.target)
+            try:
+                response = await self._prefill_once(stream, peer, prompt, params, grant)
+            except PrefillFailed as e:
+                last_error = str(e)
+                continue
+            self.index.record(peer.target, hashes)
+            return first_tokens(response, params)
+        raise PrefillFailed(last_error)
+
+    def _cost(self, prompt: list[int], hashes: list[bytes]) -> Callable[[PrefillPeer], float]:
+        """How `--prefill-routing` ranks the healthy nodes (ties rotate in the pool)."""
+        mode = self.config.prefill_routing
+        if mode == "round-robin":
+            return lambda peer: 0.0
+        if mode == "least-loaded":
+            return lambda peer: float(peer.load)
+        block = self.layout_info.block_size
+        usable = hashes[: (len(prompt) - 1) // block]  # the last token is always computed
+
+        def kv(peer: PrefillPeer) -> float:
+            cached = self.index.matched_blocks(peer.target, usable) * block
+            return prefill_cost(len(prompt), cached, peer.load)
+
+        return kv
+
+    def _mark_unhealthy(self, peer: PrefillPeer, why: str) -> None:
+        self.pool.mark_unhealthy(peer, why)
+        self.index.forget_node(peer.target)  # it may come back restarted, its cache empty
+
+    async def _prefill_once(
+        self,
+        stream: Stream,
+        peer: PrefillPeer,
+        prompt: list[int],
+        params: SamplingParams,
+        grant: TransferGrant,
+    ) -> prefill_pb2.PrefillResponse:
+        try:
+            await peer.ensure_layout(self.layout_info)
+        except LayoutMismatch as e:
+            raise GenerateError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except (TimeoutError, grpc.RpcError) as e:
+            self._mark_unhealthy(peer, f"model info failed: {e}")
+            raise PrefillFailed(f"{peer.target}: {e}") from None
+        dest = self.receiver.expect(stream.request_id, grant.blocks)
+        stream.transfer_id, stream.peer, stream.prefill_done = dest.transfer_id, peer, False
+        budget = self.config.prefill_timeout
+        if stream.deadline is not None:
+            budget = min(budget, max(0.001, stream.deadline - time.monotonic()))
+        request = self._prefill_request(stream, prompt, params, dest, grant.first_block)
+        call = peer.stub.Prefill(request, timeout=budget)
+        landed = asyncio.ensure_future(
+            self.receiver.wait(dest.transfer_id, min(budget, self.config.kv_transfer_timeout))
+        )
+        peer.load += len(prompt)
+        started = time.monotonic()
+        try:
+            response = await self._await_both(call, landed, stream, peer)
+        finally:
+            peer.load -= len(prompt)
+            if not landed.done():
+                landed.cancel()
+        self._record(stream, response, started)
+        return response
+
+    def _record(
+        self, stream: Stream, response: prefill_pb2.PrefillResponse, started: float
+    ) -> None:
+        stream.prefill_done = True
+        self.transfer_log[stream.request_id] = response
+        while len(self.transfer_log) > 1024:
+            self.transfer_log.popitem(last=False)
+        stats = response.stats
+        # queued here, then on the prefill node
+        stream.queue_seconds = stream.admission_wait + stats.queue_seconds
+        stream.prefill_seconds = stats.prefill_seconds
+        stream.kv_transfer_seconds = stats.transfer_tail_seconds
+        self.metrics.kv_transfer_seconds.observe(time.monotonic() - started)
+        self.metrics.kv_transfer_bytes.inc(stats.bytes_sent)
+
+    async def _await_both(
+        self,
+        call: aio.UnaryUnaryCall,
+        landed: asyncio.Future[object],
+        stream: Stream,
+        peer: PrefillPeer,
+    ) -> prefill_pb2.PrefillResponse:
+        rpc = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_EXCEPTION)
+            if landed.done() and landed.exception() is not None:
+                raise landed.exception()  # type: ignore[misc]
+            response = await rpc
+            await landed
+            return response
+        except grpc.RpcError as e:
+            await self.forget_transfer(stream)
+            raise self._rpc_failure(e, stream, peer) from None
+        except (TransferTimeout, TransferError) as e:
+            await self.forget_transfer(stream)
+            call.cancel()
+            self.background(peer.cancel(stream.request_id))
+            raise self._transfer_failure(e, stream, peer) from None
+        finally:
+            if not rpc.done():
+                rpc.cancel()
+
+    def _rpc_failure(self, e: grpc.RpcError, stream: Stream, peer: PrefillPeer) -> Exception:
+        code = e.code()
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            return GenerateError(code, f"prefill node {peer.target}: {e.details()}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and stream.deadline_passed():
+            return GenerateError(
+                code, f"request {stream.request_id} exceeded its deadline during prefill"
+            )
+        self._mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
+        return PrefillFailed(f"{peer.target}: {code.name} {e.details()}")
+
+    def _transfer_failure(self, e: Exception, stream: Stream, peer: PrefillPeer) -> Exception:
+        if not isinstance(e, TransferTimeout):  # TransferTimeout is a TransferError too
+            self._mark_unhealthy(peer, f"KV transfer failed: {e}")
+            return PrefillFailed(f"{peer.target}: KV transfer failed: {e}")
+        if stream.deadline_passed():  # the client's deadline, not the node's fault
+            return GenerateError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request {stream.request_id} exceeded its deadline waiting for its KV",
+            )
+        # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
+        self._mark_unhealthy(peer, "KV transfer timed out")
+        return PrefillFailed(
+            f"{peer.target}: KV transfer for {stream.request_id} timed out after "
+            f"{self.config.kv_transfer_timeout:.1f}s"
+        )
+
+    def background(self, coro: Coroutine[object, object, None]) -> None:
+        """Fire-and-forget with a strong reference, so the task is not collected mid-flight."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def forget_transfer(self, stream: Stream) -> None:
+        """Cancel the stream's transfer and wait until nothing writes its blocks any more (a
+        retry reuses them; the release frees them)."""
+        if stream.transfer_id is not None:
+            transfer_id, stream.transfer_id = stream.transfer_id, None
+            await self.receiver.release(transfer_id, self.config.kv_fence_timeout)
+
+    async def release(self, stream: Stream) -> None:
+        """The request ended: its transfer cancelled, the prefill node told if still busy."""
+        await self.forget_transfer(stream)
+        if stream.peer is not None and not stream.prefill_done:
+            self.background(stream.peer.cancel(stream.request_id))
+
+    def _prefill_request(
+        self,
+        stream: Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        dest: TransferDestination,
+        first_block: int,
+    ) -> prefill_pb2.PrefillRequest:
+        return prefill_pb2.PrefillRequest(
+            request_id=stream.request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling_to_proto(params),
+            seed=params.seed or 0,
+            destination=prefill_pb2.KvDestination(
+                ucx_address=dest.address,
+                transfer_id=dest.transfer_id,
+                transfer_token=dest.token,
+                block_ids=list(dest.block_ids),
+                first_block_index=first_block,
+                layout_fingerprint=self.layout_info.fingerprint,
+            ),
+            layerwise=self.config.layerwise,
+        )
+
+
+def first_tokens(response: prefill_pb2.PrefillResponse, params: SamplingParams) -> FirstTokens:
+    """The prefill node's first token with its logprobs and the prompt's (when asked), and
+    the other completions' first tokens (n > 1)."""
+    first = None
+    if params.logprobs is not None and response.HasField("first_token_logprobs"):
+        first = logprob_from_proto(response.first_token_logprobs)
+    prompt = None
+    if params.prompt_logprobs is not None:
+        prompt = prompt_logprobs_from_proto(response.prompt_logprobs)
+    tokens = list(response.choice_first_token_ids)
+    if len(tokens) != params.n - 1:
+        raise GenerateError(
+            grpc.StatusCode.INTERNAL,
+            f"prefill node returned {len(tokens)} first tokens for n={params.n} completions",
+        )
+    lps: list[TokenLogprobs | None] = [None] * len(tokens)
+    if params.logprobs is not None and len(response.choice_first_token_logprobs) == len(tokens):
+        lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
+    return response.first_token_id, first, prompt, list(zip(tokens, lps, strict=True))

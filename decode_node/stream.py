@@ -1,0 +1,59 @@
+"""One Generate request as the decode node's request path tracks it (event loop side)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shared.engine.output import TokenDelta
+from shared.engine.transfer_admission import TransferGrant
+
+if TYPE_CHECKING:
+    from decode_node.peers import PrefillPeer
+    from shared.engine.request import LlmRequest
+
+
+class PrefillFailed(Exception):
+    """The prefill node could not serve this attempt; another node (or this one) may."""
+
+
+@dataclass
+class Stream:
+    request_id: str
+    prompt_len: int
+    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
+    transfer_id: int | None = None
+    peer: PrefillPeer | None = None
+    prefill_done: bool = False
+    admitted_at: float = field(default_factory=time.monotonic)
+    # set by the engine thread's admission callback: a grant, None (deadline passed in the
+    # queue) or an exception (drained at shutdown)
+    admission: asyncio.Future[TransferGrant | None] | None = None
+    admission_wait: float = 0.0  # seconds QUEUED on this node
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    kv_transfer_seconds: float = 0.0
+    first_token_at: float | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    deadline: float | None = None  # monotonic; None: the client set none
+    n: int = 1  # completions; the stream ends when each has finished
+    finished: set[int] = field(default_factory=set)
+    tokens_by_index: dict[int, int] = field(default_factory=dict)
+    failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
+    # prefilled by this node's own engine (QUEUED -> CONTEXT_INIT), not by a prefill node
+    local: LlmRequest | None = None
+
+    def account(self, delta: TokenDelta) -> None:
+        """Count a delta of completion `delta.index` before it is streamed."""
+        self.completion_tokens += len(delta.token_ids)
+        self.tokens_by_index[delta.index] = self.tokens_by_index.get(delta.index, 0) + len(
+            delta.token_ids
+        )
+        if delta.finish_reason is not None:
+            self.finished.add(delta.index)
+
+    def deadline_passed(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
