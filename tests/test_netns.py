@@ -171,6 +171,9 @@ def test_kv_crosses_a_veth_between_two_namespaces_and_greedy_matches() -> None:
                     DECODE_ADDR,
                     "--metrics-port",
                     "9100",
+                    # every prompt crosses the veth: none is short enough to stay local
+                    "--local-prefill-tokens",
+                    "0",
                 ],
             )
             nodes.append(decode)
