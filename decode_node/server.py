@@ -45,7 +45,7 @@ from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer
-from shared.serving.wire import WireError, add_servicer, sampling_from_proto, validate_request
+from shared.serving.wire import WireError, sampling_from_proto, validate_request
 
 log = logging.getLogger(__name__)
 SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -91,14 +91,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.thread.start()
         await self.receiver.start()
         await self.pool.start()
-        self.serving = await NodeServing.start(
-            [SERVICE],
-            lambda s: add_servicer(s, self, SERVICE_DESCRIPTOR),
-            self.config.host,
-            self.config.port,
-            self.config.tls,
-            self.metrics.registry,
-            self.config.metrics_port,
+        self.serving = await NodeServing.serve(
+            self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry
         )
         self.port = self.serving.port
         if self.config.http_port >= 0:

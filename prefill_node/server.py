@@ -33,7 +33,6 @@ from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.metrics import prompt_tokens_counter
 from shared.serving.wire import (
     WireError,
-    add_servicer,
     check_request_id,
     logprob_to_proto,
     prompt_logprobs_to_proto,
@@ -76,14 +75,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
         self.core.layer_hook_factory = self._layer_hook
         self.thread.start()
-        self.serving = await NodeServing.start(
-            [SERVICE],
-            lambda s: add_servicer(s, self, SERVICE_DESCRIPTOR),
-            self.config.host,
-            self.config.port,
-            self.config.tls,
-            self.metrics.registry,
-            self.config.metrics_port,
+        self.serving = await NodeServing.serve(
+            self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry
         )
         self.port = self.serving.port
         log.info("prefill node serving on %s:%d", self.config.host, self.port)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -109,6 +111,15 @@ def set_serving(health_servicer: health.HealthServicer, services: Sequence[str],
         health_servicer.set(name, status)
 
 
+class NodeAddress(Protocol):
+    """What a node's config says about where it serves (prefill and decode configs alike)."""
+
+    host: str
+    port: int
+    tls: ServerTls | None
+    metrics_port: int
+
+
 @dataclass
 class NodeServing:
     """A node's public face: gRPC server (with health and reflection) and /metrics + /health."""
@@ -142,6 +153,27 @@ class NodeServing:
             node.metrics_server = await AsgiServer.start(app, host, metrics_port)
         set_serving(health_servicer, services, True)
         return node
+
+    @classmethod
+    async def serve(
+        cls,
+        servicer: object,
+        service: ServiceDescriptor,
+        node: NodeAddress,
+        registry: CollectorRegistry,
+    ) -> NodeServing:
+        """Serve a node's one service where its config says (host, port, TLS, metrics port)."""
+        from shared.serving.wire import add_servicer
+
+        return await cls.start(
+            [service.full_name],
+            lambda s: add_servicer(s, servicer, service),
+            node.host,
+            node.port,
+            node.tls,
+            registry,
+            node.metrics_port,
+        )
 
     @property
     def metrics_port(self) -> int | None:
