@@ -41,10 +41,16 @@ def _hf_model(path: str):
     return load_hf_model(Path(path))
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[int]:
     """transformers `generate(do_sample=False)` for one prompt: the token-exact reference."""
-    model = _hf_model(str(path))
-    ids = torch.tensor([prompt])
+    return hf_greedy_with(_hf_model(str(path)), prompt, max_new_tokens, **kwargs)
+
+
+def hf_greedy_with(
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **kwargs: object
+) -> list[int]:
+    """`hf_greedy` on a model already loaded (on its own device); `kwargs` go to `generate`."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -52,6 +58,7 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
             do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=0,
+            **kwargs,
         )
     return out[0, len(prompt) :].tolist()
 

@@ -66,19 +66,6 @@ def hf_log_softmax(path: Path, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def hf_generate(path: Path, prompt: list[int], max_new_tokens: int, **kwargs: object) -> list[int]:
-    model = _hf_model(str(path))
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            **kwargs,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def assert_logprobs_match(

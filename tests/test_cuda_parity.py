@@ -16,23 +16,12 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from tests.cuda_facts import CUDA_MARKS, record
-from tests.engine_helpers import random_max_tokens, random_prompts
+from tests.engine_helpers import hf_greedy_with, random_max_tokens, random_prompts
 
 pytestmark = CUDA_MARKS
 CUDA = torch.device("cuda")
 
 
-def hf_generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt], device=CUDA)
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def engine(path: Path, dtype: str, graphs: bool = True) -> LLM:
@@ -54,7 +43,7 @@ def test_fp32_greedy_is_token_exact_with_transformers(
     outs = llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
     hf = load_hf_model(path).to(CUDA)
     for i, (p, m, o) in enumerate(zip(prompts, max_tokens, outs, strict=True)):
-        assert o.token_ids == hf_generate(hf, p, m), f"prompt {i} differs from transformers"
+        assert o.token_ids == hf_greedy_with(hf, p, m), f"prompt {i} differs from transformers"
     runner = llm.core.decode_runner
     assert (runner is not None and runner.num_replays > 0) == graphs
     llm.core.check_conservation()
@@ -79,7 +68,7 @@ def test_bf16_prefill_logits_close_and_greedy_agreement(checkpoint: Callable[...
     outs = llm.generate(prompts, SamplingParams(max_tokens=16))
     agree = total = 0
     for p, o in zip(prompts, outs, strict=True):
-        want = hf_generate(hf, p, 16)
+        want = hf_greedy_with(hf, p, 16)
         pairs = zip(o.token_ids, want, strict=False)
         n = next((k for k, (a, b) in enumerate(pairs) if a != b), None)
         agree += min(len(o.token_ids), len(want)) if n is None else n

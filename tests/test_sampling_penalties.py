@@ -20,8 +20,8 @@ from shared.engine.llm import LLM
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
-from tests.engine_helpers import _hf_model, random_prompts
-from tests.sampling_reference import hf_generate, pd_generate
+from tests.engine_helpers import _hf_model, hf_greedy, random_prompts
+from tests.sampling_reference import pd_generate
 
 EOS = special_ids()[EOS_TOKEN]
 
@@ -67,9 +67,9 @@ def test_repetition_penalty_equals_transformers(checkpoint: Callable[..., Path])
     # mixed with unpenalised requests: only the penalised rows are reshaped
     outs = llm.generate(prompts + prompts[:2], [params] * 6 + [SamplingParams(max_tokens=24)] * 2)
     for prompt, out in zip(prompts, outs, strict=False):
-        assert out.token_ids == hf_generate(path, prompt, 24, repetition_penalty=1.3)
+        assert out.token_ids == hf_greedy(path, prompt, 24, repetition_penalty=1.3)
     for prompt, out in zip(prompts[:2], outs[6:], strict=True):
-        assert out.token_ids == hf_generate(path, prompt, 24)
+        assert out.token_ids == hf_greedy(path, prompt, 24)
     llm.check_conservation()
 
 
@@ -150,7 +150,7 @@ def test_pd_penalties_match_colocated_and_references(checkpoint: Callable[..., P
                 assert g.finish_reason.removeprefix("FINISH_REASON_").lower() == (
                     w.finish_reason.value
                 )
-            assert got[0][0].token_ids == hf_generate(path, prompts[0], 16, repetition_penalty=1.3)
+            assert got[0][0].token_ids == hf_greedy(path, prompts[0], 16, repetition_penalty=1.3)
             assert got[2][0].token_ids[4:] == [EOS] and EOS not in got[2][0].token_ids[:4]
             assert got[3][0].token_ids == [9]
             await c.assert_idle_and_conserved()
@@ -214,4 +214,4 @@ def test_abort_between_steps_clears_penalty_rows(checkpoint: Callable[..., Path]
     assert not bool(penalties.bias_values[seat].any()) and not bool(penalties.stop_ids[seat].any())
     llm.check_conservation()
     (again,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6))
-    assert again.token_ids == hf_generate(path, [5, 6, 7, 8], 6)
+    assert again.token_ids == hf_greedy(path, [5, 6, 7, 8], 6)

@@ -42,19 +42,30 @@ def main(spec_path: str, result_path: str) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    if [len(o) for o in outputs] != spec["max_tokens"]:
-        raise RuntimeError("vLLM returned a different number of tokens than asked for")
+    write_result(result_path, "vllm", spec["max_tokens"], outputs, elapsed, startup)
+
+
+def write_result(
+    path: str,
+    system: str,
+    max_tokens: list[int],
+    outputs: list[list[int]],
+    elapsed: float,
+    startup: float,
+) -> None:
+    """RESULT.json, the same for both systems (stdlib only: the pdserve side imports it too)."""
+    if [len(o) for o in outputs] != max_tokens:
+        raise RuntimeError(f"{system} returned a different number of tokens than asked for")
     result = {
-        "system": "vllm",
-        "tokens_per_s": sum(spec["max_tokens"]) / elapsed,
+        "system": system,
+        "tokens_per_s": sum(max_tokens) / elapsed,
         "elapsed_s": elapsed,
         "startup_s": startup,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "outputs": outputs,
     }
-    with open(result_path, "w") as f:
+    with open(path, "w") as f:
         json.dump(result, f)
-
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

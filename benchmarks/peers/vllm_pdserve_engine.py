@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from benchmarks.peers.vllm_engine import write_result
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
@@ -42,19 +43,7 @@ def main(spec_path: str, result_path: str) -> None:
     elapsed = time.perf_counter() - start
     llm.check_conservation()
     outputs = [list(o.token_ids) for o in outs]
-    if [len(o) for o in outputs] != spec["max_tokens"]:
-        raise RuntimeError("pdserve returned a different number of tokens than asked for")
-    result = {
-        "system": "pdserve",
-        "tokens_per_s": sum(spec["max_tokens"]) / elapsed,
-        "elapsed_s": elapsed,
-        "startup_s": startup,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "outputs": outputs,
-    }
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-
+    write_result(result_path, "pdserve", spec["max_tokens"], outputs, elapsed, startup)
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
