@@ -1,11 +1,19 @@
-"""An event loop on its own thread, so hypothesis (synchronous) can drive in-process servers."""
+"""An in-process cluster on its own event-loop thread, so hypothesis (synchronous) can drive it,
+and the property every fuzzer checks after each example: the node still serves, conserved."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
+
+from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.client import generate
+from tests.engine_helpers import hf_greedy
+
+PROBE = [5, 6, 7]  # the greedy request that must come out the same after every example
 
 
 class LoopThread:
@@ -23,3 +31,23 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+class LiveCluster:
+    """1 prefill + 1 decode node (tiny checkpoint) for a whole fuzz module."""
+
+    def __init__(self, path: Path, **decode_overrides: Any) -> None:
+        self.runner = LoopThread()
+        self.scope = pd_cluster(path, decode_overrides=decode_overrides or None)
+        self.cluster: PdCluster = self.runner.run(self.scope.__aenter__())
+        self.want = hf_greedy(path, PROBE, 4)
+
+    async def still_serving(self) -> None:
+        await self.cluster.assert_idle_and_conserved()
+        ok = await generate(self.cluster.targets[0], PROBE, max_tokens=4, timeout=30)
+        assert ok.token_ids == self.want, "greedy output changed after a fuzzed request"
+        await self.cluster.assert_idle_and_conserved()
+
+    def close(self) -> None:
+        self.runner.run(self.scope.__aexit__(None, None, None))
+        self.runner.close()

@@ -22,11 +22,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
-from pdserve.client import generate
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
-from tests.engine_helpers import hf_greedy
-from tests.fuzz_loop import LoopThread
+from tests.fuzz_loop import LiveCluster
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
 # The Generate statuses proto/pdserve/v1/generation.proto documents for a healthy cluster
@@ -38,7 +35,6 @@ DOCUMENTED = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 REQUEST_DEADLINE_S = 20.0
-PROBE = [5, 6, 7]
 VOCAB = 512  # tests/checkpoints.py's llama
 METHOD = "/pdserve.v1.Generation/Generate"
 PREFILL = "/pdserve.v1.Prefill/Prefill"
@@ -177,13 +173,10 @@ def wire_bytes(draw: st.DrawFn) -> bytes:
     return data
 
 
-class Live:
+class Live(LiveCluster):
     def __init__(self, path: Path) -> None:
-        self.runner = LoopThread()
-        self.scope = pd_cluster(path)
-        self.cluster: PdCluster = self.runner.run(self.scope.__aenter__())
+        super().__init__(path)
         self.channel = self.runner.run(self._open_channel())
-        self.want = hf_greedy(path, PROBE, 4)
 
     async def _open_channel(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(self.cluster.targets[0])
@@ -208,16 +201,9 @@ class Live:
             return e.code(), [e.details()]
         return grpc.StatusCode.OK, responses
 
-    async def still_serving(self) -> None:
-        await self.cluster.assert_idle_and_conserved()
-        ok = await generate(self.cluster.targets[0], PROBE, max_tokens=4, timeout=30)
-        assert ok.token_ids == self.want, "greedy output changed after a fuzzed request"
-        await self.cluster.assert_idle_and_conserved()
-
     def close(self) -> None:
         self.runner.run(self.channel.close())
-        self.runner.run(self.scope.__aexit__(None, None, None))
-        self.runner.close()
+        super().close()
 
 
 @pytest.fixture(scope="module")

@@ -29,24 +29,17 @@ from hypothesis import strategies as st  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster  # noqa: E402
-from pdserve.client import generate  # noqa: E402
-from tests.engine_helpers import hf_greedy  # noqa: E402
-from tests.fuzz_loop import LoopThread  # noqa: E402
+from tests.fuzz_loop import LiveCluster  # noqa: E402
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
 DOCUMENTED = {200, 400, 401, 404, 413, 429, 503, 504}
-PROBE = [5, 6, 7]
 
 
-class LiveHttp:
+class LiveHttp(LiveCluster):
     def __init__(self, path: Any) -> None:
-        self.runner = LoopThread()
-        self.scope = pd_cluster(path, decode_overrides={"http_port": 0})
-        self.cluster: PdCluster = self.runner.run(self.scope.__aenter__())
+        super().__init__(path, http_port=0)
         node = self.cluster.decodes[0]
         self.url = f"http://127.0.0.1:{node.http_port}"
-        self.want = hf_greedy(path, PROBE, 4)
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as resp:
             self.model = json.load(resp)["data"][0]["id"]
 
@@ -56,16 +49,6 @@ class LiveHttp:
         node = self.cluster.decodes[0]
         app = create_app(node, node.config.http_api(node.core.loaded), CollectorRegistry())
         return app.openapi()
-
-    async def still_serving(self) -> None:
-        await self.cluster.assert_idle_and_conserved()
-        ok = await generate(self.cluster.targets[0], PROBE, max_tokens=4, timeout=30)
-        assert ok.token_ids == self.want, "greedy output changed after a fuzzed request"
-        await self.cluster.assert_idle_and_conserved()
-
-    def close(self) -> None:
-        self.runner.run(self.scope.__aexit__(None, None, None))
-        self.runner.close()
 
 
 @pytest.fixture(scope="module")
