@@ -161,3 +161,19 @@ def test_deadline_in_the_queue_and_drain() -> None:
         core.admission.enqueue(core, [5, 6], greedy(2), "late")
     core.abort("a")
     core.check_conservation()
+
+
+def test_a_local_request_waiting_to_start_leaves_room_for_transfers_not_a_refusal() -> None:
+    """A local prefill added but not yet scheduled is QUEUED in the scheduler: a transfer that
+    fits beside the blocks it will take is admitted at once (even with no queue at all); one
+    that would take those blocks waits instead (so the local request is not starved)."""
+    core = engine(blocks=8, max_queued=0)
+    got = collect(core)
+    core.add_request(list(range(3, 53)), greedy(2), "local")  # 50 tok + 1: 4 blocks, waiting
+    core.admission.enqueue(core, [5, 6, 7], greedy(2), "fits")  # 1 block: 4 + 1 <= 8
+    assert [rid for rid, _ in got] == ["fits"]
+    with pytest.raises(ResourcesExhausted, match="admission queue is full"):
+        core.admission.enqueue(core, list(range(3, 53)), greedy(2), "takes")  # 4 + 1 + 4 > 8
+    for rid in ("local", "fits"):
+        core.abort(rid)
+    core.check_conservation()

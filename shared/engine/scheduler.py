@@ -77,11 +77,16 @@ class Scheduler:
         self.running: list[LlmRequest] = []
         self.num_preemptions = 0  # since start: pdserve_preemptions_total
 
-    @property
-    def has_queued(self) -> bool:
-        """A QUEUED request (fresh or preempted) waits here: it comes before anything that a
-        node's own admission queue would admit after it."""
-        return any(r.state == LlmRequestState.QUEUED for r in self.waiting)
+    def queued_block_need(self) -> int:
+        """Blocks the QUEUED requests here (fresh or preempted) need to start: they come before
+        anything a node's own admission queue admits after them, so those blocks are theirs.
+        Counted without their prefix hits (an upper bound: those are matched at schedule)."""
+        lookahead = self.config.admit_lookahead
+        return sum(
+            self.kv.needed_to_admit(r, lookahead)
+            for r in self.waiting
+            if r.state == LlmRequestState.QUEUED
+        )
 
     def add_request(self, request: LlmRequest) -> None:
         self.waiting.append(request)

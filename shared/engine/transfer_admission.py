@@ -3,9 +3,10 @@ for its prompt and first generated token are free, then gets them reserved and p
 incoming KV transfer (DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS).
 
 Runs on the engine thread, driven by the EngineCore after every step and command (the only
-moments blocks can free up). Admission is FIFO through `AdmissionQueue`, and defers to requests
-the scheduler itself holds QUEUED (preempted for recompute): they were admitted earlier, and
-letting new transfers take the blocks they wait for would starve them.
+moments blocks can free up). Admission is FIFO through `AdmissionQueue`, and leaves free the
+blocks that requests the scheduler itself holds QUEUED wait for (preempted for recompute, or a
+local prefill not yet scheduled): they came first, and letting new transfers take those blocks
+would starve them; refusing while they wait would refuse work the pool can hold.
 """
 
 from __future__ import annotations
@@ -128,15 +129,13 @@ class TransferAdmission:
     def _try_admit(
         self, core: EngineCore, entry: QueueEntry[LlmRequest], now: float, queued: bool = True
     ) -> bool:
-        if core.scheduler.has_queued:
-            return False
         if self.max_admitted is not None:
             # every live request not waiting here (the candidate itself excluded)
             admitted = len(core.requests) - len(self.queue) - (0 if queued else 1)
             if admitted >= self.max_admitted:
                 return False
         request = entry.item
-        grant = reserve_transfer_blocks(core, request)
+        grant = reserve_transfer_blocks(core, request, core.scheduler.queued_block_need())
         if grant is None:
             return False
         grant.queue_seconds = now - entry.enqueued_at
@@ -144,15 +143,18 @@ class TransferAdmission:
         return True
 
 
-def reserve_transfer_blocks(core: EngineCore, request: LlmRequest) -> TransferGrant | None:
+def reserve_transfer_blocks(
+    core: EngineCore, request: LlmRequest, owed: int = 0
+) -> TransferGrant | None:
     """QUEUED -> DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS when the prompt's blocks (minus
-    this node's prefix hit) and room for the first decoded token are free: the prompt's blocks
-    are reserved and pinned; otherwise nothing is taken and None is returned."""
+    this node's prefix hit) and room for the first decoded token are free beside the `owed`
+    blocks the scheduler's own QUEUED requests wait for: the prompt's blocks are reserved and
+    pinned; otherwise nothing is taken and None is returned."""
     kv = core.kv_manager
     cached = kv.acquire_prefix(request)
     held = len(kv.block_table(request.request_id))
     need = cdiv(request.prompt_len + 1, kv.block_size) - held
-    if need > kv.num_free_blocks:
+    if need + owed > kv.num_free_blocks:
         kv.free_resources(request)  # the prefix goes back; it is matched again next time
         return None
     request.cached_tokens = cached
