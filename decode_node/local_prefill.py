@@ -81,8 +81,8 @@ def start_local(
     core.abort(request_id)  # a transfer reservation made before the prefill nodes failed
     if max_requests is not None and len(core.requests) >= max_requests:
         raise ResourcesExhausted(
-            f"{len(core.requests)} requests in flight or queued (--max-inflight + "
-            "--max-queued): retry later",
+            f"admission queue is full ({len(core.requests)} requests in flight or queued, "
+            f"--max-inflight + --max-queued = {max_requests}); retry after about 1s",
             1,
         )
     return core.add_request(prompt, params, request_id)

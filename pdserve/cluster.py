@@ -4,6 +4,7 @@ UCX does not survive a fork)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -60,8 +61,23 @@ def popen_node(
     return node
 
 
-def spawn(role: str, args: list[str], echo: bool = True) -> NodeProcess:
-    return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo)
+def spawn(
+    role: str, args: list[str], echo: bool = True, env: dict[str, str] | None = None
+) -> NodeProcess:
+    return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo, env)
+
+
+def shared_host_env(num_nodes: int) -> dict[str, str]:
+    """The environment of nodes that share this host's cores: each gets an equal share of
+    OpenMP threads, and OpenMP workers that sleep when idle instead of spinning. A spinning
+    worker of one node holds a core another node needs; measured here (docs/performance.md,
+    the vLLM comparison), that costs a loaded two-node host 10-16x per op. What the user set
+    in the environment is kept."""
+    env = dict(os.environ)
+    threads = max(1, len(os.sched_getaffinity(0)) // max(1, num_nodes))
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def wait_ready(nodes: list[NodeProcess], timeout: float) -> None:
@@ -121,8 +137,9 @@ class Cluster:
         self.nodes: list[NodeProcess] = []
 
     def start(self, timeout: float = 120.0, echo: bool = True) -> list[str]:
+        env = shared_host_env(self.num_prefill + self.num_decode)
         prefills = [
-            spawn("prefill", ["--model", self.model, "--port", "0", *self.extra], echo)
+            spawn("prefill", ["--model", self.model, "--port", "0", *self.extra], echo, env)
             for _ in range(self.num_prefill)
         ]
         self.nodes.extend(prefills)
@@ -144,6 +161,7 @@ class Cluster:
                     *self.decode_extra,
                 ],
                 echo,
+                env,
             )
             for i in range(self.num_decode)
         ]

@@ -133,3 +133,20 @@ def test_idle_cluster_does_not_spin_and_cli_streams(
         used = (cpu_seconds(node.proc.pid) - before[node.proc.pid]) / 5.0
         assert used < 0.05, f"idle {node.role} node used {used:.1%} of a core"
     assert_all_released(cluster)
+
+
+def test_nodes_sharing_a_host_split_its_cores_and_do_not_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdserve.cluster import shared_host_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    env = shared_host_env(3)
+    assert env["OMP_NUM_THREADS"] == "2" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert shared_host_env(20)["OMP_NUM_THREADS"] == "1"  # never zero
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    env = shared_host_env(3)
+    assert env["OMP_NUM_THREADS"] == "5" and env["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's

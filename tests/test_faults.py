@@ -69,6 +69,15 @@ class Nodes:
         return node
 
 
+    def colocated(self, *extra: str) -> NodeProcess:
+        """`pdserve colocated`: the same public contract, no prefill nodes."""
+        args = ["--model", MODEL, "--port", "0", "--http-port", "0", *extra]
+        node = spawn("colocated", args, echo=False)
+        self.all.append(node)
+        wait_ready([node], 120)
+        return node
+
+
 @pytest.fixture
 def nodes() -> Iterator[Nodes]:
     n = Nodes()
@@ -214,9 +223,12 @@ def test_decode_death_releases_prefill_side(nodes: Nodes, reference: LLM) -> Non
     wait_released(p, d2)
 
 
-def test_sigterm_drains_in_flight_work_and_exits_clean(nodes: Nodes, reference: LLM) -> None:
-    p = nodes.prefill()
-    d = nodes.decode([p])
+@pytest.mark.parametrize("colocated", [False, True], ids=["pd", "colocated"])
+def test_sigterm_drains_in_flight_work_and_exits_clean(
+    colocated: bool, nodes: Nodes, reference: LLM
+) -> None:
+    prefills = [] if colocated else [nodes.prefill()]
+    d = nodes.colocated() if colocated else nodes.decode(prefills)
     prompts = random_prompts(3, VOCAB, min_len=10, max_len=100, seed=9)
     want = [o.token_ids for o in reference.generate(prompts, SamplingParams(max_tokens=40))]
 
@@ -237,7 +249,7 @@ def test_sigterm_drains_in_flight_work_and_exits_clean(nodes: Nodes, reference: 
         else:
             assert r.token_ids == w
     assert d.proc.wait(30) == 0  # 0 = seats and blocks all conserved at exit
-    wait_released(p)
+    wait_released(*prefills)
 
 
 def test_decode_node_listens_only_on_its_configured_address(nodes: Nodes, reference: LLM) -> None:

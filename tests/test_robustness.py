@@ -1,7 +1,8 @@
 """Cancellation in every state, deadlines, overload, forged KV messages, malformed gRPC.
 
 In-process nodes (real gRPC, real UCX); after each scenario both sides hold nothing and a fresh
-request is served correctly.
+request is served correctly. The public-contract scenarios run twice: against a P/D pair and
+against a colocated node (`pdserve colocated`), which promises the same contract.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from shared.engine.request import LlmRequestState
 from tests.engine_helpers import hf_greedy, random_prompts
 
 S = LlmRequestState
+# the same public contract from a P/D pair and from a colocated node
+TOPOLOGY = pytest.mark.parametrize("colocated", [False, True], ids=["pd", "colocated"])
 
 
 def slow(path: Path) -> EngineConfig:
@@ -44,23 +47,25 @@ async def wait_for_state(c: PdCluster, state: LlmRequestState, timeout: float = 
         await asyncio.sleep(0.002)
 
 
-@pytest.mark.parametrize(
-    "cancel_at",
-    ["immediately", "DISAGG_GENERATION_TRANS_IN_PROGRESS", "first_token", "decoding"],
-)
-def test_client_cancel_in_every_state(cancel_at: str, checkpoint: Callable[..., Path]) -> None:
+@TOPOLOGY
+@pytest.mark.parametrize("cancel_at", ["immediately", "prefilling", "first_token", "decoding"])
+def test_client_cancel_in_every_state(
+    cancel_at: str, colocated: bool, checkpoint: Callable[..., Path]
+) -> None:
     path = checkpoint("llama")
     prompt = random_prompts(1, 512, min_len=600, max_len=600, seed=61)[0]
+    # while the prompt computes: its KV on the way (P/D), or its chunks running here
+    prefilling = S.CONTEXT_INIT if colocated else S.DISAGG_GENERATION_TRANS_IN_PROGRESS
 
     async def body() -> None:
-        async with pd_cluster(path, prefill_engine=slow(path)) as c:
+        async with pd_cluster(path, prefill_engine=slow(path), colocated=colocated) as c:
             stream = generate_stream(c.targets[0], prompt, max_tokens=200, ignore_eos=True)
             task = asyncio.ensure_future(_consume(stream, cancel_at))
             if cancel_at == "immediately":
                 await asyncio.sleep(0)
                 task.cancel()
-            elif cancel_at == "DISAGG_GENERATION_TRANS_IN_PROGRESS":
-                await wait_for_state(c, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+            elif cancel_at == "prefilling":
+                await wait_for_state(c, prefilling)
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -68,7 +73,7 @@ def test_client_cancel_in_every_state(cancel_at: str, checkpoint: Callable[..., 
                 await stream.aclose()
             await fresh_request_ok(c, path)
             # late KV messages of the cancelled transfer were dropped, never written
-            assert c.prefills[0].thread.snapshot.blocks_pinned == 0
+            assert all(p.thread.snapshot.blocks_pinned == 0 for p in c.prefills)
 
     asyncio.run(body())
 
@@ -83,12 +88,13 @@ async def _consume(stream, cancel_at: str) -> None:
             return
 
 
-def test_client_deadline_during_prefill(checkpoint: Callable[..., Path]) -> None:
+@TOPOLOGY
+def test_client_deadline_during_prefill(colocated: bool, checkpoint: Callable[..., Path]) -> None:
     path = checkpoint("llama")
     prompt = random_prompts(1, 512, min_len=900, max_len=900, seed=62)[0]
 
     async def body() -> None:
-        async with pd_cluster(path, prefill_engine=slow(path)) as c:
+        async with pd_cluster(path, prefill_engine=slow(path), colocated=colocated) as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(c.targets[0], prompt, max_tokens=4, timeout=0.05)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -115,7 +121,10 @@ def test_kv_transfer_timeout_fails_with_clear_status(checkpoint: Callable[..., P
     asyncio.run(body())
 
 
-def test_overload_is_resource_exhausted_at_once(checkpoint: Callable[..., Path]) -> None:
+@TOPOLOGY
+def test_overload_is_resource_exhausted_at_once(
+    colocated: bool, checkpoint: Callable[..., Path]
+) -> None:
     """Past max_inflight requests queue; past max_queued they are refused at once, with a
     retry hint in the trailing metadata."""
     path = checkpoint("llama")
@@ -123,7 +132,7 @@ def test_overload_is_resource_exhausted_at_once(checkpoint: Callable[..., Path])
 
     async def body() -> None:
         overrides = {"max_inflight": 2, "max_queued": 2}
-        async with pd_cluster(path, decode_overrides=overrides) as c:
+        async with pd_cluster(path, decode_overrides=overrides, colocated=colocated) as c:
             results = await asyncio.gather(
                 *(generate(c.targets[0], p, max_tokens=30, timeout=60) for p in prompts),
                 return_exceptions=True,
@@ -140,11 +149,12 @@ def test_overload_is_resource_exhausted_at_once(checkpoint: Callable[..., Path])
     asyncio.run(body())
 
 
-def test_duplicate_request_id_in_flight(checkpoint: Callable[..., Path]) -> None:
+@TOPOLOGY
+def test_duplicate_request_id_in_flight(colocated: bool, checkpoint: Callable[..., Path]) -> None:
     path = checkpoint("llama")
 
     async def body() -> None:
-        async with pd_cluster(path) as c:
+        async with pd_cluster(path, colocated=colocated) as c:
             first = asyncio.ensure_future(
                 generate(c.targets[0], [5] * 50, max_tokens=100, request_id="dup", ignore_eos=True)
             )
@@ -159,11 +169,14 @@ def test_duplicate_request_id_in_flight(checkpoint: Callable[..., Path]) -> None
     asyncio.run(body())
 
 
-def test_malformed_and_oversized_grpc_requests(checkpoint: Callable[..., Path]) -> None:
+@TOPOLOGY
+def test_malformed_and_oversized_grpc_requests(
+    colocated: bool, checkpoint: Callable[..., Path]
+) -> None:
     path = checkpoint("llama")
 
     async def body() -> None:
-        async with pd_cluster(path) as c:
+        async with pd_cluster(path, colocated=colocated) as c:
             async with grpc.aio.insecure_channel(c.targets[0]) as ch:
                 raw = ch.unary_stream("/pdserve.v1.Generation/Generate")
                 with pytest.raises(grpc.aio.AioRpcError) as err:

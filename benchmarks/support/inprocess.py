@@ -66,7 +66,11 @@ async def pd_cluster(
     decode_engine: EngineConfig | None = None,
     decode_overrides: dict[str, object] | None = None,
     prefill_overrides: dict[str, object] | None = None,
+    colocated: bool = False,
 ) -> AsyncIterator[PdCluster]:
+    """`num_prefill` prefill nodes and `num_decode` decode nodes; `colocated`: instead, one
+    colocated node (`pdserve colocated`: every prompt prefilled by its own engine, on
+    `prefill_engine` when given, so a test that slows prefill slows it there too)."""
     from decode_node.server import DecodeNode
     from prefill_node.server import PrefillNode
 
@@ -74,6 +78,9 @@ async def pd_cluster(
     base = EngineConfig(model=str(model), num_kv_blocks=1024, max_batch_size=16)
     prefills = []
     decodes = []
+    if colocated:
+        num_prefill, num_decode = 0, 1
+        decode_engine = prefill_engine or decode_engine
     try:
         for _ in range(num_prefill):
             cfg = PrefillNodeConfig(engine=prefill_engine or base, port=0, metrics_port=0)
@@ -94,6 +101,7 @@ async def pd_cluster(
                 # and its fallback are asked for through decode_overrides)
                 local_prefill_tokens=0,
                 local_prefill_fallback=False,
+                colocated=colocated,
             )
             cfg = replace(cfg, **(decode_overrides or {}))
             node = DecodeNode(cfg, EngineCore(cfg.engine, load_model(str(model))))
