@@ -16,7 +16,7 @@ compute as one P/D role) and `colocated_2core` (both cores, two threads: the sam
 the whole P/D pair); the colocated node is `pdserve colocated` (the same front door).
 
     python -m benchmarks.serve [--quick] [--request-rate 4] [--input-len 512] ...
-    pdserve bench serve ...
+    pdserve bench serve ...   (--workload shared-prefix: prefill routing, serve_prefix.py)
 """
 
 from __future__ import annotations
