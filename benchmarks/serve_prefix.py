@@ -176,6 +176,10 @@ def run_mode(
     computed = sum(n["computed"] for n in per_node.values())
     return {
         "load": serving_metrics(records, duration, slos),
+        "ttft_by_kind": {  # single-turn users on a system prompt / conversation turns
+            kind: serving_metrics([r for r in records if r.spec.group == kind], duration)["ttft"]
+            for kind in ("user", "conversation")
+        },
         "prefill_nodes": per_node,
         "prefill_prompt_tokens": {"cached": cached, "computed": computed},
         "hit_rate": hit_rate(cached, computed),

@@ -36,6 +36,8 @@ def test_serve_shared_prefix_quick(tmp_path: Path) -> None:
         for metric in ("ttft", "tpot", "itl", "e2el"):
             assert set(load[metric]) == SERVING_KEYS, metric
         assert set(r["prefill_nodes"]) == set(PREFILLS)
+        kinds = r["ttft_by_kind"]
+        assert kinds["user"]["n"] + kinds["conversation"]["n"] == w["num_requests"]
         total = r["prefill_prompt_tokens"]["cached"] + r["prefill_prompt_tokens"]["computed"]
         prompt_tokens = prompt_tokens or total
         assert total == prompt_tokens > 0, mode  # the same workload, all of it prefilled remotely
