@@ -16,7 +16,7 @@ compute as one P/D role) and `colocated_2core` (both cores, two threads: the sam
 the whole P/D pair); the colocated node is `pdserve colocated` (the same front door).
 
     python -m benchmarks.serve [--quick] [--request-rate 4] [--input-len 512] ...
-    pdserve bench serve ...
+    pdserve bench serve ...   (--workload shared-prefix: prefill routing, serve_prefix.py)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks import serve_prefix
 from benchmarks.support import nodes as bench_nodes
 from benchmarks.support.load import (
     RequestRecord,
@@ -325,6 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sweep", default="", metavar="RATES", help="request-rate sweep, e.g. 4,8,16,inf"
     )
     p.add_argument("--max-queued", type=int, default=100, help="decode node queue (--sweep)")
+    serve_prefix.add_arguments(p)  # --workload shared-prefix and its flags
     g = p.add_argument_group("interference experiment")
     g.add_argument("--no-interference", action="store_true")
     g.add_argument("--decode-streams", type=int, default=None)
@@ -369,6 +371,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from benchmarks import serve_sweep
 
         return serve_sweep.main(a, model, slos)
+    if a.workload == "shared-prefix":  # the prefill-routing comparison: benchmarks/serve_prefix
+        return serve_prefix.main(a, model, slos)
     load_at_start = load_average()
     results: dict[str, Any] = {}
     bar = tqdm(a.setups, desc="serve", unit="setup")

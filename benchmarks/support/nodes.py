@@ -53,6 +53,10 @@ class RunningNodes:
         """The node's OpenAI-compatible HTTP API (decode nodes)."""
         return f"http://127.0.0.1:{self.nodes[name].info['http_port']}"
 
+    def metrics_url(self, name: str) -> str:
+        """The node's Prometheus /metrics (every node serves one; --metrics-port 0 default)."""
+        return f"http://127.0.0.1:{self.nodes[name].info['metrics_port']}/metrics"
+
     def idle_cpu(self, seconds: float) -> dict[str, float]:
         """Percent of a core each node uses while no request is in flight."""
         pids = {name: node.proc.pid for name, node in self.nodes.items()}
@@ -93,9 +97,14 @@ def running(specs: list[NodeSpec], log_dir: Path) -> Iterator[RunningNodes]:
 
 
 def _resolve(arg: str, nodes: RunningNodes) -> str:
-    if arg.startswith("{port:") and arg.endswith("}"):
-        return f"127.0.0.1:{nodes.port(arg[6:-1])}"
-    return arg
+    """'{port:NAME}' -> 127.0.0.1:PORT, also inside a comma list (several prefill nodes)."""
+    if "{port:" not in arg:
+        return arg
+    parts = arg.split(",")
+    for i, part in enumerate(parts):
+        if part.startswith("{port:") and part.endswith("}"):
+            parts[i] = f"127.0.0.1:{nodes.port(part[6:-1])}"
+    return ",".join(parts)
 
 
 def engine_args(model: str, extra: dict[str, Any] | None = None) -> list[str]:
