@@ -75,6 +75,7 @@ def model_info(core: EngineCore, role: int) -> generation_pb2.ModelInfo:
         block_size=core.config.block_size,
         node_role=role,
         kv_layout=layout_info(core.layout),
+        num_kv_blocks=core.kv_manager.blocks.num_blocks,
     )
 
 

@@ -159,7 +159,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout")
+    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout", "num_kv_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -174,7 +175,8 @@ class ModelInfo(_message.Message):
     block_size: int
     node_role: NodeRole
     kv_layout: KvLayoutInfo
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ...) -> None: ...
+    num_kv_blocks: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class KvLayoutInfo(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "fingerprint")
