@@ -207,10 +207,7 @@ class Proxy:
                 if backend is None:
                     break
                 tried.add(backend.target)
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                call = backend.channel.stream_stream(method)(
-                    metadata=metadata or None, timeout=timeout
-                )
+                call = self._open(backend, method, metadata, deadline, key)
                 writer = asyncio.create_task(requests.feed(call))
                 answered = False
                 code = grpc.StatusCode.UNKNOWN
@@ -247,6 +244,25 @@ class Proxy:
             )
         finally:
             await requests.close()
+
+    def _open(
+        self,
+        backend: Backend,
+        method: str,
+        metadata: list[tuple[str, object]],
+        deadline: float | None,
+        key: PromptKey | None,
+    ) -> aio.StreamStreamCall:
+        """The call to `backend`, within what is left of the client's deadline; if it cannot
+        be made, the route taken for it is released."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return backend.channel.stream_stream(method)(
+                metadata=metadata or None, timeout=timeout
+            )
+        except BaseException:
+            self.router.release(backend, key)
+            raise
 
     async def _prompt_key(self, method: str, requests: ReplayableRequests) -> PromptKey | None:
         """A Generate call's prompt key, when the routing wants one (the request message is
