@@ -25,10 +25,11 @@ BS = 16  # the engine's block size
 CACHED = 'pdserve_prompt_tokens_total{source="cached"}'
 
 
-async def start_proxy(backends: list[str], routing: str, http_port: int = -1) -> Proxy:
+async def start_proxy(backends: list[str], routing: str, backend_http: int = 0) -> Proxy:
+    """The proxy, its HTTP side on when `backend_http` (the replicas' HTTP port) is given."""
     proxy = Proxy(backends, health_interval=0.2, routing=routing)
-    await proxy.start("127.0.0.1", 0, http_port=0 if http_port >= 0 else -1,
-                      backend_http_port=max(http_port, 0))  # fmt: skip
+    http_port = 0 if backend_http else -1
+    await proxy.start("127.0.0.1", 0, http_port=http_port, backend_http_port=backend_http)
     while not all(r.healthy and r.connected for r in proxy.pool.replicas):
         await asyncio.sleep(0.05)
     return proxy
@@ -128,7 +129,7 @@ def test_http_completions_sharing_a_prefix_follow_it() -> None:
             await second.start()
             decodes = [("127.0.0.1", first), ("127.0.0.2", second)]
             backends = [f"127.0.0.1:{first.port}", f"127.0.0.2:{second.port}"]
-            proxy = await start_proxy(backends, "kv", http_port=first.http_port)
+            proxy = await start_proxy(backends, "kv", backend_http=first.http_port)
             try:
                 assert proxy.http_server is not None
                 url = f"http://127.0.0.1:{proxy.http_server.port}"
