@@ -1,8 +1,11 @@
 """The proxy's HTTP side: the OpenAI-compatible API forwarded to the decode tier.
 
-Each request goes to the least-loaded healthy decode replica of the proxy's `ReplicaPool` (the
-same pick and the same in-flight count as gRPC calls, so both APIs share one load view), at the
-replica's address with `--backend-http-port`. Responses stream back unbuffered (SSE chunks are
+Each request goes to the healthy decode replica the proxy's `PrefixRouter` picks from its
+`ReplicaPool` (the same pick, prefix index and in-flight counts as gRPC calls, so both APIs share
+one view): under kv routing a completion or chat request is keyed on its prompt (pdserve/
+prompt_key.py), anything else, a malformed body included (forwarded untouched: the replica
+answers the 400), goes least-loaded. It is sent to the replica's address with
+`--backend-http-port`. Responses stream back unbuffered (SSE chunks are
 passed on as they arrive); a client that disconnects closes the upstream connection, which the
 decode node treats as a cancel. A replica that refuses the connection is marked unhealthy and the
 request goes to another one (nothing was sent yet); once a replica answered, its status and body
@@ -12,6 +15,7 @@ pass through unchanged.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httpx
@@ -22,12 +26,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from pdserve.prompt_key import PromptKey, http_key
 from shared.serving.http.app import ClientGone, until_disconnect
 from shared.serving.http.errors import ApiError
 from shared.serving.http.guard import ApiGuard
 from shared.serving.metrics import metrics_routes
 
 if TYPE_CHECKING:
+    from pdserve.prefix_router import PrefixRouter
     from shared.serving.replica_pool import Replica, ReplicaPool
 
 log = logging.getLogger("pdserve.proxy")
@@ -66,21 +72,23 @@ def http_address(backend: Replica, port: int) -> str:
 
 class _Relay(StreamingResponse):
     """Streams the upstream body through; on every exit (done, client gone, cancelled) the
-    upstream response is closed and the backend's in-flight count dropped exactly once."""
+    upstream response is closed and the call released from its backend exactly once."""
 
-    def __init__(self, upstream: httpx.Response, backend: Replica) -> None:
+    def __init__(
+        self, upstream: httpx.Response, backend: Replica, release: Callable[[], None]
+    ) -> None:
         super().__init__(upstream.aiter_raw(), status_code=upstream.status_code)
         self.raw_headers = [
             (k.lower().encode("latin-1"), v.encode("latin-1"))
             for k, v in _forwardable(upstream.headers)
         ]
-        self.upstream, self.backend = upstream, backend
+        self.upstream, self.backend, self.release = upstream, backend, release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.backend.load -= 1
+            self.release()
             await self.upstream.aclose()
 
 
@@ -88,12 +96,14 @@ class HttpForwarder:
     def __init__(
         self,
         pool: ReplicaPool[Replica],
+        router: PrefixRouter,
         registry: CollectorRegistry,
         *,
         backend_port: int,
         max_attempts: int,
     ) -> None:
         self.pool = pool
+        self.router = router
         self.backend_port = backend_port
         self.max_attempts = max_attempts
         # no read timeout: a stream lasts as long as its generation; the client's own
@@ -121,10 +131,11 @@ class HttpForwarder:
     async def forward(self, request: Request) -> Response:
         body = await request.body()
         headers = _forwardable(request.scope["headers"])
+        key = self._prompt_key(request, body)
         tried: set[str] = set()
         last_error = "no decode node is known"
         for _ in range(self.max_attempts):
-            backend = self.pool.pick(tried)
+            backend = self.router.route(self.pool, key, tried)
             if backend is None:
                 break
             tried.add(backend.target)
@@ -135,29 +146,34 @@ class HttpForwarder:
             upstream = self.client.build_request(
                 request.method, url, headers=headers, content=body
             )
-            backend.load += 1
             try:
                 sent = self.client.send(upstream, stream=True)
                 response = await until_disconnect(request, sent)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                backend.load -= 1
-                backend.healthy = False  # until the next health round says otherwise
+                self.router.release(backend, key)
+                # until the next health round says otherwise
+                self.pool.mark_unhealthy(backend, f"HTTP connect failed: {e!r}")
                 last_error = f"{backend.target}: {e!r}"
                 log.info("HTTP %s on %s: %r, retrying elsewhere", url.path, backend.target, e)
                 continue
             except ClientGone:
-                backend.load -= 1
+                self.router.release(backend, key)
                 return Response(status_code=499)  # nobody reads it: the client is gone
             except httpx.HTTPError as e:  # connected, then the replica failed before answering
-                backend.load -= 1
+                self.router.release(backend, key)
                 self.requests.labels(backend.target, "502").inc()
                 return ApiError(502, f"decode node {backend.target} failed: {e!r}").response()
             except BaseException:
-                backend.load -= 1
+                self.router.release(backend, key)
                 raise
             self.requests.labels(backend.target, str(response.status_code)).inc()
-            return _Relay(response, backend)
+            return _Relay(response, backend, lambda b=backend: self.router.release(b, key))
         return ApiError(503, f"no decode node could take the request ({last_error})").response()
+
+    def _prompt_key(self, request: Request, body: bytes) -> PromptKey | None:
+        if not self.router.uses_keys:
+            return None
+        return http_key(request.method, request.url.path, body)
 
     async def close(self) -> None:
         await self.client.aclose()

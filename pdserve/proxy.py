@@ -2,7 +2,9 @@
 
 A gRPC-aware (HTTP/2, per-call) proxy: every call that reaches it — whatever the service, so
 Generate, GetModelInfo and server reflection alike — is forwarded as raw bytes to one decode
-node, chosen per call (least calls in flight among the healthy ones; ties rotate). A TCP (L4)
+node, chosen per call among the healthy ones (`--routing kv`, the default: a Generate call goes
+where its prompt's prefix is likely cached, its load considered, see pdserve/prefix_router.py;
+other calls, and all under `--routing least-loaded`: least calls in flight; ties rotate). A TCP (L4)
 balancer would pin each client connection, and with it all of that client's calls, to one
 replica; this one spreads calls from a single long-lived client channel over every replica.
 
@@ -38,24 +40,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.http_proxy import HttpForwarder
+from pdserve.prefix_router import ROUTING_MODES, PrefixRouter
+from pdserve.prompt_key import GENERATE_METHOD, PromptKey, grpc_key
+from pdserve.proxy_backends import Backend, backend_pool
 from pdserve.replay import ReplayableRequests
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
-from shared.serving.replica_pool import Replica, ReplicaPool
 
 log = logging.getLogger("pdserve.proxy")
 
 SERVER_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
-# A backend that vanished with its address (a removed container) answers a connection attempt
-# with nothing at all; gRPC's default 20 s connect timeout would hold every call sent there
-# that long before it could be retried elsewhere. Backends sit on the same network: 2 s is ample.
-CONNECT_TIMEOUT_MS = 2000
-CHANNEL_OPTIONS = [
-    *GRPC_CHANNEL_OPTIONS,
-    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 5000),
-]
 # Set by gRPC itself on every hop: forwarding them would duplicate or contradict the new hop's.
 HOP_HEADERS = frozenset(
     {
@@ -76,17 +70,6 @@ def forwardable(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tupl
     return [(k, v) for k, v in (metadata or ()) if k not in HOP_HEADERS and not k.startswith(":")]
 
 
-def backend_pool(targets: Sequence[str], health_interval: float) -> ReplicaPool[Replica]:
-    """The decode replicas; `load` counts the calls in flight on each. A new backend gets calls
-    only once a health round has seen it serving."""
-
-    def connect(target: str, host: str) -> Replica:
-        channel = aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        return Replica(target, host, channel, healthy=False)
-
-    return ReplicaPool("backend", targets, health_interval, connect, fall_back_to_unhealthy=True)
-
-
 class Proxy:
     def __init__(
         self,
@@ -94,12 +77,15 @@ class Proxy:
         *,
         health_interval: float = 2.0,
         max_attempts: int = 3,
+        routing: str = "kv",
     ):
         if not backends:
             raise ValueError("the proxy needs at least one --backend")
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        self.pool = backend_pool(backends, health_interval)
+        self.registry = r = CollectorRegistry()
+        self.router = PrefixRouter(routing, r)  # which backend gets each call
+        self.pool = backend_pool(backends, health_interval, self.router.forget)
         self.max_attempts = max_attempts
         self.server: aio.Server | None = None
         self.health = health.HealthServicer()
@@ -108,7 +94,6 @@ class Proxy:
         self.http_server: AsgiServer | None = None
         self.port = 0
         self._health_task: asyncio.Task[None] | None = None
-        self.registry = r = CollectorRegistry()
         self.calls = Counter(
             "pdserve_proxy_calls_total",
             "Calls finished through the proxy, by backend and gRPC status",
@@ -161,6 +146,7 @@ class Proxy:
         if http_port >= 0:  # the OpenAI-compatible API, forwarded (pdserve/http_proxy.py)
             self.http = HttpForwarder(
                 self.pool,
+                self.router,
                 self.registry,
                 backend_port=backend_http_port,
                 max_attempts=self.max_attempts,
@@ -215,16 +201,13 @@ class Proxy:
         tried: set[str] = set()
         last_error = "no decode node is known"
         try:
+            key = await self._prompt_key(method, requests)
             for attempt in range(self.max_attempts):
-                backend = self.pool.pick(tried)
+                backend = self.router.route(self.pool, key, tried)
                 if backend is None:
                     break
                 tried.add(backend.target)
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                call = backend.channel.stream_stream(method)(
-                    metadata=metadata or None, timeout=timeout
-                )
-                backend.load += 1
+                call = self._open(backend, method, metadata, deadline, key)
                 writer = asyncio.create_task(requests.feed(call))
                 answered = False
                 code = grpc.StatusCode.UNKNOWN
@@ -252,7 +235,7 @@ class Proxy:
                     code = grpc.StatusCode.CANCELLED  # the client went away
                     raise
                 finally:
-                    backend.load -= 1
+                    self.router.release(backend, key)
                     self.calls.labels(backend.target, code.name).inc()
                     writer.cancel()
                     call.cancel()
@@ -262,10 +245,36 @@ class Proxy:
         finally:
             await requests.close()
 
+    def _open(
+        self,
+        backend: Backend,
+        method: str,
+        metadata: list[tuple[str, object]],
+        deadline: float | None,
+        key: PromptKey | None,
+    ) -> aio.StreamStreamCall:
+        """The call to `backend`, within what is left of the client's deadline; if it cannot
+        be made, the route taken for it is released."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return backend.channel.stream_stream(method)(
+                metadata=metadata or None, timeout=timeout
+            )
+        except BaseException:
+            self.router.release(backend, key)
+            raise
+
+    async def _prompt_key(self, method: str, requests: ReplayableRequests) -> PromptKey | None:
+        """A Generate call's prompt key, when the routing wants one (the request message is
+        read first: Generate takes exactly one)."""
+        if not self.router.uses_keys or method != GENERATE_METHOD:
+            return None
+        return grpc_key(method, await requests.first())
+
     async def _failed(
         self,
         method: str,
-        backend: Replica,
+        backend: Backend,
         e: aio.AioRpcError,
         retry: bool,
         context: aio.ServicerContext,
@@ -278,7 +287,8 @@ class Proxy:
                 e.details() or "",
                 tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
             )
-        backend.healthy = False  # until the next health round says otherwise
+        # until the next health round says otherwise
+        self.pool.mark_unhealthy(backend, f"{method} answered UNAVAILABLE")
         log.info("%s on %s: UNAVAILABLE, retrying elsewhere", method, backend.target)
         self.retries.inc()
         return f"{backend.target}: {e.details()}"
@@ -316,6 +326,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend-http-port", type=int, default=8000, help="decode nodes' HTTP port")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     p.add_argument("--max-attempts", type=int, default=3, help="backends tried per call")
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_MODES,
+        default="kv",
+        help="kv: where the prompt's prefix is likely cached, load considered; "
+        "least-loaded: fewest calls in flight",
+    )
     p.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM, seconds")
     p.add_argument("--log-level", default="info")
 
@@ -336,7 +353,12 @@ def run(a: argparse.Namespace) -> int:
             return 2
 
     async def main() -> int:
-        proxy = Proxy(backends, health_interval=a.health_interval, max_attempts=a.max_attempts)
+        proxy = Proxy(
+            backends,
+            health_interval=a.health_interval,
+            max_attempts=a.max_attempts,
+            routing=a.routing,
+        )
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

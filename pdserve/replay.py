@@ -21,6 +21,8 @@ class ReplayableRequests:
         self.history: list[bytes] | None = []
         self.ended = False
         self._queue: asyncio.Queue[bytes | None] | None = None
+        # the first message (None: the stream ended without one), for routing on its content
+        self._first: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._read(request_iterator))
 
     @property
@@ -33,6 +35,8 @@ class ReplayableRequests:
     async def _read(self, request_iterator: AsyncIterator[bytes]) -> None:
         try:
             async for msg in request_iterator:
+                if not self._first.done():
+                    self._first.set_result(msg)
                 if self.history is not None:
                     self.history.append(msg)
                     if len(self.history) > MAX_REPLAY_MESSAGES:
@@ -41,8 +45,14 @@ class ReplayableRequests:
                     self._queue.put_nowait(msg)
         finally:
             self.ended = True
+            if not self._first.done():
+                self._first.set_result(None)
             if self._queue is not None:
                 self._queue.put_nowait(None)
+
+    async def first(self) -> bytes | None:
+        """The client's first request message, once it came (None if the stream ended first)."""
+        return await asyncio.shield(self._first)
 
     async def feed(self, call: aio.StreamStreamCall) -> None:
         """Write this call's requests (replay + live), then half-close."""

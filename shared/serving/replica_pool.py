@@ -135,6 +135,7 @@ class ReplicaPool(Generic[R]):
                 self.mark_unhealthy(replica, "no longer in DNS")
                 continue
             log.info("%s %s left", self.kind, replica.target)
+            replica.forget()
             self.replicas.remove(replica)
             await replica.channel.close()
 
