@@ -20,10 +20,12 @@ class LayoutMismatch(Exception):
 
 @dataclass
 class PrefillPeer(Replica):
-    """A prefill node; `load` counts the prompt tokens this decode node has outstanding there."""
+    """A prefill node; `load` counts the prompt tokens this decode node has outstanding there
+    that it predicted uncached there (all of them, unless routing by KV)."""
 
     stub: prefill_pb2_grpc.PrefillStub = field(default=None)  # type: ignore[assignment]
     layout: generation_pb2.KvLayoutInfo | None = None
+    num_kv_blocks: int = 0  # its pool, as it reports it (0: not reported)
 
     def forget(self) -> None:
         self.layout = None  # a restarted node may come back with another model
@@ -32,6 +34,7 @@ class PrefillPeer(Replica):
         if self.layout is None:
             info = await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5.0)
             self.layout = info.kv_layout
+            self.num_kv_blocks = info.num_kv_blocks
         if self.layout.fingerprint != mine.fingerprint:
             raise LayoutMismatch(
                 f"KV layout mismatch with prefill node {self.target}: decode has "

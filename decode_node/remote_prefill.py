@@ -61,22 +61,35 @@ class RemotePrefill:
         blocks; returns the first tokens. Raises PrefillFailed when none could."""
         tried: set[str] = set()
         last_error = "every prefill node is marked unhealthy (failing health checks)"
-        hashes = prompt_hashes(prompt, self.layout_info.block_size)
+        block = self.layout_info.block_size
+        hashes = prompt_hashes(prompt, block)
+        usable = hashes[: (len(prompt) - 1) // block]  # the last token is always computed
         for _ in range(1 + self.config.prefill_retries):
-            peer = self.pool.pick(tried, self._cost(prompt, hashes))
+            peer = self.pool.pick(tried, self._cost(prompt, usable, tried))
             if peer is None:
                 break
             tried.add(peer.target)
+            predicted = self._predicted_blocks(peer, usable)
             try:
-                response = await self._prefill_once(stream, peer, prompt, params, grant)
+                response = await self._prefill_once(
+                    stream, peer, prompt, params, grant, len(prompt) - predicted * block
+                )
             except PrefillFailed as e:
                 last_error = str(e)
                 continue
+            self.index.correct(peer.target, usable, response.cached_tokens // block)
             self.index.record(peer.target, hashes)
             return first_tokens(response, params)
         raise PrefillFailed(last_error)
 
-    def _cost(self, prompt: list[int], hashes: list[bytes]) -> Callable[[PrefillPeer], float]:
+    def _predicted_blocks(self, peer: PrefillPeer, usable: list[bytes]) -> int:
+        if self.config.prefill_routing != "kv":
+            return 0
+        return self.index.matched_blocks(peer.target, usable)
+
+    def _cost(
+        self, prompt: list[int], usable: list[bytes], tried: set[str]
+    ) -> Callable[[PrefillPeer], float]:
         """How `--prefill-routing` ranks the healthy nodes (ties rotate in the pool)."""
         mode = self.config.prefill_routing
         if mode == "round-robin":
@@ -84,11 +97,15 @@ class RemotePrefill:
         if mode == "least-loaded":
             return lambda peer: float(peer.load)
         block = self.layout_info.block_size
-        usable = hashes[: (len(prompt) - 1) // block]  # the last token is always computed
+        hits = {
+            p.target: self.index.matched_blocks(p.target, usable) * block
+            for p in self.pool.replicas
+            if p.healthy and p.target not in tried
+        }
+        best = max(hits.values(), default=0)
 
         def kv(peer: PrefillPeer) -> float:
-            cached = self.index.matched_blocks(peer.target, usable) * block
-            return prefill_cost(len(prompt), cached, peer.load)
+            return prefill_cost(len(prompt), hits.get(peer.target, 0), peer.load, best)
 
         return kv
 
@@ -103,7 +120,9 @@ class RemotePrefill:
         prompt: list[int],
         params: SamplingParams,
         grant: TransferGrant,
+        load: int,
     ) -> prefill_pb2.PrefillResponse:
+        """One Prefill RPC to `peer`, counting `load` (its predicted uncached tokens) there."""
         try:
             await peer.ensure_layout(self.layout_info)
         except LayoutMismatch as e:
@@ -121,12 +140,13 @@ class RemotePrefill:
         landed = asyncio.ensure_future(
             self.receiver.wait(dest.transfer_id, min(budget, self.config.kv_transfer_timeout))
         )
-        peer.load += len(prompt)
+        self.index.set_capacity(peer.target, peer.num_kv_blocks)
+        peer.load += load
         started = time.monotonic()
         try:
             response = await self._await_both(call, landed, stream, peer)
         finally:
-            peer.load -= len(prompt)
+            peer.load -= load
             if not landed.done():
                 landed.cancel()
         self._record(stream, response, started)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from decode_node.config import DecodeNodeConfig
 from pdserve.cli_args import _engine_args as _engine_args  # re-export: benchmarks/peers
 from pdserve.cli_args import build_parser
-from prefill_node.config import PrefillNodeConfig
+from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling_params import SamplingParams
 from shared.serving.tls import ClientTls, ServerTls
@@ -42,12 +42,15 @@ def from_args(cls: type[T], a: argparse.Namespace, **overrides: Any) -> T:
     return cls(**{**given, **overrides})
 
 
-def _engine_config(a: argparse.Namespace) -> EngineConfig:
+def _engine_config(a: argparse.Namespace, step_tokens: int | None = None) -> EngineConfig:
+    """`step_tokens`: the role's step budget when --max-num-tokens is 0 (None: the engine's)."""
+    budget = a.max_num_tokens or step_tokens or EngineConfig.max_num_tokens
     return from_args(
         EngineConfig,
         a,
         kv_cache_memory_mb=a.kv_cache_mb,
         enable_prefix_caching=not a.no_prefix_caching,
+        max_num_tokens=budget,
     )
 
 
@@ -201,7 +204,12 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     from pdserve.nodes import run_prefill
 
     return run_prefill(
-        from_args(PrefillNodeConfig, a, engine=_engine_config(a), tls=_server_tls(a))
+        from_args(
+            PrefillNodeConfig,
+            a,
+            engine=_engine_config(a, PREFILL_MAX_NUM_TOKENS),
+            tls=_server_tls(a),
+        )
     )
 
 

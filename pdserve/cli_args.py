@@ -18,7 +18,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=0, help="0: size from --kv-cache-mb")
     g.add_argument("--kv-cache-mb", type=int, default=256)
     g.add_argument("--max-batch-size", type=int, default=32)
-    g.add_argument("--max-num-tokens", type=int, default=512, help="per-step token budget")
+    g.add_argument(
+        "--max-num-tokens",
+        type=int,
+        default=0,
+        help="per-step token budget (chunked prefill); 0: the role's default, 4096 on a prefill "
+        "node (no decode steps to protect: a prompt that long is one chunk), 512 elsewhere",
+    )
     g.add_argument("--max-model-len", type=int, default=0)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--device", default="auto")

@@ -4,8 +4,9 @@ A decode replica keeps the prompts it served in its prefix cache (it prefills sh
 and holds the KV of the rest), so a prompt that shares a prefix with one sent earlier is cheaper
 where that one went. kv routing scores each healthy replica with the decode node's own scorer
 (shared/serving/prefix_index.py): the prompt units not found in what this proxy sent there
-(`PrefixIndex`, bounded LRU) plus the prompt units of the calls still in flight there, and picks
-the cheapest (ties rotate in the pool). The chain is recorded for the chosen replica when the
+(`PrefixIndex`, bounded LRU) plus the prompt units of the calls still in flight there, plus the
+cached prefix it would duplicate (the best hit of any replica minus this one's: a prefix is left
+only for a replica less busy by more than the prefix), and picks the cheapest (ties rotate). The chain is recorded for the chosen replica when the
 call is sent (the replica caches it once it prefills); a replica marked unhealthy or gone from
 DNS is forgotten (it may come back restarted, its cache empty). Calls with no prompt key (other
 methods, malformed bodies) and every call under `least-loaded` go to the replica with the fewest
@@ -76,10 +77,13 @@ class PrefixRouter:
     def matched_units(self, backend: str, key: PromptKey) -> int:
         return self.index.matched_blocks(backend, key.hashes) * TOKEN_BLOCK
 
-    def cost(self, key: PromptKey) -> Callable[[Replica], float]:
+    def cost(self, key: PromptKey, candidates: list[Replica]) -> Callable[[Replica], float]:
+        hits = {b.target: self.matched_units(b.target, key) for b in candidates}
+        best = max(hits.values(), default=0)
+
         def kv(backend: Replica) -> float:
-            cached = self.matched_units(backend.target, key)
-            return prefill_cost(key.units, cached, self.outstanding.get(backend.target, 0))
+            cached = hits.get(backend.target, 0)
+            return prefill_cost(key.units, cached, self.outstanding.get(backend.target, 0), best)
 
         return kv
 
@@ -87,7 +91,9 @@ class PrefixRouter:
         """The backend for this call's next attempt (None: no candidate left), its accounting
         taken: every route is followed by one `release`."""
         keyed = key is not None and self.uses_keys
-        backend = pool.pick(tried, self.cost(key) if keyed else None)  # type: ignore[arg-type]
+        candidates = [r for r in pool.replicas if r.healthy and r.target not in tried]
+        cost = self.cost(key, candidates) if keyed else None  # type: ignore[arg-type]
+        backend = pool.pick(tried, cost)
         if backend is None:
             return None
         backend.load += 1

@@ -40,7 +40,8 @@ def test_index_is_bounded_lru_and_forgets_nodes() -> None:
     index.record("p1", new)
     assert len(index) == 8
     assert index.matched_blocks("p1", new) == 5
-    assert index.matched_blocks("p1", old) == 0  # its oldest blocks were evicted first
+    # 10 > 8: two of `old`'s blocks went, its tail first (as the node frees them), its head kept
+    assert index.matched_blocks("p1", old) == 3
     index.record("p2", new)
     index.forget_node("p1")
     assert index.matched_blocks("p1", new) == 0 and index.matched_blocks("p2", new) > 0
@@ -56,6 +57,41 @@ def test_cost_prefers_cached_prefix_until_load_outweighs_it() -> None:
     busy_holder = prefill_cost(prompt_len, cached_tokens=960, outstanding_tokens=4000)
     assert busy_holder > other
     assert prefill_cost(10, cached_tokens=20, outstanding_tokens=-1) == 0.0
+
+
+def test_a_cached_prefix_is_left_only_for_a_node_less_busy_by_more_than_the_prefix() -> None:
+    """The holder of a 960-token prefix, busy with 1000 uncached tokens, still beats an idle
+    node that would recompute (and duplicate) the prefix; only past the prefix's size of
+    imbalance does the prompt move."""
+    n, hit = 1000, 960
+    idle_other = prefill_cost(n, cached_tokens=0, outstanding_tokens=0, best_cached_tokens=hit)
+    assert idle_other == n + hit
+    busy = prefill_cost(n, cached_tokens=hit, outstanding_tokens=1000, best_cached_tokens=hit)
+    assert busy < idle_other
+    swamped = prefill_cost(n, cached_tokens=hit, outstanding_tokens=2000, best_cached_tokens=hit)
+    assert swamped > idle_other
+
+
+def test_index_mirrors_each_nodes_pool_and_its_reported_evictions() -> None:
+    index = PrefixIndex()
+    sys_a = prompt_hashes(list(range(64)), BS)  # 4 blocks
+    sys_b = prompt_hashes(list(range(500, 564)), BS)
+    index.set_capacity("p1", 6)  # the node reported a pool of 6 blocks
+    index.record("p1", sys_a)
+    index.record("p1", sys_b)  # 8 > 6: the node evicted two blocks of sys_a, tail first
+    assert index.matched_blocks("p1", sys_a) == 2 and index.matched_blocks("p1", sys_b) == 4
+    assert len(index) == 6
+    # p2 reported nothing: the default per-node bound applies
+    index.record("p2", sys_a)
+    assert index.matched_blocks("p2", sys_a) == 4
+    # p2 reports a hit of 1 block where 4 were believed: block 1 was evicted there, and (LRU)
+    # every block it held for less long, which includes the rest of that chain's tail
+    index.record("p2", sys_b)
+    index.correct("p2", sys_a, reported_blocks=1)
+    assert index.matched_blocks("p2", sys_a) == 1
+    assert index.matched_blocks("p2", sys_b) == 4  # more recent than the evicted block: kept
+    index.correct("p2", sys_b, reported_blocks=4)  # as believed: nothing changes
+    assert index.matched_blocks("p2", sys_b) == 4
 
 
 def test_config_rejects_unknown_routing() -> None:
