@@ -56,6 +56,10 @@ class DecodeNodeConfig:
     # node's prefix-cache hit is prefilled here when the step budget has room (0: never);
     # see docs/performance.md for the measurement behind the default
     local_prefill_tokens: int = 256
+    # ... and while nothing decodes or waits here (no inter-token latency to protect), a prompt
+    # leaving at most this many, chunked over several steps (0: only the rule above; a
+    # local_prefill_tokens of 0 turns both off)
+    local_prefill_idle_tokens: int = 1024
     local_prefill_fallback: bool = True  # no prefill node can serve: prefill here
     # how a prompt picks its prefill node: kv (fewest tokens to compute there, by the prefix
     # chains sent there, plus outstanding work), least-loaded or round-robin
@@ -135,6 +139,11 @@ class DecodeNodeConfig:
             raise ValueError(
                 f"prefill_routing must be one of {', '.join(ROUTING_MODES)}, "
                 f"got {self.prefill_routing!r}"
+            )
+        if self.local_prefill_idle_tokens < 0:
+            raise ValueError(
+                "local_prefill_idle_tokens must be >= 0 (0: off), "
+                f"got {self.local_prefill_idle_tokens}"
             )
         if self.local_prefill_tokens < 0:
             raise ValueError(

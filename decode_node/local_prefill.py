@@ -5,7 +5,10 @@ the transfer set-up) that a short prompt cannot hide, and a short prefill barely
 decode batch (it rides in one step's token budget beside the decodes). So a request whose
 prompt, after this node's own prefix-cache hit, leaves at most `threshold` tokens to compute
 is added to this engine's scheduler (QUEUED -> CONTEXT_INIT, chunked prefill, then decode in the
-same continuous batch), provided this step's budget has room for it. These functions run on the
+same continuous batch), provided this step's budget has room for it. While the engine is idle
+(no live request), the bound is `idle_threshold` instead, and the prompt may take several steps:
+nobody's decode shares them, and below ~1k tokens the remote path's fixed cost is more than 5%
+of the prefill itself (docs/performance.md, section 2). These functions run on the
 engine thread (inside `EngineThread.call`), where the decision and the add are one atomic step.
 """
 
@@ -58,11 +61,19 @@ def try_local(
     request_id: str,
     threshold: int,
     max_inflight: int,
+    idle_threshold: int = 0,
 ) -> LlmRequest | None:
-    """Add the request to this engine when it is short enough and fits now; else None."""
+    """Add the request to this engine when it is short enough and fits now; else None.
+
+    Beside live requests: at most `threshold` uncached tokens, fitting this step's budget. On
+    an idle engine (no live request: no inter-token latency to protect, no transfer about to
+    land): at most `idle_threshold`, chunked over as many steps as it takes. A `threshold` of 0
+    turns both off."""
     if threshold <= 0:
         return None
     uncached = uncached_tokens(core, prompt, params)
+    if not core.requests and uncached <= idle_threshold:
+        return core.add_request(prompt, params, request_id)
     if uncached > threshold or not has_room(core, uncached, max_inflight):
         return None
     return core.add_request(prompt, params, request_id)

@@ -4,7 +4,8 @@ node with no prefill nodes, every prompt prefilled by its own engine).
 One request path (`DecodeNode.generate`, for gRPC and HTTP alike):
 1. **local prefill** (decode_node/local_prefill.py): a prompt that, after this node's own
    prefix-cache hit, leaves at most `local_prefill_tokens` to compute while this engine's step
-   budget has room, is added to this engine's scheduler (QUEUED -> CONTEXT_INIT -> decode);
+   budget has room (or `local_prefill_idle_tokens` while the engine is idle), is added to this
+   engine's scheduler (QUEUED -> CONTEXT_INIT -> decode);
 2. otherwise **remote prefill** (decode_node/remote_prefill.py): the request waits QUEUED
    (holding nothing) in the engine's admission queue until the blocks for its prompt and first
    token are free (FIFO, bounded by max_queued, its deadline kept), is admitted in
@@ -258,6 +259,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         """Add the request to this engine's scheduler if it qualifies (or `force`)."""
         assert self.thread is not None
         rid, threshold = stream.request_id, self.config.local_prefill_tokens
+        idle = self.config.local_prefill_idle_tokens
         if threshold <= 0 and not force:
             return False  # no engine hop for a decision that cannot be yes
         inflight = self.config.max_inflight
@@ -266,7 +268,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         bound = inflight + self.config.max_queued if self.config.colocated else None
 
         def command(core: EngineCore):
-            request = try_local(core, prompt, params, rid, threshold, inflight)
+            request = try_local(core, prompt, params, rid, threshold, inflight, idle)
             return request or (start_local(core, prompt, params, rid, bound) if force else None)
 
         try:

@@ -22,7 +22,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-tokens",
         type=int,
         default=0,
-        help="per-step token budget (chunked prefill); 0: the role's default, 4096 on a prefill "
+        help="per-step token budget (chunked prefill); 0: the role's default, 8192 on a prefill "
         "node (no decode steps to protect: a prompt that long is one chunk), 512 elsewhere",
     )
     g.add_argument("--max-model-len", type=int, default=0)
@@ -135,7 +135,14 @@ def _local_prefill_args(p: argparse.ArgumentParser) -> None:
         "--local-prefill-tokens",
         type=int,
         default=256,
-        help="prefill here a prompt with at most this many uncached tokens (0: never)",
+        help="prefill here a prompt with at most this many uncached tokens, in one step beside "
+        "the decodes (0: never prefill here)",
+    )
+    p.add_argument(
+        "--local-prefill-idle-tokens",
+        type=int,
+        default=1024,
+        help="... and, while nothing decodes here, one with at most this many (0: off)",
     )
     p.add_argument(
         "--prefill-routing",

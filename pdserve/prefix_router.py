@@ -6,9 +6,10 @@ where that one went. kv routing scores each healthy replica with the decode node
 (shared/serving/prefix_index.py): the prompt units not found in what this proxy sent there
 (`PrefixIndex`, bounded LRU) plus the prompt units of the calls still in flight there, plus the
 cached prefix it would duplicate (the best hit of any replica minus this one's: a prefix is left
-only for a replica less busy by more than the prefix), and picks the cheapest (ties rotate). The chain is recorded for the chosen replica when the
-call is sent (the replica caches it once it prefills); a replica marked unhealthy or gone from
-DNS is forgotten (it may come back restarted, its cache empty). Calls with no prompt key (other
+only for a replica less busy by more than the prefix), and picks the cheapest (ties rotate).
+The chain is recorded for the chosen replica when the call is sent (the replica caches it once
+it prefills); a replica marked unhealthy or gone from DNS is forgotten (it may come back
+restarted, its cache empty). Calls with no prompt key (other
 methods, malformed bodies) and every call under `least-loaded` go to the replica with the fewest
 calls in flight, as before.
 

@@ -12,7 +12,7 @@ from shared.serving.tls import ServerTls
 # would stretch, so prompts up to this long go in one chunk (one fresh-prefill pass: no pool
 # gather, fewer steps). Measured on tiny, a 4000-token prompt: 133 ms in one chunk against
 # 166 ms in 512-token chunks (docs/performance.md, section 2).
-PREFILL_MAX_NUM_TOKENS = 4096
+PREFILL_MAX_NUM_TOKENS = 8192
 
 
 @dataclass(frozen=True)

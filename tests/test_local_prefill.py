@@ -106,7 +106,8 @@ def test_threshold_and_prefix_hit_decide_placement(checkpoint: Callable[..., Pat
     block = 32
 
     async def body() -> None:
-        overrides = {"local_prefill_tokens": block + 1}
+        # the one-step rule alone: an idle engine would take the 200-token prompt too
+        overrides = {"local_prefill_tokens": block + 1, "local_prefill_idle_tokens": 0}
         async with pd_cluster(path, decode_overrides=overrides) as c:
             first = await generate(c.targets[0], prompt, max_tokens=4, timeout=60)
             assert await _prefills(c) == {"local": 0, "remote": 1}
@@ -154,3 +155,27 @@ def test_fallback_serves_without_prefill_nodes(checkpoint: Callable[..., Path]) 
             await _decode_conserved(c)
 
     asyncio.run(body())
+
+
+def test_an_idle_engine_takes_a_longer_prompt_than_a_busy_one() -> None:
+    """The idle rule: with no live request, a prompt up to `idle_threshold` uncached tokens is
+    prefilled here, chunked over steps; beside a live request only the one-step rule holds."""
+    from decode_node.local_prefill import try_local
+    from shared.engine.config import EngineConfig
+    from shared.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model="tiny", num_kv_blocks=256, max_num_tokens=64))
+
+    def ids(n: int, seed: int) -> list[int]:
+        return [3 + (seed + 7 * i) % 250 for i in range(n)]  # the tiny model's vocab is 259
+
+    params = SamplingParams(max_tokens=2)
+    assert try_local(core, ids(1100, 2), params, "x", 32, 8, idle_threshold=1024) is None
+    assert try_local(core, ids(600, 0), params, "off", 0, 8, idle_threshold=1024) is None  # 0: off
+    # 600 tokens: past one 64-token step and the 32-token rule, within the idle bound: taken
+    assert try_local(core, ids(600, 0), params, "idle", 32, 8, idle_threshold=1024) is not None
+    # now a request is live: only the one-step rule, and this step's budget is owed to it
+    assert try_local(core, ids(600, 1), params, "busy", 32, 8, idle_threshold=1024) is None
+    assert try_local(core, [5, 6, 7], params, "short", 32, 8, idle_threshold=1024) is None
+    core.abort("idle")
+    core.check_conservation()
