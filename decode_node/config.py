@@ -133,6 +133,10 @@ class DecodeNodeConfig:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        self._validate_placement()
+
+    def _validate_placement(self) -> None:
+        """Where a prompt is prefilled: here (the local rules) or on which prefill node."""
         from decode_node.kv_router import ROUTING_MODES
 
         if self.prefill_routing not in ROUTING_MODES:
@@ -140,14 +144,8 @@ class DecodeNodeConfig:
                 f"prefill_routing must be one of {', '.join(ROUTING_MODES)}, "
                 f"got {self.prefill_routing!r}"
             )
-        if self.local_prefill_idle_tokens < 0:
-            raise ValueError(
-                "local_prefill_idle_tokens must be >= 0 (0: off), "
-                f"got {self.local_prefill_idle_tokens}"
-            )
-        if self.local_prefill_tokens < 0:
-            raise ValueError(
-                f"local_prefill_tokens must be >= 0 (0: off), got {self.local_prefill_tokens}"
-            )
+        for name in ("local_prefill_tokens", "local_prefill_idle_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.prefill_retries < 0:
             raise ValueError(f"prefill_retries must be >= 0, got {self.prefill_retries}")
