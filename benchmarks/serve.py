@@ -39,6 +39,7 @@ from benchmarks.support.load import (
     random_prompts,
     run_requests,
     serving_metrics,
+    warm_up,
 )
 from benchmarks.support.models import BenchModel, resolve
 from benchmarks.support.util import (
@@ -113,15 +114,6 @@ def long_prompts(
 
 
 # ---- runs ---------------------------------------------------------------------------------------
-async def warm_up(target: str, model: BenchModel) -> None:
-    rng = np.random.default_rng(1234)
-    specs = [RequestSpec(p, 4) for p in random_prompts(2, 64, model.prompt_vocab, rng)]
-    records, _ = await run_requests(target, specs)
-    failed = [r.error for r in records if not r.ok]
-    if failed:
-        raise RuntimeError(f"warm-up against {target} failed: {failed[0]}")
-
-
 def itl_of(records: list[RequestRecord], group: str) -> list[float]:
     return [gap for r in records if r.ok and r.spec.group == group for gap in r.itls]
 
@@ -176,7 +168,7 @@ def run_setup(
             out: dict[str, Any] = {}
             for api in a.api if setup == "pd" else ["grpc"]:  # HTTP: decode nodes only
                 api_target = target if api == "grpc" else nodes.http_url(ENTRY[setup])
-                await warm_up(api_target, model)
+                await warm_up(api_target, model.prompt_vocab)
                 bar.set_postfix_str(f"{setup}: load ({api})")
                 records, duration = await run_requests(
                     api_target, load_workload(a, model), a.max_concurrency

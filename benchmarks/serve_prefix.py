@@ -27,9 +27,9 @@ from benchmarks.support import nodes as bench_nodes
 from benchmarks.support.load import (
     RequestSpec,
     arrival_offsets,
-    random_prompts,
     run_requests,
     serving_metrics,
+    warm_up,
 )
 from benchmarks.support.models import BenchModel
 from benchmarks.support.prefix_cache_sim import replay_shared_cache
@@ -138,17 +138,6 @@ def hit_rate(cached: float, computed: float) -> float:
     return cached / (cached + computed) if cached + computed else 0.0
 
 
-async def warm_up(target: str, model: BenchModel) -> None:
-    """Two concurrent short prompts (fresh tokens: no cache effect), so that every routing mode
-    sends one to each prefill node and both are warm before the measured run."""
-    rng = np.random.default_rng(1234)
-    specs = [RequestSpec(p, 4) for p in random_prompts(2, 64, model.prompt_vocab, rng)]
-    records, _ = await run_requests(target, specs)
-    failed = [r.error for r in records if not r.ok]
-    if failed:
-        raise RuntimeError(f"warm-up against {target} failed: {failed[0]}")
-
-
 def run_mode(
     routing: str,
     a: argparse.Namespace,
@@ -162,7 +151,7 @@ def run_mode(
         target = nodes.target("decode")
 
         async def go() -> tuple[Any, float, dict[str, Any], dict[str, Any]]:
-            await warm_up(target, model)
+            await warm_up(target, model.prompt_vocab)
             before = {name: await scrape(url) for name, url in urls.items()}
             records, duration = await run_requests(target, specs, a.max_concurrency)
             after = {name: await scrape(url) for name, url in urls.items()}

@@ -29,8 +29,8 @@ S = LlmRequestState
 TOPOLOGY = pytest.mark.parametrize("colocated", [False, True], ids=["pd", "colocated"])
 
 
-def slow(path: Path) -> EngineConfig:
-    return EngineConfig(model=str(path), num_kv_blocks=1024, max_num_tokens=32)
+def slow(path: Path, step_tokens: int = 32) -> EngineConfig:
+    return EngineConfig(model=str(path), num_kv_blocks=1024, max_num_tokens=step_tokens)
 
 
 async def fresh_request_ok(c: PdCluster, path: Path) -> None:
@@ -94,7 +94,8 @@ def test_client_deadline_during_prefill(colocated: bool, checkpoint: Callable[..
     prompt = random_prompts(1, 512, min_len=900, max_len=900, seed=62)[0]
 
     async def body() -> None:
-        async with pd_cluster(path, prefill_engine=slow(path), colocated=colocated) as c:
+        # 4-token steps: 225 of them, far past the 50 ms deadline however fast the engine
+        async with pd_cluster(path, prefill_engine=slow(path, 4), colocated=colocated) as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(c.targets[0], prompt, max_tokens=4, timeout=0.05)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -133,6 +133,18 @@ async def run_requests(
     return list(records), (max(ends) if ends else time.perf_counter()) - started
 
 
+async def warm_up(target: str, vocab: int) -> None:
+    """Two concurrent short prompts of fresh tokens (no cache effect) before a measured run:
+    the first forwards of every node on the path (and, behind a router, of two nodes) are
+    paid here."""
+    rng = np.random.default_rng(1234)
+    specs = [RequestSpec(p, 4) for p in random_prompts(2, 64, vocab, rng)]
+    records, _ = await run_requests(target, specs)
+    failed = [r.error for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"warm-up against {target} failed: {failed[0]}")
+
+
 async def stream_request(channel: Any, spec: RequestSpec, timeout: float) -> RequestRecord:
     """One request over an open channel, timed at the client."""
     import grpc
