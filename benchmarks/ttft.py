@@ -1,7 +1,7 @@
 """Time to first token, broken down: P/D (layer-wise and whole-request push) vs colocated.
 
 One prefill node (core 0) serves two decode nodes (core 1): one asks for layer-wise pushes, one
-for whole-request pushes; a colocated node (`pdserve colocated`) runs on core 0. The decode
+for whole-request pushes; a colocated node (`pdserve colocated`) runs on core 1 too. The decode
 nodes run with their defaults, conditional (local) prefill included. Every node has one torch
 thread, so a prompt's prefill gets the same core in every mode. Requests go one at a time (an
 idle system: TTFT without queueing), the three modes round-robin per prompt length and repeat,
@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if note:
             notes.append(note)
         specs = [*bench_nodes.pd_specs(model.spec, whole_too=True)]
-        specs.append(bench_nodes.colocated_spec(model.spec))
+        # on the decode nodes' core: a short prompt is prefilled there on both paths, so the
+        # local rows compare the same engine on the same core
+        specs.append(bench_nodes.colocated_spec(model.spec, cpus=bench_nodes.core(1)))
         with bench_nodes.running(specs, a.out / "logs" / f"ttft_{model.name}") as nodes:
             idle[model.name] = nodes.idle_cpu(1.0 if a.quick else 3.0)
             got = asyncio.run(measure(nodes, model, lengths, reps, bar))
