@@ -87,10 +87,16 @@ def setup_specs(setup: str, model: BenchModel) -> list[bench_nodes.NodeSpec]:
 
 
 # ---- workloads ----------------------------------------------------------------------------------
-def load_workload(a: argparse.Namespace, model: BenchModel) -> list[RequestSpec]:
+def load_workload(a: argparse.Namespace, model: BenchModel, variant: int = 0) -> list[RequestSpec]:
+    """`variant` > 0: other prompt tokens, the same lengths and arrivals (a second API's run on
+    the same cluster must not find the first run's prompts in the prefix caches)."""
     rng = np.random.default_rng(a.seed)
-    prompts = random_prompts(a.num_prompts, a.input_len, model.prompt_vocab, rng, a.prefix_len)
-    offsets = arrival_offsets(a.num_prompts, a.request_rate, a.burstiness, rng)
+    n, vocab = a.num_prompts, model.prompt_vocab
+    prompts = random_prompts(n, a.input_len, vocab, rng, a.prefix_len)
+    offsets = arrival_offsets(n, a.request_rate, a.burstiness, rng)
+    if variant:
+        other = np.random.default_rng([a.seed, variant])
+        prompts = random_prompts(n, a.input_len, vocab, other, a.prefix_len)
     return [RequestSpec(p, a.output_len, t) for p, t in zip(prompts, offsets, strict=True)]
 
 
@@ -166,12 +172,12 @@ def run_setup(
 
         async def go() -> dict[str, Any]:
             out: dict[str, Any] = {}
-            for api in a.api if setup == "pd" else ["grpc"]:  # HTTP: decode nodes only
+            for i, api in enumerate(a.api if setup == "pd" else ["grpc"]):  # HTTP: decode only
                 api_target = target if api == "grpc" else nodes.http_url(ENTRY[setup])
                 await warm_up(api_target, model.prompt_vocab)
                 bar.set_postfix_str(f"{setup}: load ({api})")
                 records, duration = await run_requests(
-                    api_target, load_workload(a, model), a.max_concurrency
+                    api_target, load_workload(a, model, i), a.max_concurrency
                 )
                 out.setdefault("load_by_api", {})[api] = serving_metrics(records, duration, slos)
             out["load"] = next(iter(out["load_by_api"].values()))
