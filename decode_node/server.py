@@ -27,7 +27,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -49,6 +50,7 @@ from shared.serving.metrics import AsgiServer
 from shared.serving.wire import WireError, sampling_from_proto, validate_request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE = SERVICE_DESCRIPTOR.full_name
 
@@ -271,15 +273,21 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             request = try_local(core, prompt, params, rid, threshold, inflight, idle)
             return request or (start_local(core, prompt, params, rid, bound) if force else None)
 
+        stream.local = await self._admitting_call(command)
+        return stream.local is not None
+
+    async def _admitting_call(self, fn: Callable[[EngineCore], T]) -> T:
+        """An engine command that may refuse the request: bad input (RequestRejected) is
+        INVALID_ARGUMENT, no room (ResourcesExhausted) RESOURCE_EXHAUSTED with its retry hint."""
+        assert self.thread is not None
         try:
-            stream.local = await self.thread.call(command)
+            return await self.thread.call(fn)
         except RequestRejected as e:
             raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except ResourcesExhausted as e:
             raise GenerateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
             ) from None
-        return stream.local is not None
 
     def _first_token_seen(self, stream: Stream) -> None:
         if stream.first_token_at is not None:
@@ -354,15 +362,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         rid = stream.request_id
         stream.admission = asyncio.get_running_loop().create_future()
         try:
-            await self.thread.call(
+            await self._admitting_call(
                 lambda core: core.admission.enqueue(core, prompt, params, rid, deadline)
             )
-        except RequestRejected as e:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        except ResourcesExhausted as e:
-            raise GenerateError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
-            ) from None
         except AdmissionClosed as e:
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"decode node: {e}") from None
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
