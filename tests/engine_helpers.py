@@ -74,3 +74,30 @@ def single_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# a ChatML template, for tiny test checkpoints that have none of their own
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_checkpoint(src: Path, dest: Path) -> Path:
+    """A copy of the checkpoint at `src` in `dest`, with a tokenizer config that names the
+    benchmark tokenizer's bos/eos tokens and CHATML as its chat template."""
+    import json
+    import shutil
+
+    from benchmarks.support.checkpoints import BOS_TOKEN, EOS_TOKEN
+
+    shutil.copytree(src, dest)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "chat_template": CHATML,
+    }
+    (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest

@@ -6,8 +6,6 @@ exactly as transformers' apply_chat_template renders them."""
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,16 +22,11 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.chat_template import ChatTemplate
 from shared.model.loader import load_model
 from shared.serving.metrics import parse_prometheus_text
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import CHATML, chat_checkpoint, random_prompts
 
 KEY = "test-key-123"
 SERVED = "pd-tiny"
 # in tokenizer_config.json: ChatML
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 # given with --chat-template: Llama-2 style, with bos_token, eos_token and raise_exception
 LLAMA2 = """{%- if messages[0]['role'] == 'system' -%}
 {%- set system = messages[0]['content'] -%}{%- set messages = messages[1:] -%}
@@ -65,18 +58,10 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from benchmarks.support.checkpoints import BOS_TOKEN, EOS_TOKEN, cached_checkpoint
+    from benchmarks.support.checkpoints import cached_checkpoint
 
     src = cached_checkpoint(checkpoint_root, "llama")
-    path = tmp_path_factory.mktemp("chat") / "llama-chat"
-    shutil.copytree(src, path)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "chat_template": CHATML,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    path = chat_checkpoint(src, tmp_path_factory.mktemp("chat") / "llama-chat")
     (path / "llama2.jinja").write_text(LLAMA2)
     return path
 

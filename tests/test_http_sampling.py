@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -25,32 +24,16 @@ from shared.engine.llm import LLM
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import chat_checkpoint, random_prompts
 from tests.sampling_reference import hf_log_softmax, pd_generate
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 MESSAGES = [{"role": "user", "content": "the cat sat on"}]
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from benchmarks.support.checkpoints import BOS_TOKEN, EOS_TOKEN
-
-    path = tmp_path_factory.mktemp("sampling") / "llama-chat"
-    shutil.copytree(checkpoint("llama"), path)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "chat_template": CHATML,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return chat_checkpoint(checkpoint("llama"), tmp_path_factory.mktemp("sampling") / "llama-chat")
 
 
 @pytest.fixture(scope="module")
