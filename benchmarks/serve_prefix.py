@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +170,21 @@ def run_mode(
             kind: serving_metrics([r for r in records if r.spec.group == kind], duration)["ttft"]
             for kind in ("user", "conversation")
         },
+        "node_timing_p50_ms": node_timing(records),
         "prefill_nodes": per_node,
         "prefill_prompt_tokens": {"cached": cached, "computed": computed},
         "hit_rate": hit_rate(cached, computed),
         "exit_codes": exit_codes,
         "nodes": [f"{s.name}: cpus {s.cpus}, {s.threads} thread(s)" for s in nodes_spec],
     }
+
+
+def node_timing(records: list[Any]) -> dict[str, float]:
+    """Median of the decode node's own TTFT breakdown (queue on the prefill node, prefill
+    compute, KV transfer, node TTFT), ms: where a routing mode's TTFT goes."""
+    keys = ("queue", "prefill", "kv_transfer", "ttft")
+    done = [r.timing for r in records if r.ok and r.timing]
+    return {k: statistics.median(t.get(k, 0.0) for t in done) * 1e3 for k in keys if done}
 
 
 def shared_cache(requests: list[WorkloadRequest], capacity_blocks: int) -> dict[str, Any]:

@@ -66,7 +66,9 @@ def test_ttft_quick(tmp_path: Path) -> None:
         assert row["modes"]["colocated"]["tail"] == 0
         assert set(row["tail_over_prefill"]) == {"pd_layerwise", "pd_whole"}
         assert all(v is not None for v in row["pd_over_colocated_ttft"].values())
-    assert len(result["samples"]) == len(ttft.QUICK_LENGTHS) * len(ttft.MODES)
+    assert len(result["samples"]) == sum(ttft.repeats(n, 1) for n in ttft.QUICK_LENGTHS) * len(
+        ttft.MODES
+    )
     assert set(result["idle_cpu_percent"]["tiny"]) == {
         "prefill",
         "decode",
@@ -77,6 +79,7 @@ def test_ttft_quick(tmp_path: Path) -> None:
         "layerwise_tail_le_10pct_prefill_ge_1k",
         "pd_ttft_le_1_1x_colocated_all_lengths",
         "pd_ttft_le_1_1x_colocated_ge_1k",
+        "pd_ttft_le_1_05x_colocated_all_lengths_both_pushes",
     }
 
 
