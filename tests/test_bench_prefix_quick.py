@@ -43,6 +43,9 @@ def test_serve_shared_prefix_quick(tmp_path: Path) -> None:
         assert total == prompt_tokens > 0, mode  # the same workload, all of it prefilled remotely
         assert 0.0 <= r["hit_rate"] <= 1.0
         assert set(r["exit_codes"].values()) == {0}, r["exit_codes"]  # seats and blocks back
+        timing = r["node_timing_p50_ms"]
+        assert set(timing) == {"queue", "prefill", "kv_transfer", "ttft"}, mode
+        assert timing["ttft"] >= timing["prefill"] > 0, mode  # every prompt prefilled remotely
     shared = on_disk["shared_cache"]
     assert shared["cached"] + shared["computed"] == prompt_tokens
     assert 0.0 < shared["hit_rate"] <= 1.0  # the system prompts are shared: some hit
