@@ -12,8 +12,9 @@ One request path (`DecodeNode.generate`, for gRPC and HTTP alike):
    DISAGG_GENERATION_INIT (blocks reserved and pinned, no seat), dispatched to a healthy
    prefill node with the destination of those blocks (DISAGG_GENERATION_TRANS_IN_PROGRESS), and
    once every layer of every block has landed becomes DISAGG_GENERATION_TRANS_COMPLETE: the
-   first token (sampled by the prefill node) is streamed at once and the next iteration seats
-   and decodes it in the continuous batch;
+   first token (sampled by the prefill node) is streamed the moment the Prefill RPC returns
+   (decode_node/first_token.py), and the next iteration seats and decodes it in the
+   continuous batch;
 3. **fallback**: no prefill node could serve it -> prefilled here (`local_prefill_fallback`);
 4. the deltas are streamed (decode_node/responses.py) and, on every exit, the request is
    released on both nodes.
@@ -33,6 +34,7 @@ from typing import TypeVar
 import grpc
 
 from decode_node.config import DecodeNodeConfig
+from decode_node.first_token import engine_took_first, release_first
 from decode_node.local_prefill import start_local, try_local
 from decode_node.remote_prefill import RemotePrefill
 from decode_node.responses import generate_response
@@ -213,6 +215,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         try:
             pending = await self._prefill(stream, prompt, params)
             while len(stream.finished) < stream.n:
+                if not pending and stream.completing is not None:
+                    pending = await engine_took_first(stream)
+                    continue
                 delta = pending.pop(0) if pending else await self._next_delta(stream, deadline)
                 self._first_token_seen(stream)
                 stream.account(delta)
@@ -246,9 +251,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             await self._try_local(stream, prompt, params, force=True)
             return []
         self.counters.remote()
-        return await self.thread.call(
-            lambda core: core.complete_transfer_all(stream.request_id, *first)
-        )
+        return await release_first(self.thread, self.core.outputs, stream, prompt, params, first)
 
     def _fallback_now(self) -> bool:
         if self.config.colocated:

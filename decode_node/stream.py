@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,10 @@ class Stream:
     failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
     # prefilled by this node's own engine (QUEUED -> CONTEXT_INIT), not by a prefill node
     local: LlmRequest | None = None
+    # remote prefill: the engine's complete_transfer_all in flight, and the first token's
+    # delta already streamed from the Prefill response (decode_node/first_token.py)
+    completing: Future[list[TokenDelta]] | None = None
+    early_first: TokenDelta | None = None
 
     def account(self, delta: TokenDelta) -> None:
         """Count a delta of completion `delta.index` before it is streamed."""
