@@ -48,12 +48,7 @@ def early_first_delta(
 def drop_twin(early: TokenDelta, engine_deltas: list[TokenDelta]) -> list[TokenDelta]:
     """The engine's deltas for the first token, without the one already streamed as `early`."""
     twin, rest = engine_deltas[0], engine_deltas[1:]
-    if (twin.token_ids, twin.text, twin.finish_reason, twin.index) != (
-        early.token_ids,
-        early.text,
-        early.finish_reason,
-        early.index,
-    ):
+    if twin != early:  # every field: tokens, text, finish, logprobs, completion index
         # cannot happen while OutputProcessor is a pure function of its inputs; say so loudly
         log.error("%s: first delta streamed early %r != engine's %r", early.request_id, early, twin)
     return rest
@@ -61,7 +56,6 @@ def drop_twin(early: TokenDelta, engine_deltas: list[TokenDelta]) -> list[TokenD
 
 async def release_first(
     thread: EngineThread,
-    outputs: OutputProcessor,
     stream: Stream,
     prompt: list[int],
     params: SamplingParams,
@@ -72,7 +66,7 @@ async def release_first(
     engine's own once it has taken them."""
     rid = stream.request_id
     completing = thread.submit(lambda core: core.complete_transfer_all(rid, *first))
-    early = early_first_delta(outputs, rid, prompt, params, first)
+    early = early_first_delta(thread.core.outputs, rid, prompt, params, first)
     if early is None:
         return await asyncio.wrap_future(completing)
     stream.completing, stream.early_first = completing, early

@@ -251,7 +251,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             await self._try_local(stream, prompt, params, force=True)
             return []
         self.counters.remote()
-        return await release_first(self.thread, self.core.outputs, stream, prompt, params, first)
+        return await release_first(self.thread, stream, prompt, params, first)
 
     def _fallback_now(self) -> bool:
         if self.config.colocated:

@@ -54,6 +54,7 @@ class _Op:
     future: asyncio.Future[None]
     keep: object  # whatever UCX reads from or writes into, alive until completion
 
+
 # arm() refusals in a row (each after a progress round) before the loop is given back: arm()
 # refuses while UCX holds unprocessed events, which the next progress round normally consumes
 ARM_ATTEMPTS = 64
