@@ -93,7 +93,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.core.admission.on_admission = lambda rid, grant: loop.call_soon_threadsafe(
             self._on_admission, rid, grant
         )
-        self.thread.start()
+        await self.thread.start_warm()
         await self.receiver.start()
         await self.pool.start()
         self.serving = await NodeServing.serve(

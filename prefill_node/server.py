@@ -74,7 +74,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
         self.core.layer_hook_factory = self._layer_hook
-        self.thread.start()
+        await self.thread.start_warm()
+        self.sender.start(self.core.kv_pool.device)  # not inside the first request's push
         self.serving = await NodeServing.serve(
             self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry
         )

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.config import ModelConfig
-from shared.model.gemm import PackedGemm, onednn_bf16_available
+from shared.model.gemm import (
+    EXACT_ROWS,
+    PackedGemm,
+    onednn_bf16_available,
+    padded_rows,
+)
 from shared.model.llama import RMSNorm, RotaryEmbedding, apply_rotary, rotate_half
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -50,7 +55,7 @@ def test_rms_norm_matches_llama_rms_norm_bitwise(dtype: torch.dtype) -> None:
         assert torch.equal(ours(x), theirs(x))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("rows", [1, 7, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_gemm_equals_linear_and_sees_weight_updates(rows: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
@@ -67,3 +72,24 @@ def test_packed_gemm_equals_linear_and_sees_weight_updates(rows: int, dtype: tor
         assert gemm._packed is not None  # took the oneDNN path
     else:
         assert gemm._packed is None
+
+
+@pytest.mark.parametrize("rows", [33, 300, 513])
+def test_packed_gemm_padded_rows_match_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(80, 96, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    with torch.inference_mode():
+        out = PackedGemm(weight, None)(x)
+        ref = F.linear(x.float(), weight.float())
+    assert out.shape == (rows, 80) and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref, rtol=1.6e-2, atol=0.1)
+
+
+def test_padded_rows_are_few_and_tight() -> None:
+    sizes = {padded_rows(m) for m in range(1, 16385)}
+    assert len(sizes) <= EXACT_ROWS + 8 * 9  # 8 per octave from 32 to 16k: the cache holds them
+    for m in range(1, 16385):
+        p = padded_rows(m)
+        assert p == m if m <= EXACT_ROWS else m <= p <= m * 1.125
+        assert padded_rows(p) == p  # a padded size is its own bucket

@@ -284,6 +284,11 @@ class KvSender:
             _ready_events[out] = ready
         return out
 
+    def start(self, device: torch.device) -> None:
+        """Create the UCX worker now (for pools on `device`) rather than inside the first push:
+        that takes 5-200 ms, on the event loop, in the GIL, while the first prompt computes."""
+        self._ensure_engine(device)
+
     def open(self, dest: TransferDestination, kv_pool: torch.Tensor | None = None) -> KvPush:
         """A push into `dest`, reading `src` blocks from `kv_pool`. Raises TransferError if the
         decode node's KV layout is not this one."""

@@ -23,6 +23,7 @@ from typing import TypeVar
 from shared.engine.core import EngineCore
 from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequestState
+from shared.engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,6 +80,12 @@ class EngineThread:
         # process-wide, and meant so: this process serves an event loop beside its engine
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread.start()
+
+    async def start_warm(self) -> None:
+        """`start`, then run the start-up warm-up (shared/engine/warmup.py) on the thread, so
+        that a node reports ready only once its first request would run at full speed."""
+        self.start()
+        await self.call(warm_up)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
