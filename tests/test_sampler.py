@@ -176,3 +176,20 @@ def test_n_choices_draw_from_their_own_streams() -> None:
             torch.log_softmax(logits[0], -1)[token].item()
         )
     assert choice_seed(77, 0) == 77
+
+
+@pytest.mark.parametrize("top_k", [0, 50_000])  # no top-k: none, or one wider than the vocab
+def test_unfiltered_rows_follow_the_tempered_distribution(top_k: int) -> None:
+    # rows with no top-k / top-p filter draw over the vocabulary unsorted (Sampler._draw_unfiltered)
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    logits = torch.log(probs)[None, :]  # token 1 at -inf: masked
+    counts = [0, 0, 0, 0]
+    s = Sampler(1)
+    for i in range(3000):
+        params = SamplingParams(temperature=0.5, top_k=top_k, seed=7)
+        r = seated(f"r{i}", 0, params, outputs=i)
+        counts[s.sample([r], logits)[0]] += 1
+        s.release_request(r)
+    tempered = probs**2 / (probs**2).sum()  # temperature 0.5 squares the probabilities
+    assert counts[1] == 0
+    assert [c / 3000 for c in counts] == pytest.approx(tempered.tolist(), abs=0.04)

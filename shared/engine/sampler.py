@@ -272,18 +272,38 @@ class Sampler:
         top_p: torch.Tensor,
         uniforms: torch.Tensor,
     ) -> torch.Tensor:
-        """Rows whose top_k is at most TOPK_CANDIDATES draw from that many candidates (topk),
-        the others from a full sort: which path a row takes depends on its own top_k only, so
-        its draw does not depend on the rest of the batch."""
+        """Rows whose top_k is at most TOPK_CANDIDATES draw from that many candidates (topk);
+        rows with no top-k / top-p filter draw over the vocabulary in id order, with no sort (the
+        OpenAI default, temperature only: a stable sort of the vocabulary per row was half of a
+        batch-16 decode step of SmolLM2); the others from a full sort. Which path a row takes
+        depends on its own parameters only, so its draw does not depend on the rest of the
+        batch."""
         out = torch.empty(logits.shape[0], dtype=torch.long)
         few = (top_k > 0) & (top_k <= TOPK_CANDIDATES)
-        for rows, width in ((few, TOPK_CANDIDATES), (~few, None)):
+        plain = ~few & ((top_k <= 0) | (top_k >= logits.shape[-1])) & (top_p >= 1.0)
+        for rows, width in ((few, TOPK_CANDIDATES), (plain, 0), (~few & ~plain, None)):
             idx = rows.nonzero().flatten()
-            if idx.numel():
+            if not idx.numel():
+                continue
+            if width == 0:
+                out[idx] = _draw_unfiltered(logits[idx], temps[idx], uniforms[idx])
+            else:
                 out[idx] = _draw(
                     logits[idx], temps[idx], top_k[idx], top_p[idx], uniforms[idx], width
                 )
         return out
+
+
+def _draw_unfiltered(
+    logits: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Invert the CDF of the temperature-scaled distribution, taken in token-id order, at each
+    row's uniform (masked tokens, -inf, have no mass and are never drawn)."""
+    probs = torch.softmax((logits / temps[:, None]).double(), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    choice = torch.searchsorted(cdf, targets[:, None], right=True)
+    return choice.clamp(max=logits.shape[-1] - 1).flatten()
 
 
 def _draw(
