@@ -193,3 +193,22 @@ def test_unfiltered_rows_follow_the_tempered_distribution(top_k: int) -> None:
     tempered = probs**2 / (probs**2).sum()  # temperature 0.5 squares the probabilities
     assert counts[1] == 0
     assert [c / 3000 for c in counts] == pytest.approx(tempered.tolist(), abs=0.04)
+
+
+def test_top_p_rows_without_top_k_draw_the_full_sorts_tokens() -> None:
+    # the nucleus is taken from the top candidates when it lies within them (_draw_nucleus),
+    # else from the full sort: either way the token the full sort would draw at each uniform
+    from shared.engine.sampler import _draw
+
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(3, 5000, generator=gen) * 3  # nucleus within the candidates
+    flat = torch.randn(1, 5000, generator=gen) * 0.01  # 90% of the mass needs ~4,500 tokens
+    logits = torch.cat([peaked, flat]).repeat_interleave(250, dim=0)
+    rows = logits.shape[0]
+    temps, top_p = torch.full((rows,), 0.8), torch.full((rows,), 0.9)
+    top_k = torch.zeros(rows, dtype=torch.long)
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
+    fast = Sampler._sample_random(logits, temps, top_k, top_p, uniforms)
+    full = _draw(logits, temps, top_k, top_p, uniforms, None)
+    assert (fast == full).float().mean().item() >= 0.995  # a uniform on a mass boundary may differ
+    assert len(set(fast[750:].tolist())) > 100  # the flat row really drew from a wide nucleus

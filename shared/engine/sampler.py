@@ -275,23 +275,51 @@ class Sampler:
         """Rows whose top_k is at most TOPK_CANDIDATES draw from that many candidates (topk);
         rows with no top-k / top-p filter draw over the vocabulary in id order, with no sort (the
         OpenAI default, temperature only: a stable sort of the vocabulary per row was half of a
-        batch-16 decode step of SmolLM2); the others from a full sort. Which path a row takes
-        depends on its own parameters only, so its draw does not depend on the rest of the
-        batch."""
+        batch-16 decode step of SmolLM2); top-p rows without a top-k take their nucleus from
+        those candidates when it lies within them; the others from a full sort. Which path a row
+        takes depends on its own parameters and logits only, so its draw does not depend on the
+        rest of the batch."""
         out = torch.empty(logits.shape[0], dtype=torch.long)
         few = (top_k > 0) & (top_k <= TOPK_CANDIDATES)
-        plain = ~few & ((top_k <= 0) | (top_k >= logits.shape[-1])) & (top_p >= 1.0)
-        for rows, width in ((few, TOPK_CANDIDATES), (plain, 0), (~few & ~plain, None)):
+        no_k = ~few & ((top_k <= 0) | (top_k >= logits.shape[-1]))
+        plain, nucleus = no_k & (top_p >= 1.0), no_k & (top_p < 1.0)
+        idx = plain.nonzero().flatten()
+        if idx.numel():
+            out[idx] = _draw_unfiltered(logits[idx], temps[idx], uniforms[idx])
+        idx = nucleus.nonzero().flatten()
+        if idx.numel():
+            tokens, covered = _draw_nucleus(logits[idx], temps[idx], top_p[idx], uniforms[idx])
+            out[idx[covered]] = tokens[covered]
+            nucleus[idx[~covered]] = False  # their nucleus is wider: the full sort below
+        for rows, width in ((few, TOPK_CANDIDATES), (~few & ~plain & ~nucleus, None)):
             idx = rows.nonzero().flatten()
-            if not idx.numel():
-                continue
-            if width == 0:
-                out[idx] = _draw_unfiltered(logits[idx], temps[idx], uniforms[idx])
-            else:
+            if idx.numel():
                 out[idx] = _draw(
                     logits[idx], temps[idx], top_k[idx], top_p[idx], uniforms[idx], width
                 )
         return out
+
+
+def _draw_nucleus(
+    logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p without top-k from the TOPK_CANDIDATES most likely tokens, their probabilities
+    normalised over the whole vocabulary (so the nucleus is the full sort's). Returns (tokens,
+    covered): a row whose candidates hold less than top_p of the mass is not covered (its
+    token here is meaningless) and needs the full sort."""
+    scaled = logits / temps[:, None]
+    width = min(TOPK_CANDIDATES, logits.shape[-1])
+    top, ids = scaled.topk(width, dim=-1)  # [rows, width], descending
+    log_norm = torch.logsumexp(scaled.double(), dim=-1, keepdim=True)
+    probs = (top.double() - log_norm).exp()
+    mass = probs.cumsum(dim=-1)
+    covered = mass[:, -1] >= top_p.double()
+    # keep the smallest prefix whose mass reaches top_p; the top token always survives
+    probs = probs.masked_fill(mass - probs >= top_p.double()[:, None], 0.0)
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    choice = torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=width - 1)
+    return ids.gather(1, choice).flatten(), covered
 
 
 def _draw_unfiltered(
