@@ -282,16 +282,17 @@ class Sampler:
         out = torch.empty(logits.shape[0], dtype=torch.long)
         few = (top_k > 0) & (top_k <= TOPK_CANDIDATES)
         no_k = ~few & ((top_k <= 0) | (top_k >= logits.shape[-1]))
-        plain, nucleus = no_k & (top_p >= 1.0), no_k & (top_p < 1.0)
+        plain = no_k & (top_p >= 1.0)
+        full_sort = ~few & ~plain
         idx = plain.nonzero().flatten()
         if idx.numel():
             out[idx] = _draw_unfiltered(logits[idx], temps[idx], uniforms[idx])
-        idx = nucleus.nonzero().flatten()
+        idx = (no_k & ~plain).nonzero().flatten()
         if idx.numel():
             tokens, covered = _draw_nucleus(logits[idx], temps[idx], top_p[idx], uniforms[idx])
             out[idx[covered]] = tokens[covered]
-            nucleus[idx[~covered]] = False  # their nucleus is wider: the full sort below
-        for rows, width in ((few, TOPK_CANDIDATES), (~few & ~plain & ~nucleus, None)):
+            full_sort[idx[covered]] = False  # the others' nucleus is wider: the full sort
+        for rows, width in ((few, TOPK_CANDIDATES), (full_sort, None)):
             idx = rows.nonzero().flatten()
             if idx.numel():
                 out[idx] = _draw(
@@ -311,15 +312,9 @@ def _draw_nucleus(
     width = min(TOPK_CANDIDATES, logits.shape[-1])
     top, ids = scaled.topk(width, dim=-1)  # [rows, width], descending
     log_norm = torch.logsumexp(scaled.double(), dim=-1, keepdim=True)
-    probs = (top.double() - log_norm).exp()
-    mass = probs.cumsum(dim=-1)
+    probs, mass = _nucleus((top.double() - log_norm).exp(), top_p)
     covered = mass[:, -1] >= top_p.double()
-    # keep the smallest prefix whose mass reaches top_p; the top token always survives
-    probs = probs.masked_fill(mass - probs >= top_p.double()[:, None], 0.0)
-    cdf = probs.cumsum(dim=-1)
-    targets = uniforms * cdf[:, -1]
-    choice = torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=width - 1)
-    return ids.gather(1, choice).flatten(), covered
+    return ids.gather(1, _invert_cdf(probs, uniforms)).flatten(), covered
 
 
 def _draw_unfiltered(
@@ -328,10 +323,7 @@ def _draw_unfiltered(
     """Invert the CDF of the temperature-scaled distribution, taken in token-id order, at each
     row's uniform (masked tokens, -inf, have no mass and are never drawn)."""
     probs = torch.softmax((logits / temps[:, None]).double(), dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    targets = uniforms * cdf[:, -1]
-    choice = torch.searchsorted(cdf, targets[:, None], right=True)
-    return choice.clamp(max=logits.shape[-1] - 1).flatten()
+    return _invert_cdf(probs, uniforms).flatten()
 
 
 def _draw(
@@ -354,11 +346,19 @@ def _draw(
     ranks = torch.arange(n)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=n), torch.full_like(top_k, n))
     sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits.double(), dim=-1)
-    # keep the smallest prefix whose mass reaches top_p; the top token always survives
-    mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p.double()[:, None], 0.0)
+    probs, _ = _nucleus(torch.softmax(sorted_logits.double(), dim=-1), top_p)
+    return sorted_ids.gather(1, _invert_cdf(probs, uniforms)).flatten()
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, most likely first, zeroed past the smallest prefix whose mass reaches top_p,
+    the top token always kept; the running mass of the unzeroed probs)."""
+    mass = probs.cumsum(dim=-1)
+    return probs.masked_fill(mass - probs >= top_p.double()[:, None], 0.0), mass
+
+
+def _invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: per row, the first index whose cumulative mass exceeds uniform x total."""
     cdf = probs.cumsum(dim=-1)
     targets = uniforms * cdf[:, -1]
-    choice = torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=n - 1)
-    return sorted_ids.gather(1, choice).flatten()
+    return torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=probs.shape[-1] - 1)
