@@ -3,8 +3,8 @@
 One server session per system (start-up costs minutes on a busy machine), each running what the
 phases ask of it: the request-rate sweep with `vllm bench serve` (random dataset, fixed seed) and
 the long-prompt interference run (phase `serve`), TTFT against prompt length (phase `pd`).
-Systems: vLLM colocated on both cores; pdserve 1P+1D and vLLM 1P+1D with one core per node;
-`pdserve colocated` on both cores where this checkout has that command.
+Systems: vLLM colocated and `pdserve colocated` on both cores; pdserve 1P+1D and vLLM 1P+1D with
+one core per node.
 """
 
 from __future__ import annotations
@@ -121,6 +121,10 @@ def plan(phases: list[str], cores: str) -> dict[str, tuple[Callable[..., Any], l
         systems["vllm_colocated"] = (
             lambda cfg, logs: vllm_servers.vllm_colocated(cfg, cores, logs),
             ["sweep", "interference"],
+        )
+        systems["pdserve_colocated"] = (
+            lambda cfg, logs: vllm_servers.pdserve_colocated(cfg, cores, logs),
+            ["sweep"],
         )
     tasks = (["sweep", "interference"] if serve else []) + (["ttft"] if pd else [])
     systems["pdserve_pd"] = (

@@ -1,8 +1,8 @@
 """The servers `pdserve bench peer` measures over OpenAI HTTP, each started, waited for and always
 stopped: `vllm serve` (colocated), vLLM 1 prefill + 1 decode (NixlConnector, CPU KV buffers) behind
-benchmarks/peers/vllm_pd_proxy.py, pdserve 1 prefill + 1 decode, and `pdserve colocated` where
-this checkout has it. Every process is pinned with taskset; vLLM's OpenMP threads are bound to
-the same cores (two vLLM servers on the same cores spin against each other).
+benchmarks/peers/vllm_pd_proxy.py, pdserve 1 prefill + 1 decode, and `pdserve colocated`. Every
+process is pinned with taskset; vLLM's OpenMP threads are bound to the same cores (two vLLM servers
+on the same cores spin against each other).
 """
 
 from __future__ import annotations
@@ -145,3 +145,17 @@ def pdserve_pd(
     ]  # fmt: skip
     with bench_nodes.running(specs, logs) as nodes:
         yield f"http://127.0.0.1:{nodes.nodes['decode'].info['http_port']}"
+
+
+@contextlib.contextmanager
+def pdserve_colocated(cfg: ServerConfig, cores: str, logs: Path) -> Iterator[str]:
+    """`pdserve colocated` on both cores (two torch threads): the same hardware as vLLM
+    colocated and as either P/D pair; its HTTP URL."""
+    engine = {"dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
+              "max_batch_size": cfg.max_batch, "kv_cache_mb": cfg.kv_gib * 1024}  # fmt: skip
+    base = bench_nodes.engine_args(str(cfg.model_dir), engine)
+    args = ["colocated", *base, "--port", "0", "--http-port", "0",
+            "--served-model-name", MODEL_NAME]  # fmt: skip
+    spec = bench_nodes.NodeSpec("colocated", "pdserve.cli", args, cores, threads=2)
+    with bench_nodes.running([spec], logs) as nodes:
+        yield nodes.http_url("colocated")
