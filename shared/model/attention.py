@@ -7,6 +7,8 @@
   prefix-cache hit, `num_computed > 0`) sees exactly the keys a single full pass would. A mask
   encodes causality (key position <= query position), which also hides the padding;
   sliding-window layers add `key position > query position - window`.
+* A bf16 decode group on CPU reads its keys and values where they lie in the pool instead
+  (shared/model/paged_decode.py), when this machine could build that kernel.
 * A fresh-prefill group (nothing cached) attends over this step's K/V directly with SDPA's
   causal mode, skipping the pool round trip and the masked half of the work.
 """
@@ -18,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from shared.model import paged_decode
 from shared.model.forward_batch import AttentionGroup, ForwardBatch
 
 
@@ -66,9 +69,12 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     out = None
     for group in batch.groups:
+        g_out = None
         if group.fresh:
             g_out = _fresh_attention(q, k, v, group, scale, window)
-        else:
+        elif paged_decode.usable(q, layer_pool, group):
+            g_out = paged_decode.decode_attention(q, layer_pool, group, scale, window)
+        if g_out is None:
             g_out = _pool_attention(q, layer_pool, group, scale, window, scratch)
         if group.token_rows is None:
             return g_out  # fast path: the single group covers tokens 0..T-1 in order
