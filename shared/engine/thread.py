@@ -20,6 +20,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import torch
+
+from shared.engine import openmp
 from shared.engine.core import EngineCore
 from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequestState
@@ -74,11 +77,13 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.snapshot = EngineSnapshot()
         self.fatal_error: BaseException | None = None
+        self._torch_threads = 0  # set by start: the threads borrowed from the starting thread
         self._publish()
 
     def start(self) -> None:
         # process-wide, and meant so: this process serves an event loop beside its engine
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        self._torch_threads = openmp.lend()  # shared/engine/openmp.py: one OpenMP team only
         self._thread.start()
 
     async def start_warm(self) -> None:
@@ -92,6 +97,9 @@ class EngineThread:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        if self._torch_threads:
+            self._torch_threads = 0
+            openmp.give_back()
 
     def submit(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         fut: Future[T] = Future()
@@ -108,6 +116,7 @@ class EngineThread:
         return await asyncio.wrap_future(self.submit(fn))
 
     def _run(self) -> None:
+        torch.set_num_threads(self._torch_threads)
         try:
             while True:
                 with self._cv:

@@ -1,0 +1,76 @@
+"""An engine thread borrows its starter's torch threads (shared/engine/openmp.py): the starting
+thread keeps one thread and no idle OpenMP pool while an engine runs, the engine thread runs with
+the configured count, and the last engine to stop gives the count back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+import torch
+
+from shared.engine import openmp
+from shared.engine.config import EngineConfig
+from shared.engine.core import EngineCore
+from shared.engine.thread import EngineThread
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_op() -> None:
+    torch.randn(2048, 2048).mul_(2)  # large enough for torch to open a parallel region
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no pool to release")
+def test_release_pool_ends_the_callers_idle_workers() -> None:
+    before = torch.get_num_threads()
+    result: dict[str, int | bool] = {}
+
+    def body() -> None:  # a fresh thread: its pool is its own
+        torch.set_num_threads(2)
+        start = _os_threads()
+        _parallel_op()
+        result["with_pool"] = _os_threads() - start
+        result["released"] = openmp.release_pool()
+        result["after"] = _os_threads() - start
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == before
+    if not result["released"]:
+        pytest.skip("torch does not run on libgomp here")
+    assert result["with_pool"] >= 1 and result["after"] == 0
+
+
+@pytest.mark.parametrize("configured", [1, 2])
+def test_engine_threads_borrow_and_give_back_the_threads(configured: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(configured)
+    loop = asyncio.new_event_loop()
+    engines = [
+        EngineThread(EngineCore(EngineConfig(model="tiny")), loop, lambda d: None, name=f"e{i}")
+        for i in range(2)
+    ]
+    try:
+        for engine in engines:  # two engines in one process (an in-process P/D pair)
+            engine.start()
+            assert torch.get_num_threads() == 1
+        for engine in engines:
+            seen = engine.submit(lambda _core: torch.get_num_threads()).result(timeout=30)
+            assert seen == configured
+        engines[0].stop()
+        assert torch.get_num_threads() == 1  # the other engine still runs
+        engines[1].stop()
+        assert torch.get_num_threads() == configured
+        engines[1].stop()  # a second stop gives back nothing more
+        assert torch.get_num_threads() == configured
+    finally:
+        for engine in engines:
+            engine.stop()
+        loop.close()
+        torch.set_num_threads(before)
