@@ -50,6 +50,27 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return s;
 }
 
+/* Scores of one query head against `count` key rows `stride` apart; returns the running max.
+ * Head outer, keys inner: the query stays in registers across the block's keys. */
+static inline __attribute__((always_inline)) float score_rows(
+    const float *restrict q, const float *restrict k, float *restrict out, int64_t count,
+    int64_t stride, const int64_t D, float mx) {
+    for (int64_t t = 0; t < count; t++) {
+        const float s = dot(q, k + t * stride, D);
+        out[t] = s;
+        mx = s > mx ? s : mx;
+    }
+    return mx;
+}
+
+/* acc += sum over `count` value rows of weight x row; the accumulator stays in registers. */
+static inline __attribute__((always_inline)) void weigh_rows(
+    float *restrict acc, const float *restrict w, const float *restrict v, int64_t count,
+    int64_t stride, const int64_t D) {
+    for (int64_t t = 0; t < count; t++)
+        for (int64_t i = 0; i < D; i++) acc[i] += w[t] * v[t * stride + i];
+}
+
 typedef struct {
     const void *pool;
     int64_t H, KVH, D, NB, BS, esize;
@@ -80,14 +101,10 @@ static inline __attribute__((always_inline)) void attend_seq(
         prefetch_block(L, table, b, last, 0);
         const int64_t t0 = b == first ? lo % BS : 0, t1 = b == last ? pos % BS + 1 : BS;
         load_rows(L->pool, (table[b] * BS + t0) * row, L->bf16, (t1 - t0) * row, rows);
-        for (int64_t t = t0; t < t1; t++) {
-            const int64_t j = b * BS + t - lo;
-            for (int64_t h = 0; h < H; h++) {
-                const float s = dot(qf + h * D, rows + (t - t0) * row + (h / gq) * D, D);
-                scores[h * n + j] = s;
-                mx[h] = s > mx[h] ? s : mx[h];
-            }
-        }
+        const int64_t j0 = b * BS + t0 - lo;
+        for (int64_t h = 0; h < H; h++)
+            mx[h] = score_rows(qf + h * D, rows + (h / gq) * D, scores + h * n + j0, t1 - t0, row,
+                               D, mx[h]);
     }
     for (int64_t h = 0; h < H; h++) {
         float *sh = scores + h * n;
@@ -99,14 +116,9 @@ static inline __attribute__((always_inline)) void attend_seq(
         prefetch_block(L, table, b, last, plane);
         const int64_t t0 = b == first ? lo % BS : 0, t1 = b == last ? pos % BS + 1 : BS;
         load_rows(L->pool, plane + (table[b] * BS + t0) * row, L->bf16, (t1 - t0) * row, rows);
-        for (int64_t t = t0; t < t1; t++) {
-            const int64_t j = b * BS + t - lo;
-            for (int64_t h = 0; h < H; h++) {
-                const float w = scores[h * n + j], *v = rows + (t - t0) * row + (h / gq) * D;
-                float *a = acc + h * D;
-                for (int64_t i = 0; i < D; i++) a[i] += w * v[i];
-            }
-        }
+        const int64_t j0 = b * BS + t0 - lo;
+        for (int64_t h = 0; h < H; h++)
+            weigh_rows(acc + h * D, scores + h * n + j0, rows + (h / gq) * D, t1 - t0, row, D);
     }
     for (int64_t h = 0; h < H; h++) {
         const float inv = 1.0f / sum[h];
