@@ -27,8 +27,10 @@ from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
 def cluster_factory() -> Iterator[Callable[..., tuple[Cluster, list[str]]]]:
     started: list[Cluster] = []
 
-    def start(model: str, extra: list[str] | None = None) -> tuple[Cluster, list[str]]:
-        cluster = Cluster(model, 2, 2, 0, extra or [])
+    def start(
+        model: str, extra: list[str] | None = None, decode_extra: list[str] | None = None
+    ) -> tuple[Cluster, list[str]]:
+        cluster = Cluster(model, 2, 2, 0, extra or [], decode_extra=decode_extra)
         started.append(cluster)
         return cluster, cluster.start(timeout=120, echo=False)
 
@@ -72,7 +74,12 @@ def test_32_concurrent_requests_match_colocated_and_transformers(
     params = [SamplingParams(max_tokens=m) for m in max_tokens]
     colocated = LLM(EngineConfig(model=str(path), num_kv_blocks=1024), load_model(str(path)))
     want = [o.token_ids for o in colocated.generate(prompts, params)]
-    cluster, targets = cluster_factory(str(path), ["--max-num-tokens", "48"])
+    # Every prompt to a prefill node: whether a decode node prefills a short prompt itself
+    # depends on how busy its engine is when the request lands (timing), and this test checks
+    # the routing across both prefill nodes (local prefill: tests/test_local_prefill.py).
+    cluster, targets = cluster_factory(
+        str(path), ["--max-num-tokens", "48"], ["--local-prefill-tokens", "0"]
+    )
 
     async def body() -> list[object]:
         # warm both decode nodes' and both prefill nodes' prefix caches with the system prompt
