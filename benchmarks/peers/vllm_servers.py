@@ -121,15 +121,19 @@ def vllm_pd(cfg: ServerConfig, prefill_cores: str, decode_cores: str, logs: Path
             kill_group(proc, grace=20.0)
 
 
+def _pdserve_engine(cfg: ServerConfig) -> dict[str, Any]:
+    """The engine options every pdserve node of these sessions gets: vLLM's limits."""
+    return {"dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
+            "max_batch_size": cfg.max_batch, "kv_cache_mb": cfg.kv_gib * 1024}  # fmt: skip
+
+
 @contextlib.contextmanager
 def pdserve_pd(
     cfg: ServerConfig, prefill_cores: str, decode_cores: str, logs: Path, threads: int = 1
 ) -> Iterator[str]:
     """pdserve 1 prefill + 1 decode (real `pdserve prefill/decode` nodes); the decode node's
     HTTP URL."""
-    engine = {"dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
-              "max_batch_size": cfg.max_batch, "kv_cache_mb": cfg.kv_gib * 1024}  # fmt: skip
-    base = bench_nodes.engine_args(str(cfg.model_dir), engine)
+    base = bench_nodes.engine_args(str(cfg.model_dir), _pdserve_engine(cfg))
     specs = [
         bench_nodes.NodeSpec(
             "prefill", "pdserve.cli", ["prefill", *base, "--port", "0"], prefill_cores, threads
@@ -151,11 +155,7 @@ def pdserve_pd(
 def pdserve_colocated(cfg: ServerConfig, cores: str, logs: Path) -> Iterator[str]:
     """`pdserve colocated` on both cores (two torch threads): the same hardware as vLLM
     colocated and as either P/D pair; its HTTP URL."""
-    engine = {"dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
-              "max_batch_size": cfg.max_batch, "kv_cache_mb": cfg.kv_gib * 1024}  # fmt: skip
-    base = bench_nodes.engine_args(str(cfg.model_dir), engine)
-    args = ["colocated", *base, "--port", "0", "--http-port", "0",
-            "--served-model-name", MODEL_NAME]  # fmt: skip
-    spec = bench_nodes.NodeSpec("colocated", "pdserve.cli", args, cores, threads=2)
+    spec = bench_nodes.colocated_spec(str(cfg.model_dir), _pdserve_engine(cfg), cores, threads=2)
+    spec.args += ["--served-model-name", MODEL_NAME]
     with bench_nodes.running([spec], logs) as nodes:
         yield nodes.http_url("colocated")

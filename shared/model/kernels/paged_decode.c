@@ -30,12 +30,14 @@ static inline float bf16_to_f32(uint16_t x) {
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  /* NaN (integer test: see FLAGS) */
+    /* NaN: tested on the integer bits, which -ffast-math cannot drop */
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
 
-static inline __attribute__((always_inline)) void load_rows(const void *base, int64_t off, int bf16, int64_t n, float *dst) {
+static inline __attribute__((always_inline)) void load_rows(const void *base, int64_t off,
+                                                            int bf16, int64_t n, float *dst) {
     if (bf16) {
         const uint16_t *src = (const uint16_t *)base + off;
         for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
@@ -44,7 +46,8 @@ static inline __attribute__((always_inline)) void load_rows(const void *base, in
     }
 }
 
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
+                                                       int64_t d) {
     float s = 0.0f;
     for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
     return s;
@@ -171,7 +174,7 @@ int paged_decode(
             }
             const int64_t lo = window > 0 && pos[s] - window + 1 > 0 ? pos[s] - window + 1 : 0;
             attend_seq_any(&L, qf, blocks + s * BPS, pos[s], lo, scores, acc, rows,
-                       (char *)out + s * H * D * esize);
+                           (char *)out + s * H * D * esize);
         }
         free(scores);
     }
