@@ -6,12 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.model import gemm as gemm_module
 from shared.model.config import ModelConfig
 from shared.model.gemm import (
     EXACT_ROWS,
     PackedGemm,
     onednn_bf16_available,
     padded_rows,
+    skinny_library,
 )
 from shared.model.llama import RMSNorm, RotaryEmbedding, apply_rotary, rotate_half
 
@@ -57,7 +59,10 @@ def test_rms_norm_matches_llama_rms_norm_bitwise(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("rows", [1, 7, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_gemm_equals_linear_and_sees_weight_updates(rows: int, dtype: torch.dtype) -> None:
+def test_packed_gemm_equals_linear_and_sees_weight_updates(
+    rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gemm_module, "_skinny_ok", lambda x: False)  # one row: oneDNN here too
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(80, 96, generator=gen).to(dtype)
     bias = torch.randn(80, generator=gen).to(dtype)
@@ -72,6 +77,33 @@ def test_packed_gemm_equals_linear_and_sees_weight_updates(rows: int, dtype: tor
         assert gemm._packed is not None  # took the oneDNN path
     else:
         assert gemm._packed is None
+
+
+@pytest.mark.skipif(skinny_library() is None, reason="no AVX-512 BF16 GEMV kernel here")
+@pytest.mark.parametrize(("out_features", "in_features"), [(80, 96), (37, 100), (3072, 576)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_bf16_row_goes_to_the_gemv_kernel(
+    out_features: int, in_features: int, threads: int
+) -> None:
+    """Within one bf16 step of oneDNN's result (sums in another order), rarely off at all; reads
+    the weight as stored, so an in-place update is seen; no packed copy is built for it."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(1, in_features, generator=gen).bfloat16()
+    gemm = PackedGemm(weight, bias)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for _ in range(2):
+                out, ref = gemm(x), F.linear(x, weight, bias)
+                steps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+                assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.02
+                weight.mul_(-2)
+    finally:
+        torch.set_num_threads(before)
+    assert gemm._packed is None
 
 
 @pytest.mark.parametrize("rows", [33, 300, 513])

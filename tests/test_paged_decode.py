@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from shared.model import attention, paged_decode
+from shared.model import attention, native, paged_decode
 from shared.model.forward_batch import AttentionGroup, ForwardBatch, SeqEntry
 
 needs_kernel = pytest.mark.skipif(
@@ -164,9 +164,9 @@ def test_build_is_cached_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     cc = shutil.which("cc")
     assert cc is not None
-    first = paged_decode.build(cc)
+    first = native.build("paged_decode", cc)
     stamp = first.stat().st_mtime_ns
-    assert paged_decode.build(cc) == first and first.stat().st_mtime_ns == stamp
+    assert native.build("paged_decode", cc) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build directory left
 
 

@@ -19,6 +19,13 @@ shape. A padded call's rows may differ from an unpadded one's in the last bit fo
 (oneDNN's blocking depends on the row count), as they already did between chunk sizes; bf16
 results are not pinned to transformers' (fp32 never takes this path).
 
+A single row (a batch-1 decode step) goes to kernels/skinny_gemm.c instead where this CPU has
+AVX-512 BF16: at one row a GEMM is one pass over its weight, and oneDNN's primitives read
+SmolLM2's decode weights at 7.4 / 12-13 GB/s (1 / 2 threads) where that kernel, streaming the plain
+[out, in] weight with a prefetch one band ahead, reads 10.2 / 19.4 GB/s (a sum() of the same
+bytes: 11.5 / 23.4). Its sums run in another order: an output may differ from oneDNN's in its last
+bf16 bit (0-0.1% of them on SmolLM2's shapes). `PDSERVE_SKINNY_GEMM=0` turns it off.
+
 The packed copy is rebuilt whenever the weight is written in place (its version counter moves),
 so loading a checkpoint into the parameters after the first forward is still seen. Not
 thread-safe, like the model: one forward at a time.
@@ -26,12 +33,17 @@ thread-safe, like the model: one forward at a time.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from shared.engine.utils import cdiv
+from shared.model import native
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -40,6 +52,38 @@ def onednn_bf16_available() -> bool:
         return False
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(probe is not None and probe())
+
+
+@functools.cache
+def skinny_library() -> ctypes.CDLL | None:
+    """kernels/skinny_gemm.c, or None where it is off, cannot be built or finds no AVX-512 BF16."""
+    lib = native.load("skinny_gemm", "PDSERVE_SKINNY_GEMM", "batch-1 bf16 GEMV kernel")
+    if lib is None:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.skinny_gemm.argtypes = [p, p, p, p, i, i, ctypes.c_int]
+    lib.skinny_gemm.restype = ctypes.c_int
+    probe = torch.zeros(1, dtype=torch.bfloat16)
+    if lib.skinny_gemm(probe.data_ptr(), probe.data_ptr(), None, probe.data_ptr(), 1, 1, 1) != 0:
+        return None  # built for a CPU without AVX-512 BF16
+    log.info("one-row bf16 GEMMs stream their weights through a GEMV kernel (%s)", lib._name)
+    return lib
+
+
+def _skinny_ok(x: torch.Tensor) -> bool:
+    return x.stride(-1) == 1 and skinny_library() is not None
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lib = skinny_library()
+    assert lib is not None
+    out_features, in_features = weight.shape
+    out = x.new_empty(1, out_features)
+    lib.skinny_gemm(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), out_features, in_features, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def _version(t: torch.Tensor) -> int:
@@ -52,11 +96,13 @@ def _version(t: torch.Tensor) -> int:
 class PackedGemm:
     """y = x @ weight.T + bias, with `weight` packed for oneDNN when that is exact and faster."""
 
-    __slots__ = ("_packed", "_version", "bias", "weight")
+    __slots__ = ("_packed", "_plain", "_version", "bias", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
+        # the GEMV kernel reads the weight (and bias) as stored: contiguous rows of `in` elements
+        self._plain = weight.is_contiguous() and (bias is None or bias.is_contiguous())
         self._packed: torch.Tensor | None = None
         self._version = -1
 
@@ -72,6 +118,8 @@ class PackedGemm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self._use_onednn(x):
             return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 1 and x.dtype == self.weight.dtype and self._plain and _skinny_ok(x):
+            return _skinny(x, self.weight, self.bias)
         version = _version(self.weight)
         if self._packed is None or version != self._version:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())

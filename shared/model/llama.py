@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model import fused_ops
 from shared.model.attention import GatherScratch, paged_attention
 from shared.model.config import ModelConfig, RopeScaling
 from shared.model.forward_batch import ForwardBatch
@@ -123,6 +124,14 @@ class RMSNorm(nn.Module):
         inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))
         return (x32 * inv_rms).to(input_dtype).mul_(self.weight)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """x += delta in place (when given), then this norm of x: one pass in bf16 on CPU."""
+        if x.dim() == 2 and self.weight.dtype == x.dtype and fused_ops.usable(x):
+            return fused_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
+        return self(x)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     """fp32 inverse frequencies, as transformers computes them (on CPU)."""
@@ -203,13 +212,17 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_gemm(x)
         heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # q and k heads are adjacent in the fused output: rotate them with one set of ops.
-        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *step.rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = heads[:, self.num_heads + self.num_kv_heads :]
-
         layer_pool = step.kv_pool[self.layer]
-        write_kv(layer_pool, step.batch.slot_mapping, k, v)
+        if layer_pool.dtype == qkv.dtype == step.rope[0].dtype and fused_ops.usable(qkv):
+            qk = fused_ops.rope_store(
+                qkv, self.num_heads, step.rope, layer_pool, step.batch.slot_mapping
+            )
+        else:
+            # q and k heads are adjacent in the fused output: rotate them with one set of ops.
+            qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *step.rope)
+            write_kv(layer_pool, step.batch.slot_mapping, qk[:, self.num_heads :], v)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if step.layer_hook is not None:
             step.layer_hook(self.layer)  # this layer's K/V for the batch are final from here on
         attn = paged_attention(
@@ -240,6 +253,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_gemm(x)
+        if fused_ops.usable(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up, self.intermediate_size))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -255,10 +270,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
 
-    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        # The residual stream is this forward's own tensor: add in place.
-        x.add_(self.self_attn(self.input_layernorm(x), step))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(
+        self, x: torch.Tensor, pending: torch.Tensor | None, step: StepContext
+    ) -> torch.Tensor:
+        """Add the previous layer's output `pending` (None at the first layer) to the residual
+        stream x in place, run this layer, and return its MLP output: the next layer's pending.
+        Each residual add is deferred to the norm that follows it, with which it fuses."""
+        h = self.input_layernorm.add_forward(x, pending)
+        h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, step))
+        return self.mlp(h)
 
 
 class DecoderStack(nn.Module):
@@ -332,12 +352,14 @@ class Model(nn.Module):
             x = self.model.embed_tokens(batch.input_ids)
             rope = self.model.rotary_emb(batch.positions, x.dtype)
             step = StepContext(batch, kv_pool, rope, layer_hook, scratch or self._scratch)
+            pending = None
             for layer in self.model.layers:
-                x = layer(x, step)
+                pending = layer(x, pending, step)
             if not all_logits:
-                x = x.index_select(0, batch.last_token_index)
-            x = self.model.norm(x)
-            return self._head(x).float()
+                last = batch.last_token_index
+                x = x.index_select(0, last)
+                pending = None if pending is None else pending.index_select(0, last)
+            return self._head(self.model.norm.add_forward(x, pending)).float()
 
     def _check_pool(self, kv_pool: torch.Tensor) -> None:
         c = self.config
