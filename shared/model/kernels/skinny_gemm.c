@@ -4,7 +4,7 @@
  * weights at 7.5 GB/s on one thread and 12 GB/s on two, where a plain sum() of the same bytes
  * reads 11.5 and 23 GB/s (docs/performance.md, section 6). Here each thread streams a band of
  * 16 contiguous weight rows at a time against x held in registers (AVX-512 BF16 dot products),
- * and the 16 row sums are reduced together by a transpose-and-add tree.
+ * and the 16 row sums are reduced together by a transpose-and-add tree (sum16.h).
  *
  *   x    [K] (unit stride), w [N, K] contiguous (torch's [out, in] weight, as stored),
  *   bias [N] or NULL, y [N]
@@ -13,37 +13,18 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "sum16.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
 #define ROWS 16
 
-/* The 16 lane sums of v[0..15], in lane 4 * (r % 4) + r / 4 for v[r] (the tree's order). */
-static inline __m512 sum16(__m512 v[ROWS]) {
-    /* each round halves the vectors: pairs exchange half of their lanes and add */
-    for (int half = 8, n = ROWS; half >= 1; half /= 2, n /= 2) {
-        for (int i = 0; i < n / 2; i++) {
-            __m512 a = v[2 * i], b = v[2 * i + 1], lo, hi;
-            if (half == 8) {
-                lo = _mm512_shuffle_f32x4(a, b, 0x44), hi = _mm512_shuffle_f32x4(a, b, 0xEE);
-            } else if (half == 4) {
-                lo = _mm512_shuffle_f32x4(a, b, 0x88), hi = _mm512_shuffle_f32x4(a, b, 0xDD);
-            } else if (half == 2) {
-                lo = _mm512_shuffle_ps(a, b, 0x44), hi = _mm512_shuffle_ps(a, b, 0xEE);
-            } else {
-                lo = _mm512_shuffle_ps(a, b, 0x88), hi = _mm512_shuffle_ps(a, b, 0xDD);
-            }
-            v[i] = _mm512_add_ps(lo, hi);
-        }
-    }
-    return v[0];
-}
-
 /* rows: how many of the band's 16 rows exist (the last band may be short); a constant 16 for
  * full bands, so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void band(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                        int64_t K, int64_t n0, int rows) {
+static inline __attribute__((always_inline)) void band(const uint16_t *x, const uint16_t *w,
+                                                       const uint16_t *bias, uint16_t *y,
+                                                       int64_t K, int64_t n0, int rows) {
     __m512 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
@@ -58,9 +39,9 @@ static inline __attribute__((always_inline)) void band(const uint16_t *x, const 
         }
     }
     float out[ROWS];
-    _mm512_storeu_ps(out, sum16(acc));
+    _mm512_storeu_ps(out, sum16_ordered(acc));
     for (int r = 0; r < rows; r++)
-        y[n0 + r] = f32_to_bf16(out[4 * (r % 4) + r / 4] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.0f));
+        y[n0 + r] = f32_to_bf16(out[r] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.0f));
 }
 
 int skinny_gemm(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
