@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.engine import huge_pages
-
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -157,7 +155,4 @@ class KvLayout:
 def allocate_kv_pool(layout: KvLayout, num_blocks: int, device: torch.device | str) -> torch.Tensor:
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    shape = layout.pool_shape(num_blocks)
-    if torch.device(device).type == "cpu":
-        return huge_pages.zeros(shape, layout.torch_dtype)  # random block reads: fewer TLB misses
-    return torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+    return torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype, device=device)
