@@ -192,12 +192,21 @@ def environment() -> dict[str, object]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default. A shell runs background jobs with SIGINT
+    ignored and the child inherits that, so Python would install no KeyboardInterrupt handler
+    and the deadline's SIGINT would do nothing (found running CI under `nohup ... &`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_with_deadline(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> int | str:
     """Run to completion or `timeout`; then SIGINT (pytest and asyncio unwind, so the node
     processes they started, in sessions of their own, are stopped by their finally blocks),
     and SIGKILL 30 s later. Returns the exit status or what happened."""
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
+        )
         try:
             return proc.wait(timeout)
         except subprocess.TimeoutExpired:
