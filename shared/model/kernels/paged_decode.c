@@ -29,8 +29,7 @@ static inline __attribute__((always_inline)) void load_rows(const void *base, in
                                                             int bf16, int64_t n, float *dst,
                                                             const char *ahead) {
     /* `ahead`: where the next block starts (or NULL); one of its cache lines is prefetched per
-     * line read here, so that the fetches overlap this block's work without flooding the
-     * line-fill buffers (a burst of ~100 prefetches stalled the kernel for a third of its time) */
+     * line read here, spread out for the reason prefetch_part gives */
     const int64_t esize = bf16 ? 2 : 4, per_line = 64 / esize;
     for (int64_t i0 = 0; i0 < n; i0 += per_line) {
         if (ahead != NULL) __builtin_prefetch(ahead + i0 * esize);
@@ -266,13 +265,18 @@ static inline __attribute__((always_inline)) void attend_seq(
     }
 }
 
-static void attend_seq_any(const Layout *L, const float *qf, const uint16_t *qb, int64_t q_head,
-                           float scale, const int64_t *table, int64_t pos, int64_t lo,
-                           float *scores, float *acc, float *rows, void *out) {
+/* 2: bf16 dot products on the keys in place, 1: fp32 vector loops, 0: portable loops. */
+static int vector_path(const Layout *L) {
     const int64_t D = L->D;
-    const int vec = HAS_BF16_PATH && L->bf16 && D % 32 == 0 && D <= 128 ? 2
-                    : HAS_VECTOR_PATH && D % 16 == 0 && D <= 128   ? 1
-                                                                   : 0;
+    return HAS_BF16_PATH && L->bf16 && D % 32 == 0 && D <= 128 ? 2
+           : HAS_VECTOR_PATH && D % 16 == 0 && D <= 128   ? 1
+                                                          : 0;
+}
+
+static void attend_seq_any(const Layout *L, int vec, const float *qf, const uint16_t *qb,
+                           int64_t q_head, float scale, const int64_t *table, int64_t pos,
+                           int64_t lo, float *scores, float *acc, float *rows, void *out) {
+    const int64_t D = L->D;
 #define ATTEND(d, v) \
     attend_seq(L, d, v, qf, qb, q_head, scale, table, pos, lo, scores, acc, rows, out)
     if (D == 64 && vec == 2)
@@ -301,6 +305,7 @@ int paged_decode(
     if (KVH <= 0 || H % KVH || H > MAX_HEADS || D <= 0 || BS <= 0) return -1;
     const Layout L = {pool, H, KVH, D, NB, BS, bf16 ? 2 : 4, bf16};
     const int64_t esize = L.esize;
+    const int vec = vector_path(&L);
     int64_t max_n = 1;
     for (int64_t s = 0; s < G; s++) max_n = pos[s] + 1 > max_n ? pos[s] + 1 : max_n;
     int failed = 0;
@@ -315,13 +320,14 @@ int paged_decode(
         for (int64_t s = 0; s < G; s++) {
             if (scores == NULL) continue;
             float *qf = scores + H * max_n, *acc = qf + H * D, *rows = acc + H * D;
-            for (int64_t h = 0; h < H; h++) {
+            for (int64_t h = 0; vec != 2 && h < H; h++) {  /* path 2 reads the bf16 query */
                 load_rows(q, s * q_row + h * q_head, bf16, D, qf + h * D, NULL);
                 for (int64_t i = 0; i < D; i++) qf[h * D + i] *= scale;
             }
             const int64_t lo = window > 0 && pos[s] - window + 1 > 0 ? pos[s] - window + 1 : 0;
-            attend_seq_any(&L, qf, (const uint16_t *)q + s * q_row, q_head, scale, blocks + s * BPS,
-                           pos[s], lo, scores, acc, rows, (char *)out + s * H * D * esize);
+            attend_seq_any(&L, vec, qf, (const uint16_t *)q + s * q_row, q_head, scale,
+                           blocks + s * BPS, pos[s], lo, scores, acc, rows,
+                           (char *)out + s * H * D * esize);
         }
         free(scores);
     }
