@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.model import fused_ops
-from shared.model.config import RopeScaling
-from shared.model.llama import RMSNorm, apply_rotary, rope_inv_freq, write_kv
+from shared.model.config import ModelConfig
+from shared.model.llama import RMSNorm, RotaryEmbedding, apply_rotary, write_kv
 
 needs_kernel = pytest.mark.skipif(
     fused_ops.library() is None, reason="no C compiler: the fused kernels cannot be built"
@@ -25,11 +25,12 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions[:, None].float() * rope_inv_freq(head_dim, 10000.0, RopeScaling())
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
-    sin[:, : head_dim // 2].neg_()
-    return emb.cos().to(BF16)[:, None], sin.to(BF16)[:, None]
+    """cos and signed sin as the model builds them for a step (llama.RotaryEmbedding)."""
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=head_dim,
+        intermediate_size=head_dim, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim,
+    )  # fmt: skip
+    return RotaryEmbedding(config, torch.device("cpu"))(positions, BF16)
 
 
 @needs_kernel
