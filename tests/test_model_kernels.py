@@ -13,7 +13,6 @@ from shared.model.gemm import (
     PackedGemm,
     onednn_bf16_available,
     padded_rows,
-    skinny_library,
 )
 from shared.model.llama import RMSNorm, RotaryEmbedding, apply_rotary, rotate_half
 
@@ -62,44 +61,81 @@ def test_rms_norm_matches_llama_rms_norm_bitwise(dtype: torch.dtype) -> None:
 def test_packed_gemm_equals_linear_and_sees_weight_updates(
     rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(gemm_module, "_skinny_ok", lambda x: False)  # one row: oneDNN here too
+    monkeypatch.setattr(gemm_module, "_gemv", lambda dtype: None)  # one row: a library here too
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(80, 96, generator=gen).to(dtype)
     bias = torch.randn(80, generator=gen).to(dtype)
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     gemm = PackedGemm(weight, bias)
     with torch.inference_mode():
-        assert torch.equal(gemm(x), F.linear(x, weight, bias))
+        assert_same(gemm(x), F.linear(x, weight, bias), dtype)
     weight.mul_(-2)  # a checkpoint loaded after the first forward: the packed copy is rebuilt
     with torch.inference_mode():
-        assert torch.equal(gemm(x), F.linear(x, weight, bias))
+        assert_same(gemm(x), F.linear(x, weight, bias), dtype)
     if dtype == torch.bfloat16 and onednn_bf16_available():
         assert gemm._packed is not None  # took the oneDNN path
+    elif dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        assert gemm._packed is not None  # decode batches: oneDNN too
     else:
         assert gemm._packed is None
 
 
-@pytest.mark.skipif(skinny_library() is None, reason="no AVX-512 BF16 GEMV kernel here")
+def assert_same(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """bf16: oneDNN's bits, as `F.linear` runs oneDNN too; fp32: MKL's result within a few
+    ulps (oneDNN sums in another order)."""
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_fp32_prefill_rows_keep_mkl_bits() -> None:
+    """More rows than a decode batch: `F.linear` itself, transformers' library and bits."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(80, 96, generator=gen)
+    x = torch.randn(EXACT_ROWS + 1, 96, generator=gen)
+    gemm = PackedGemm(weight, None)
+    with torch.inference_mode():
+        assert torch.equal(gemm(x), F.linear(x, weight))
+    assert gemm._packed is None
+
+
 @pytest.mark.parametrize(("out_features", "in_features"), [(80, 96), (37, 100), (3072, 576)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_bf16_row_goes_to_the_gemv_kernel(
-    out_features: int, in_features: int, threads: int
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_row_goes_to_the_gemv_kernel(
+    out_features: int,
+    in_features: int,
+    threads: int,
+    prefetch: bool,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Within one bf16 step of oneDNN's result (sums in another order), rarely off at all; reads
-    the weight as stored, so an in-place update is seen; no packed copy is built for it."""
+    """Within one bf16 step of oneDNN's result (sums in another order), rarely off at all; fp32
+    within float rounding of a float64 reference; reads the weight as stored, so an in-place
+    update is seen; no packed copy is built for it."""
+    if gemm_module._gemv(dtype) is None:
+        pytest.skip(f"no {dtype} GEMV kernel on this CPU")
+    monkeypatch.setattr(gemm_module, "gemv_prefetch", lambda: prefetch)
     gen = torch.Generator().manual_seed(out_features)
-    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    bias = torch.randn(out_features, generator=gen).bfloat16()
-    x = torch.randn(1, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
     gemm = PackedGemm(weight, bias)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
             for _ in range(2):
-                out, ref = gemm(x), F.linear(x, weight, bias)
-                steps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
-                assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.02
+                out = gemm(x)
+                if dtype == torch.bfloat16:
+                    ref = F.linear(x, weight, bias)
+                    steps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+                    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.02
+                else:
+                    ref64 = F.linear(x.double(), weight.double(), bias.double())
+                    torch.testing.assert_close(out.double(), ref64, rtol=1e-5, atol=1e-4)
                 weight.mul_(-2)
     finally:
         torch.set_num_threads(before)

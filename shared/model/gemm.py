@@ -1,34 +1,30 @@
-"""`F.linear` with the weight pre-packed the way oneDNN wants it, for bf16 on CPU.
+"""y = x @ weight.T + bias on CPU, through the fastest exact-enough path for the row count.
 
-bf16 `F.linear` on CPU already runs oneDNN (AMX / AVX-512 BF16), but reorders the plain
-[out, in] weight into oneDNN's blocked layout on every call. Reordering once and calling
-`mkldnn._linear_pointwise` on the packed weight gives the same bits and, measured on this Xeon
-(one thread, SmolLM2's shapes), runs the GEMVs of a decode step 1.4-2.6x faster at 1-8 rows and
-1.1-1.7x at 32 rows, and prefill's GEMMs at parity or better. fp32 keeps `F.linear` (MKL): a
-different library would change fp32 results, and fp32 tokens must not change.
+- **One row** (a batch-1 decode step), bf16 or fp32: kernels/skinny_gemm.c where this CPU has
+  AVX-512 (BF16 for bf16). A one-row GEMM is one pass over its weight, and the libraries' one-row
+  paths read it well below the memory bandwidth; the kernel streams the plain [out, in] weight
+  (docs/performance.md, section 6). `PDSERVE_SKINNY_GEMM=0` turns it off.
+- **bf16, more rows**: oneDNN on a weight pre-packed once. bf16 `F.linear` on CPU already runs
+  oneDNN but reorders the plain weight into oneDNN's blocked layout on every call; packing once
+  and calling `mkldnn._linear_pointwise` gives the same bits, faster. Row counts above EXACT_ROWS
+  are padded up to one of 8 sizes per octave (`padded_rows`, at most 12.5% extra rows): oneDNN
+  builds a primitive per shape (1-5 ms each at SmolLM2's projections) and caches 1,024, and
+  every prefill chunk has its own row count; unpadded, random-length traffic missed that cache
+  on every request (235-244 vs 205-207 ms mean per prefill of random lengths 40-700).
+- **fp32, 2..EXACT_ROWS rows** (decode batches): oneDNN on a packed copy too. MKL's sgemm at
+  these row counts ran at a third to a half of oneDNN's speed on AMD Zen 4 (the CPU vLLM's
+  oneDNN GEMMs outran pdserve 2x on in fp32). Costs a second copy of the fp32 weights.
+- **fp32, more rows** (prefill): `F.linear` (MKL), the library transformers runs, so prompt
+  logits keep transformers' bits.
 
-Row counts above EXACT_ROWS are padded up to one of 8 sizes per octave (`padded_rows`, at most
-12.5% extra rows): oneDNN builds a primitive per shape (1-5 ms each at SmolLM2's projections,
-~12 ms for a new row count across a layer's shapes) and caches 1,024 of them, and every prefill
-chunk has its own row count. Unpadded, random-length traffic missed that cache on every request:
-bf16 prefill of random lengths 40-700 after every length had been seen once, one thread, 235-244
-ms mean unpadded, 205-207 ms padded (a cache 16x larger gave the same 202-208 ms but +750 MB of
-primitives for 3,300 row counts: unbounded). Cost: a repeated length that is not a bucket pads
-(300 rows -> 320: ~5% on that forward); decode batches (up to EXACT_ROWS rows) keep their exact
-shape. A padded call's rows may differ from an unpadded one's in the last bit for some shapes
-(oneDNN's blocking depends on the row count), as they already did between chunk sizes; bf16
-results are not pinned to transformers' (fp32 never takes this path).
-
-A single row (a batch-1 decode step) goes to kernels/skinny_gemm.c instead where this CPU has
-AVX-512 BF16: at one row a GEMM is one pass over its weight, and oneDNN's primitives read
-SmolLM2's decode weights at 7.4 / 12-13 GB/s (1 / 2 threads) where that kernel, streaming the plain
-[out, in] weight with a prefetch one band ahead, reads 10.2 / 19.4 GB/s (a sum() of the same
-bytes: 11.5 / 23.4). Its sums run in another order: an output may differ from oneDNN's in its last
-bf16 bit (0-0.1% of them on SmolLM2's shapes). `PDSERVE_SKINNY_GEMM=0` turns it off.
-
-The packed copy is rebuilt whenever the weight is written in place (its version counter moves),
-so loading a checkpoint into the parameters after the first forward is still seen. Not
-thread-safe, like the model: one forward at a time.
+The kernel and oneDNN sum in other orders than MKL: a decode step's fp32 outputs may differ from
+MKL's in the last bits (bf16: by one bf16 step in a few outputs). MKL itself is not batch-
+invariant either (its rows at 1-2 rows differ from the same rows in a larger batch, so a batched
+decode never matched transformers' one-sequence decode bit for bit); greedy tokens stay equal to
+transformers' in every parity test. The packed copies are rebuilt whenever the weight is written
+in place (its version counter moves), and the kernel reads the weight itself, so loading a
+checkpoint into the parameters after the first forward is still seen. Not thread-safe, like the
+model: one forward at a time.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,32 +53,46 @@ def onednn_bf16_available() -> bool:
 
 @functools.cache
 def skinny_library() -> ctypes.CDLL | None:
-    """kernels/skinny_gemm.c, or None where it is off, cannot be built or finds no AVX-512 BF16."""
-    lib = native.load("skinny_gemm", "PDSERVE_SKINNY_GEMM", "batch-1 bf16 GEMV kernel")
+    """kernels/skinny_gemm.c, or None where it is off or cannot be built."""
+    lib = native.load("skinny_gemm", "PDSERVE_SKINNY_GEMM", "one-row GEMM kernel")
     if lib is None:
         return None
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.skinny_gemm.argtypes = [p, p, p, p, i, i, ctypes.c_int]
-    lib.skinny_gemm.restype = ctypes.c_int
-    probe = torch.zeros(1, dtype=torch.bfloat16)
-    if lib.skinny_gemm(probe.data_ptr(), probe.data_ptr(), None, probe.data_ptr(), 1, 1, 1) != 0:
-        return None  # built for a CPU without AVX-512 BF16
-    log.info("one-row bf16 GEMMs stream their weights through a GEMV kernel (%s)", lib._name)
+    p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for fn in (lib.skinny_gemm_f32, lib.skinny_gemm_bf16):
+        fn.argtypes = [p, p, p, p, i, i, n, n]
+        fn.restype = ctypes.c_int
+    log.info("one-row GEMMs stream their weights through a GEMV kernel (%s)", lib._name)
     return lib
 
 
-def _skinny_ok(x: torch.Tensor) -> bool:
-    return x.stride(-1) == 1 and skinny_library() is not None
-
-
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@functools.cache
+def _gemv(dtype: torch.dtype) -> Callable[..., int] | None:
+    """The kernel's entry point for `dtype`, or None where this CPU lacks its instructions."""
     lib = skinny_library()
-    assert lib is not None
+    name = {torch.float32: "skinny_gemm_f32", torch.bfloat16: "skinny_gemm_bf16"}.get(dtype)
+    if lib is None or name is None:
+        return None
+    entry = getattr(lib, name)
+    probe = torch.zeros(1, dtype=dtype)  # alive until the call returns: the kernel writes it
+    p = probe.data_ptr()
+    return entry if entry(p, p, None, p, 1, 1, 0, 1) == 0 else None
+
+
+@functools.cache
+def gemv_prefetch() -> bool:
+    """Whether the kernel prefetches the next band: on Intel CPUs, not on others (see
+    kernels/skinny_gemm.c)."""
+    return "GenuineIntel" in native.cpu_vendor()
+
+
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    kernel = _gemv(x.dtype)
+    assert kernel is not None
     out_features, in_features = weight.shape
     out = x.new_empty(1, out_features)
-    lib.skinny_gemm(
+    kernel(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), out_features, in_features, torch.get_num_threads(),
+        out.data_ptr(), out_features, in_features, int(gemv_prefetch()), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -94,32 +105,47 @@ def _version(t: torch.Tensor) -> int:
 
 
 class PackedGemm:
-    """y = x @ weight.T + bias, with `weight` packed for oneDNN when that is exact and faster."""
+    """y = x @ weight.T + bias: the kernel, oneDNN on a packed weight, or `F.linear`."""
 
     __slots__ = ("_packed", "_plain", "_version", "bias", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
-        # the GEMV kernel reads the weight (and bias) as stored: contiguous rows of `in` elements
+        # the kernel reads the weight (and bias) as stored: contiguous rows of `in` elements
         self._plain = weight.is_contiguous() and (bias is None or bias.is_contiguous())
         self._packed: torch.Tensor | None = None
         self._version = -1
 
-    def _use_onednn(self, x: torch.Tensor) -> bool:
-        w = self.weight
+    def _gemv_ok(self, x: torch.Tensor) -> bool:
         return (
-            w.dtype == torch.bfloat16
-            and w.device.type == "cpu"
-            and x.dim() == 2
-            and onednn_bf16_available()
+            x.shape[0] == 1
+            and x.dtype == self.weight.dtype
+            and x.stride(-1) == 1
+            and self._plain
+            and _gemv(x.dtype) is not None
+        )
+
+    def _onednn_ok(self, x: torch.Tensor) -> bool:
+        dtype = self.weight.dtype
+        if dtype == torch.bfloat16:
+            return onednn_bf16_available()
+        return (
+            dtype == torch.float32
+            and x.shape[0] <= EXACT_ROWS
+            and torch.backends.mkldnn.is_available()
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._use_onednn(x):
+        if x.dim() != 2 or x.device.type != "cpu" or self.weight.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] == 1 and x.dtype == self.weight.dtype and self._plain and _skinny_ok(x):
-            return _skinny(x, self.weight, self.bias)
+        if self._gemv_ok(x):
+            return _gemv_rows(x, self.weight, self.bias)
+        if self._onednn_ok(x):
+            return self._onednn(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         version = _version(self.weight)
         if self._packed is None or version != self._version:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())

@@ -44,13 +44,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default))
 
 
-def _cpu_key() -> str:
+def _cpuinfo_field(name: str) -> str:
+    """The first `name : value` line of /proc/cpuinfo ('' where there is none)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        lines = []
-    flags = next((ln for ln in lines if ln.startswith("flags")), "")
-    return platform.machine() + flags
+        return ""
+    return next((ln for ln in lines if ln.split(":")[0].strip() == name), "")
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id line ('vendor_id : GenuineIntel', AuthenticAMD, ...), or ''."""
+    return _cpuinfo_field("vendor_id")
+
+
+def _cpu_key() -> str:
+    return platform.machine() + _cpuinfo_field("flags")
 
 
 def source(name: str) -> Path:

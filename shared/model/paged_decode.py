@@ -10,8 +10,10 @@ It is built and loaded by shared/model/native.py (once per machine, with the sys
 on torch's OpenMP runtime and thread count). No compiler, a failed build or
 `PDSERVE_PAGED_DECODE=0`: attention keeps the gather + SDPA path, with one log line saying why.
 
-Used for bf16 only: fp32 keeps SDPA so that fp32 outputs stay bit-identical to what the parity
-tests pin (the kernel sums in another order).
+Used for bf16 and fp32 decode groups. It sums in another order than SDPA, so an fp32 decode
+step's attention may differ from SDPA's in the last bits: as the decode GEMMs already do
+(shared/model/gemm.py); fp32 prefill keeps SDPA, and greedy tokens stay equal to transformers'
+in every parity test.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from shared.model.forward_batch import AttentionGroup
 
 log = logging.getLogger(__name__)
 
-KERNEL_DTYPES = (torch.bfloat16,)
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 _BF16 = {torch.bfloat16: 1, torch.float32: 0}
 _ARGTYPES = (
     [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int64]
@@ -43,7 +45,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.paged_decode.argtypes = _ARGTYPES
     lib.paged_decode.restype = ctypes.c_int
-    log.info("bf16 decode attention reads the paged KV pool directly (%s)", lib._name)
+    log.info("decode attention reads the paged KV pool directly (%s)", lib._name)
     return lib
 
 

@@ -1,70 +1,112 @@
-/* y = w @ x + bias for one row x (a batch-1 decode step), bf16 in and out, fp32 accumulation.
+/* y = w @ x + bias for one row x (a batch-1 decode step), bf16 or fp32, fp32 accumulation.
  *
- * At one row a GEMM is a pass over its weight: oneDNN's bf16 primitives read SmolLM2's decode
- * weights at 7.5 GB/s on one thread and 12 GB/s on two, where a plain sum() of the same bytes
- * reads 11.5 and 23 GB/s (docs/performance.md, section 6). Here each thread streams a band of
- * 16 contiguous weight rows at a time against x held in registers (AVX-512 BF16 dot products),
- * and the 16 row sums are reduced together by a transpose-and-add tree (sum16.h).
+ * At one row a GEMM is one pass over its weight, and the libraries' one-row paths read it well
+ * below the memory bandwidth (docs/performance.md, section 6): oneDNN's bf16 primitives at 7.5
+ * GB/s on one thread of a Xeon where a plain sum() reads 11.5; MKL's fp32 sgemv 1.5x slower than
+ * this kernel on AMD Zen 4. Here each thread streams a band of 16 contiguous weight rows at a
+ * time against x held in registers (AVX-512 dot products: BF16 pairs or fp32 FMAs), and the 16
+ * row sums are reduced together by a transpose-and-add tree (sum16.h).
+ *
+ * `prefetch`: also pull the same line of the next band's rows towards L1 as each line is read.
+ * The 16 rows are 16 streams, too many for a Xeon's hardware prefetcher to run ahead on (10.2 vs
+ * 8.6 GB/s with it there); on Zen 4 its own prefetchers keep up and the extra requests cost
+ * 10-30%. The caller chooses by CPU.
  *
  *   x    [K] (unit stride), w [N, K] contiguous (torch's [out, in] weight, as stored),
  *   bias [N] or NULL, y [N]
- * Returns 0, or -1 where this CPU is not covered (the caller then uses oneDNN).
+ * Returns 0, or -1 where this CPU is not covered (the caller then keeps its library path).
  */
 #include <stdint.h>
 
 #include "bf16.h"
 #include "sum16.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-
 #define ROWS 16
 
-/* rows: how many of the band's 16 rows exist (the last band may be short); a constant 16 for
- * full bands, so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void band(const uint16_t *x, const uint16_t *w,
-                                                       const uint16_t *bias, uint16_t *y,
-                                                       int64_t K, int64_t n0, int rows) {
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (K - k)) - 1);
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
-        for (int r = 0; r < rows; r++) {
-            /* the same line of the next band's row: the 16 rows are 16 streams, too many for
-             * the hardware prefetcher to run ahead on */
-            _mm_prefetch((const char *)(w + (n0 + ROWS + r) * K + k), _MM_HINT_T0);
-            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + r) * K + k);
-            acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
-        }
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* One band of `rows` (<= 16) weight rows from n0: a constant 16 at the full-band call site, so
+ * that the accumulators stay in registers. STEP elements of K per vector; LOAD(mask, ptr) loads
+ * them as DOT's operand type. */
+#define DEFINE_BAND(NAME, T, STEP, MASK_T, LOAD, DOT, STORE)                                     \
+    static inline __attribute__((always_inline)) void NAME(const T *x, const T *w, const T *bias, \
+                                                           T *y, int64_t K, int64_t n0, int rows, \
+                                                           int prefetch) {                        \
+        __m512 acc[ROWS];                                                                         \
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                              \
+        for (int64_t k = 0; k < K; k += STEP) {                                                   \
+            const MASK_T mask = K - k >= STEP ? (MASK_T)~(MASK_T)0                                \
+                                              : (MASK_T)((((uint64_t)1) << (K - k)) - 1);         \
+            const __typeof__(LOAD(mask, x)) xv = LOAD(mask, x + k);                               \
+            for (int r = 0; r < rows; r++) {                                                      \
+                if (prefetch)                                                                     \
+                    _mm_prefetch((const char *)(w + (n0 + ROWS + r) * K + k), _MM_HINT_T0);       \
+                acc[r] = DOT(acc[r], xv, LOAD(mask, w + (n0 + r) * K + k));                       \
+            }                                                                                     \
+        }                                                                                         \
+        float out[ROWS];                                                                          \
+        _mm512_storeu_ps(out, sum16_ordered(acc));                                                \
+        for (int r = 0; r < rows; r++) STORE(y, bias, n0 + r, out[r]);                            \
     }
-    float out[ROWS];
-    _mm512_storeu_ps(out, sum16_ordered(acc));
-    for (int r = 0; r < rows; r++)
-        y[n0 + r] = f32_to_bf16(out[r] + (bias ? bf16_to_f32(bias[n0 + r]) : 0.0f));
-}
 
-int skinny_gemm(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                int64_t N, int64_t K, int nthreads) {
-    if (N < 1 || K < 1) return -1;
-    const int64_t bands = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t b = 0; b < bands; b++) {
-        const int64_t left = N - b * ROWS;
-        if (left >= ROWS)
-            band(x, w, bias, y, K, b * ROWS, ROWS);
-        else
-            band(x, w, bias, y, K, b * ROWS, (int)left);
+/* Every band of the weight, split over the threads; the last band may be short. The prefetch
+ * is off in the last full band, whose next band may not exist. */
+#define DEFINE_GEMV(NAME, T, BAND)                                                                \
+    int NAME(const T *x, const T *w, const T *bias, T *y, int64_t N, int64_t K, int prefetch,     \
+             int nthreads) {                                                                      \
+        if (N < 1 || K < 1) return -1;                                                            \
+        const int64_t bands = (N + ROWS - 1) / ROWS;                                              \
+        _Pragma("omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)")      \
+        for (int64_t b = 0; b < bands; b++) {                                                     \
+            const int64_t left = N - b * ROWS;                                                    \
+            if (left >= 2 * ROWS && prefetch)                                                     \
+                BAND(x, w, bias, y, K, b * ROWS, ROWS, 1);                                        \
+            else if (left >= ROWS)                                                                \
+                BAND(x, w, bias, y, K, b * ROWS, ROWS, 0);                                        \
+            else                                                                                  \
+                BAND(x, w, bias, y, K, b * ROWS, (int)left, 0);                                   \
+        }                                                                                         \
+        return 0;                                                                                 \
     }
-    return 0;
+
+#define LOAD_F32(mask, p) _mm512_maskz_loadu_ps((mask), (p))
+#define DOT_F32(acc, a, b) _mm512_fmadd_ps((a), (b), (acc))
+
+static inline void store_f32(float *y, const float *bias, int64_t n, float v) {
+    y[n] = v + (bias ? bias[n] : 0.0f);
 }
 
-#else
+DEFINE_BAND(band_f32, float, 16, __mmask16, LOAD_F32, DOT_F32, store_f32)
+DEFINE_GEMV(skinny_gemm_f32, float, band_f32)
 
-int skinny_gemm(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                int64_t N, int64_t K, int nthreads) {
-    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)nthreads;
-    return -1; /* no AVX-512 BF16 on the machine this was built for */
+#if defined(__AVX512BF16__)
+#define LOAD_BF16(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16((mask), (p)))
+#define DOT_BF16(acc, a, b) _mm512_dpbf16_ps((acc), (a), (b))
+
+static inline void store_bf16(uint16_t *y, const uint16_t *bias, int64_t n, float v) {
+    y[n] = f32_to_bf16(v + (bias ? bf16_to_f32(bias[n]) : 0.0f));
 }
 
+DEFINE_BAND(band_bf16, uint16_t, 32, __mmask32, LOAD_BF16, DOT_BF16, store_bf16)
+DEFINE_GEMV(skinny_gemm_bf16, uint16_t, band_bf16)
+#endif
+
+#endif /* __AVX512F__ */
+
+/* Where the machine this was built for lacks the instructions: -1, the caller's library path. */
+#if !defined(__AVX512F__)
+int skinny_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t N,
+                    int64_t K, int prefetch, int nthreads) {
+    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)prefetch, (void)nthreads;
+    return -1;
+}
+#endif
+
+#if !defined(__AVX512BF16__)
+int skinny_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                     int64_t N, int64_t K, int prefetch, int nthreads) {
+    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)prefetch, (void)nthreads;
+    return -1;
+}
 #endif
