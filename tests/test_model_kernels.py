@@ -102,22 +102,18 @@ def test_fp32_prefill_rows_keep_mkl_bits() -> None:
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(80, 96), (37, 100), (3072, 576)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_row_goes_to_the_gemv_kernel(
     out_features: int,
     in_features: int,
     threads: int,
-    prefetch: bool,
     dtype: torch.dtype,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Within one bf16 step of oneDNN's result (sums in another order), rarely off at all; fp32
     within float rounding of a float64 reference; reads the weight as stored, so an in-place
     update is seen; no packed copy is built for it."""
     if gemm_module._gemv(dtype) is None:
         pytest.skip(f"no {dtype} GEMV kernel on this CPU")
-    monkeypatch.setattr(gemm_module, "gemv_prefetch", lambda: prefetch)
     gen = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)

@@ -59,7 +59,7 @@ def skinny_library() -> ctypes.CDLL | None:
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for fn in (lib.skinny_gemm_f32, lib.skinny_gemm_bf16):
-        fn.argtypes = [p, p, p, p, i, i, n, n]
+        fn.argtypes = [p, p, p, p, i, i, n]
         fn.restype = ctypes.c_int
     log.info("one-row GEMMs stream their weights through a GEMV kernel (%s)", lib._name)
     return lib
@@ -75,14 +75,7 @@ def _gemv(dtype: torch.dtype) -> Callable[..., int] | None:
     entry = getattr(lib, name)
     probe = torch.zeros(1, dtype=dtype)  # alive until the call returns: the kernel writes it
     p = probe.data_ptr()
-    return entry if entry(p, p, None, p, 1, 1, 0, 1) == 0 else None
-
-
-@functools.cache
-def gemv_prefetch() -> bool:
-    """Whether the kernel prefetches the next band: on Intel CPUs, not on others (see
-    kernels/skinny_gemm.c)."""
-    return "GenuineIntel" in native.cpu_vendor()
+    return entry if entry(p, p, None, p, 1, 1, 1) == 0 else None
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -92,7 +85,7 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     out = x.new_empty(1, out_features)
     kernel(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), out_features, in_features, int(gemv_prefetch()), torch.get_num_threads(),
+        out.data_ptr(), out_features, in_features, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

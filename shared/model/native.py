@@ -53,11 +53,6 @@ def _cpuinfo_field(name: str) -> str:
     return next((ln for ln in lines if ln.split(":")[0].strip() == name), "")
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id line ('vendor_id : GenuineIntel', AuthenticAMD, ...), or ''."""
-    return _cpuinfo_field("vendor_id")
-
-
 def _cpu_key() -> str:
     return platform.machine() + _cpuinfo_field("flags")
 

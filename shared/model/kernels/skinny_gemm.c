@@ -1,16 +1,13 @@
 /* y = w @ x + bias for one row x (a batch-1 decode step), bf16 or fp32, fp32 accumulation.
  *
  * At one row a GEMM is one pass over its weight, and the libraries' one-row paths read it well
- * below the memory bandwidth (docs/performance.md, section 6): oneDNN's bf16 primitives at 7.5
- * GB/s on one thread of a Xeon where a plain sum() reads 11.5; MKL's fp32 sgemv 1.5x slower than
- * this kernel on AMD Zen 4. Here each thread streams a band of 16 contiguous weight rows at a
- * time against x held in registers (AVX-512 dot products: BF16 pairs or fp32 FMAs), and the 16
- * row sums are reduced together by a transpose-and-add tree (sum16.h).
- *
- * `prefetch`: also pull the same line of the next band's rows towards L1 as each line is read.
- * The 16 rows are 16 streams, too many for a Xeon's hardware prefetcher to run ahead on (10.2 vs
- * 8.6 GB/s with it there); on Zen 4 its own prefetchers keep up and the extra requests cost
- * 10-30%. The caller chooses by CPU.
+ * below the memory bandwidth (docs/performance.md, section 6): on AMD Zen 4, MKL's fp32 sgemv at
+ * 11.5 GB/s and oneDNN's bf16 primitives at 8.4 where a sum() of the same bytes reads 25-28.
+ * Here each thread takes bands of 16 contiguous weight rows and reads every row start to end
+ * before the next (one sequential stream, which hardware prefetchers follow best: reading a
+ * band's rows interleaved, chunk by chunk, ran at 13.5 GB/s against 24 on that CPU), dotting it
+ * with x (AVX-512 FMAs, or BF16 dot products, two accumulators a row); the 16 row sums of a band
+ * are reduced together by a transpose-and-add tree (sum16.h).
  *
  *   x    [K] (unit stride), w [N, K] contiguous (torch's [out, in] weight, as stored),
  *   bias [N] or NULL, y [N]
@@ -31,41 +28,45 @@
  * them as DOT's operand type. */
 #define DEFINE_BAND(NAME, T, STEP, MASK_T, LOAD, DOT, STORE)                                     \
     static inline __attribute__((always_inline)) void NAME(const T *x, const T *w, const T *bias, \
-                                                           T *y, int64_t K, int64_t n0, int rows, \
-                                                           int prefetch) {                        \
+                                                           T *y, int64_t K, int64_t n0,          \
+                                                           int rows) {                           \
         __m512 acc[ROWS];                                                                         \
+        const int64_t whole = K - K % (2 * STEP);                                                 \
+        const MASK_T tail = (MASK_T)((((uint64_t)1) << (K % STEP)) - 1);                          \
         for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();                              \
-        for (int64_t k = 0; k < K; k += STEP) {                                                   \
-            const MASK_T mask = K - k >= STEP ? (MASK_T)~(MASK_T)0                                \
-                                              : (MASK_T)((((uint64_t)1) << (K - k)) - 1);         \
-            const __typeof__(LOAD(mask, x)) xv = LOAD(mask, x + k);                               \
-            for (int r = 0; r < rows; r++) {                                                      \
-                if (prefetch)                                                                     \
-                    _mm_prefetch((const char *)(w + (n0 + ROWS + r) * K + k), _MM_HINT_T0);       \
-                acc[r] = DOT(acc[r], xv, LOAD(mask, w + (n0 + r) * K + k));                       \
+        for (int r = 0; r < rows; r++) {                                                          \
+            const T *wr = w + (n0 + r) * K;                                                       \
+            const MASK_T all = (MASK_T)~(MASK_T)0;                                                \
+            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();                              \
+            int64_t k = 0;                                                                        \
+            for (; k < whole; k += 2 * STEP) {                                                    \
+                a = DOT(a, LOAD(all, x + k), LOAD(all, wr + k));                                  \
+                b = DOT(b, LOAD(all, x + k + STEP), LOAD(all, wr + k + STEP));                    \
             }                                                                                     \
+            if (K - k >= STEP) {                                                                  \
+                a = DOT(a, LOAD(all, x + k), LOAD(all, wr + k));                                  \
+                k += STEP;                                                                        \
+            }                                                                                     \
+            if (k < K) b = DOT(b, LOAD(tail, x + k), LOAD(tail, wr + k));                         \
+            acc[r] = _mm512_add_ps(a, b);                                                         \
         }                                                                                         \
         float out[ROWS];                                                                          \
         _mm512_storeu_ps(out, sum16_ordered(acc));                                                \
         for (int r = 0; r < rows; r++) STORE(y, bias, n0 + r, out[r]);                            \
     }
 
-/* Every band of the weight, split over the threads; the last band may be short. The prefetch
- * is off in the last full band, whose next band may not exist. */
+/* Every band of the weight, split over the threads; the last band may be short. */
 #define DEFINE_GEMV(NAME, T, BAND)                                                                \
-    int NAME(const T *x, const T *w, const T *bias, T *y, int64_t N, int64_t K, int prefetch,     \
-             int nthreads) {                                                                      \
+    int NAME(const T *x, const T *w, const T *bias, T *y, int64_t N, int64_t K, int nthreads) {   \
         if (N < 1 || K < 1) return -1;                                                            \
         const int64_t bands = (N + ROWS - 1) / ROWS;                                              \
         _Pragma("omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)")      \
         for (int64_t b = 0; b < bands; b++) {                                                     \
             const int64_t left = N - b * ROWS;                                                    \
-            if (left >= 2 * ROWS && prefetch)                                                     \
-                BAND(x, w, bias, y, K, b * ROWS, ROWS, 1);                                        \
-            else if (left >= ROWS)                                                                \
-                BAND(x, w, bias, y, K, b * ROWS, ROWS, 0);                                        \
+            if (left >= ROWS)                                                                     \
+                BAND(x, w, bias, y, K, b * ROWS, ROWS);                                           \
             else                                                                                  \
-                BAND(x, w, bias, y, K, b * ROWS, (int)left, 0);                                   \
+                BAND(x, w, bias, y, K, b * ROWS, (int)left);                                      \
         }                                                                                         \
         return 0;                                                                                 \
     }
@@ -97,16 +98,16 @@ DEFINE_GEMV(skinny_gemm_bf16, uint16_t, band_bf16)
 /* Where the machine this was built for lacks the instructions: -1, the caller's library path. */
 #if !defined(__AVX512F__)
 int skinny_gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t N,
-                    int64_t K, int prefetch, int nthreads) {
-    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)prefetch, (void)nthreads;
+                    int64_t K, int nthreads) {
+    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)nthreads;
     return -1;
 }
 #endif
 
 #if !defined(__AVX512BF16__)
 int skinny_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                     int64_t N, int64_t K, int prefetch, int nthreads) {
-    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)prefetch, (void)nthreads;
+                     int64_t N, int64_t K, int nthreads) {
+    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)nthreads;
     return -1;
 }
 #endif
