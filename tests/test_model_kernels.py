@@ -10,6 +10,7 @@ from shared.model import gemm as gemm_module
 from shared.model.config import ModelConfig
 from shared.model.gemm import (
     EXACT_ROWS,
+    GEMV_ROWS,
     PackedGemm,
     onednn_bf16_available,
     padded_rows,
@@ -103,11 +104,8 @@ def test_fp32_prefill_rows_keep_mkl_bits() -> None:
 @pytest.mark.parametrize(("out_features", "in_features"), [(80, 96), (37, 100), (3072, 576)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_row_goes_to_the_gemv_kernel(
-    out_features: int,
-    in_features: int,
-    threads: int,
-    dtype: torch.dtype,
+def test_few_rows_go_to_the_gemv_kernel(
+    out_features: int, in_features: int, threads: int, dtype: torch.dtype
 ) -> None:
     """Within one bf16 step of oneDNN's result (sums in another order), rarely off at all; fp32
     within float rounding of a float64 reference; reads the weight as stored, so an in-place
@@ -117,13 +115,13 @@ def test_one_row_goes_to_the_gemv_kernel(
     gen = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
     gemm = PackedGemm(weight, bias)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            for _ in range(2):
+            for rows in range(1, GEMV_ROWS[dtype] + 1):
+                x = torch.randn(rows, in_features, generator=gen).to(dtype)
                 out = gemm(x)
                 if dtype == torch.bfloat16:
                     ref = F.linear(x, weight, bias)
@@ -136,6 +134,23 @@ def test_one_row_goes_to_the_gemv_kernel(
     finally:
         torch.set_num_threads(before)
     assert gemm._packed is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_kernel_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    """A row's output is the same bits alone, in any kernel-sized batch and any position in it,
+    with x rows strided (a view of a wider tensor), K not a multiple of the vector width."""
+    if gemm_module._gemv(dtype) is None:
+        pytest.skip(f"no {dtype} GEMV kernel on this CPU")
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(50, 77, generator=gen).to(dtype)
+    wide = torch.randn(GEMV_ROWS[dtype], 100, generator=gen).to(dtype)
+    x = wide[:, 3:80]  # row stride 100, unit element stride
+    gemm = PackedGemm(weight, None)
+    with torch.inference_mode():
+        batched = gemm(x)
+        for i in range(x.shape[0]):
+            assert torch.equal(gemm(x[i : i + 1]), batched[i : i + 1])
 
 
 @pytest.mark.parametrize("rows", [33, 300, 513])

@@ -1,9 +1,10 @@
-"""y = x @ weight.T + bias on CPU, through the fastest exact-enough path for the row count.
+"""y = x @ weight.T + bias on CPU, through the fastest path for the row count and dtype.
 
-- **One row** (a batch-1 decode step), bf16 or fp32: kernels/skinny_gemm.c where this CPU has
-  AVX-512 (BF16 for bf16). A one-row GEMM is one pass over its weight, and the libraries' one-row
-  paths read it well below the memory bandwidth; the kernel streams the plain [out, in] weight
-  (docs/performance.md, section 6). `PDSERVE_SKINNY_GEMM=0` turns it off.
+- **A few rows** (small decode batches: up to `GEMV_ROWS[dtype]`), bf16 or fp32:
+  kernels/skinny_gemm.c where this CPU has AVX-512 (BF16 for bf16). At these row counts a GEMM
+  is a pass over its weight, and the libraries' small-row paths read it well below the memory
+  bandwidth; the kernel streams the plain [out, in] weight row by row (docs/performance.md,
+  section 6). `PDSERVE_SKINNY_GEMM=0` turns it off.
 - **bf16, more rows**: oneDNN on a weight pre-packed once. bf16 `F.linear` on CPU already runs
   oneDNN but reorders the plain weight into oneDNN's blocked layout on every call; packing once
   and calling `mkldnn._linear_pointwise` gives the same bits, faster. Row counts above EXACT_ROWS
@@ -11,20 +12,20 @@
   builds a primitive per shape (1-5 ms each at SmolLM2's projections) and caches 1,024, and
   every prefill chunk has its own row count; unpadded, random-length traffic missed that cache
   on every request (235-244 vs 205-207 ms mean per prefill of random lengths 40-700).
-- **fp32, 2..EXACT_ROWS rows** (decode batches): oneDNN on a packed copy too. MKL's sgemm at
-  these row counts ran at a third to a half of oneDNN's speed on AMD Zen 4 (the CPU vLLM's
-  oneDNN GEMMs outran pdserve 2x on in fp32). Costs a second copy of the fp32 weights.
+- **fp32, up to EXACT_ROWS rows** (decode batches): oneDNN on a packed copy too. MKL's sgemm at
+  these row counts ran at a third to a half of oneDNN's speed on AMD Zen 4 (where vLLM's oneDNN
+  GEMMs outran pdserve 2x in fp32). Costs a second copy of the fp32 weights.
 - **fp32, more rows** (prefill): `F.linear` (MKL), the library transformers runs, so prompt
   logits keep transformers' bits.
 
 The kernel and oneDNN sum in other orders than MKL: a decode step's fp32 outputs may differ from
-MKL's in the last bits (bf16: by one bf16 step in a few outputs). MKL itself is not batch-
-invariant either (its rows at 1-2 rows differ from the same rows in a larger batch, so a batched
-decode never matched transformers' one-sequence decode bit for bit); greedy tokens stay equal to
-transformers' in every parity test. The packed copies are rebuilt whenever the weight is written
-in place (its version counter moves), and the kernel reads the weight itself, so loading a
-checkpoint into the parameters after the first forward is still seen. Not thread-safe, like the
-model: one forward at a time.
+MKL's in the last bits (bf16: by one bf16 step in a few outputs). MKL itself is not
+batch-invariant either (its rows at 1-2 rows differ from the same rows in a larger batch, so a
+batched decode never matched transformers' one-sequence decode bit for bit); greedy tokens stay
+equal to transformers' in every parity test. The packed copies are rebuilt whenever the weight is
+written in place (its version counter moves), and the kernel reads the weight itself, so loading
+a checkpoint into the parameters after the first forward is still seen. Not thread-safe, like
+the model: one forward at a time.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def skinny_library() -> ctypes.CDLL | None:
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for fn in (lib.skinny_gemm_f32, lib.skinny_gemm_bf16):
-        fn.argtypes = [p, p, p, p, i, i, n]
+        fn.argtypes = [p, i, p, p, p, i, i, i, n]
         fn.restype = ctypes.c_int
-    log.info("one-row GEMMs stream their weights through a GEMV kernel (%s)", lib._name)
+    log.info("small-batch GEMMs stream their weights through a kernel (%s)", lib._name)
     return lib
 
 
@@ -75,17 +76,24 @@ def _gemv(dtype: torch.dtype) -> Callable[..., int] | None:
     entry = getattr(lib, name)
     probe = torch.zeros(1, dtype=dtype)  # alive until the call returns: the kernel writes it
     p = probe.data_ptr()
-    return entry if entry(p, p, None, p, 1, 1, 1) == 0 else None
+    return entry if entry(p, 1, p, None, p, 1, 1, 1, 1) == 0 else None
+
+
+# Up to how many rows the kernel beats the libraries (measured on AMD Zen 4 over SmolLM2's decode
+# weights, one thread, ms for every layer's GEMMs, kernel vs oneDNN: fp32 1 row 18 vs 30, 2 rows
+# 23 vs 37, 4 rows 32 vs 27; bf16 1 row 9.3 vs 17, 2 rows 10.3 vs 20.5, 4 rows 14.0 vs 15.0, 8
+# rows 24 vs 21).
+GEMV_ROWS = {torch.float32: 2, torch.bfloat16: 4}
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     kernel = _gemv(x.dtype)
     assert kernel is not None
-    out_features, in_features = weight.shape
-    out = x.new_empty(1, out_features)
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    out = x.new_empty(rows, out_features)
     kernel(
-        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), out_features, in_features, torch.get_num_threads(),
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -112,7 +120,7 @@ class PackedGemm:
 
     def _gemv_ok(self, x: torch.Tensor) -> bool:
         return (
-            x.shape[0] == 1
+            x.shape[0] <= GEMV_ROWS.get(x.dtype, 0)
             and x.dtype == self.weight.dtype
             and x.stride(-1) == 1
             and self._plain
