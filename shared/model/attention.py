@@ -7,10 +7,12 @@
   prefix-cache hit, `num_computed > 0`) sees exactly the keys a single full pass would. A mask
   encodes causality (key position <= query position), which also hides the padding;
   sliding-window layers add `key position > query position - window`.
-* A bf16 decode group on CPU reads its keys and values where they lie in the pool instead
-  (shared/model/paged_decode.py), when this machine could build that kernel.
-* A fresh-prefill group (nothing cached) attends over this step's K/V directly with SDPA's
-  causal mode, skipping the pool round trip and the masked half of the work.
+* A decode group on CPU reads its keys and values where they lie in the pool instead
+  (shared/model/paged_decode.py), when this machine could build that kernel; so does a bf16
+  prefill group, fresh or continued (shared/model/paged_prefill.py), writing its rows of the
+  output in place.
+* Otherwise a fresh-prefill group (nothing cached) attends over this step's K/V directly with
+  SDPA's causal mode, skipping the pool round trip and the masked half of the work.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from shared.model import paged_decode
+from shared.model import paged_decode, paged_prefill
 from shared.model.forward_batch import AttentionGroup, ForwardBatch
 
 
@@ -69,6 +71,11 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     out = None
     for group in batch.groups:
+        if paged_prefill.usable(q, layer_pool, group):
+            if out is None:
+                out = q.new_empty(num_tokens, num_heads * head_dim)
+            if paged_prefill.prefill_attention(q, layer_pool, group, scale, window, out):
+                continue  # the kernel wrote the group's rows of `out`
         g_out = None
         if group.fresh:
             g_out = _fresh_attention(q, k, v, group, scale, window)

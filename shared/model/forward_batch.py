@@ -57,6 +57,13 @@ class AttentionGroup:
     query_rows: torch.Tensor | None
     query_valid: torch.Tensor | None
     token_rows: torch.Tensor | None
+    # Prefill groups (Qmax > 1), for the paged prefill kernel (shared/model/paged_prefill.py):
+    # per sequence, the row of its first query in [T], its number of queries, its cached context
+    # (the first query's position), and its block table [G, W]. None in decode groups.
+    seq_starts: torch.Tensor | None = None
+    seq_qlens: torch.Tensor | None = None
+    seq_computed: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
     # Additive masks (0 / -inf) per (window, dtype), built on first use and shared by all layers:
     # SDPA would otherwise convert a boolean mask anew in every layer.
     _masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
@@ -127,6 +134,10 @@ class ForwardBatch:
                 query_rows=on_device.get(f"{g}.query_rows"),
                 query_valid=on_device.get(f"{g}.query_valid"),
                 token_rows=on_device.get(f"{g}.token_rows"),
+                seq_starts=on_device.get(f"{g}.seq_starts"),
+                seq_qlens=on_device.get(f"{g}.seq_qlens"),
+                seq_computed=on_device.get(f"{g}.seq_computed"),
+                block_tables=on_device.get(f"{g}.block_tables"),
             )
             for g, (ids, (q_max, kv_max)) in enumerate(zip(group_ids, group_shapes, strict=True))
         ]
@@ -265,6 +276,11 @@ def _group_tensors(
         kv_max = num_blocks * block_size
         tensors["kv_blocks"] = seqs.tables[idx, :num_blocks].reshape(-1)
     tensors["kv_pos"] = torch.arange(kv_max)
+    if q_max > 1:
+        tensors.update(
+            seq_starts=g_start, seq_qlens=g_qlen, seq_computed=g_computed,
+            block_tables=seqs.tables[idx],
+        )  # fmt: skip
     whole_decode_batch = q_max == 1 and len(seq_ids) == seqs.q_lens.numel()
     if not whole_decode_batch:
         rows = torch.where(q_valid, g_start[:, None] + q_off[None, :], 0).reshape(-1)

@@ -1,19 +1,23 @@
 /* Prefill attention straight from the paged KV pool, bf16: a chunk of queries per sequence
- * (fresh, or continuing a cached context) over every key it may see, in one pass, flash-style
- * (online softmax, nothing T x T materialised).
+ * (fresh, or continuing a cached context) over every key it may see, flash-style (online
+ * softmax, nothing T x T materialised).
  *
  * Why hand-written: torch's CPU flash attention runs at 35-65 GFLOP/s in bf16 on AMD Zen 4
- * (docs/performance.md, section 6), a fifth to a third of what the same core's bf16 GEMMs reach;
- * a prompt continuing a cached prefix also paid a gather of its whole context per layer first.
+ * (docs/performance.md, section 6), a fifth to a third of what the same core's bf16 GEMMs reach,
+ * and a prompt continuing a cached prefix also paid a gather of its whole context per layer.
  *
- * Work item: one sequence, one KV head, up to 16 query rows (query x head of that KV head's
- * group: grouped-query attention shares each key and value across its rows). Per chunk of up to
- * 16 keys (never crossing a pool block): the values are interleaved in pairs once (the operand
- * layout of AVX-512 BF16 dot products), then each row takes its scores (q . k as BF16 dot
- * products on the keys where they lie, exact products summed in fp32; the sixteen keys' sums
- * reduced together, sum16.h), updates its running max and sum, and adds probabilities x values
- * (probabilities rounded to bf16 for that product, as torch's bf16 flash kernel does; the
- * normaliser keeps them in fp32). Scores are kept in log2 units so that exp is exp2.
+ * Work item: one sequence, one KV head, 16 query rows (query x head of that KV head's group:
+ * grouped-query attention shares every key and value across a group's rows). The 16 rows live
+ * in the 16 lanes of every vector, so nothing is ever reduced across lanes:
+ *   - the rows' queries are transposed once into pairs of head dimensions (the operand layout of
+ *     AVX-512 BF16 dot products), and a key's 16 scores are D/2 dot-product steps against that
+ *     key's pairs broadcast from the pool, where the key lies (exact products, fp32 sums);
+ *   - the online softmax (running max and sum, in log2 units so that exp is exp2) is
+ *     element-wise across rows;
+ *   - probabilities (rounded to bf16 for this product, as torch's bf16 flash kernel does; the
+ *     normaliser keeps them in fp32) times values: per head dimension, dot-product steps over
+ *     pairs of keys, each value pair broadcast, into the rows' transposed output.
+ * Keys go 32 at a time. Causality and the sliding window are per-lane masks.
  *
  * Layouts (element strides):
  *   q       [T, H, D] bf16, row stride q_row, head stride q_head (D contiguous)
@@ -27,31 +31,40 @@
  * Returns 0, or -1 for a shape it does not cover (the caller keeps SDPA).
  * Built by shared/model/paged_prefill.py.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
-#define MAX_D 256   /* head_dim: a multiple of 32 up to this */
-#define MAX_ROWS 16 /* query rows per work item */
-#define CHUNK 16    /* keys per chunk (at most) */
+#define MAX_D 256 /* head_dim: even, up to this; a multiple of 16 */
+#define LANES 16  /* query rows per work item */
+#define KEYS 32   /* keys per step of the online softmax */
+#define GROUP 8   /* keys whose scores are accumulated together */
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#include "sum16.h"
-
 typedef struct {
     const uint16_t *q, *pool;
     uint16_t *out;
-    const int64_t *tables;
-    int64_t q_row, q_head, width, H, KVH, G, D, NB, BS, chunk, window;
+    int64_t q_row, q_head, H, KVH, G, D, NB, BS, window;
     float scale2; /* softmax scale x log2(e) */
 } Layout;
 
-/* 2^x for x <= 0 (shifted scores): 2^round(x) x a degree-6 polynomial of the remainder
- * (relative error ~1e-7); below -126 the result is ~0, as it should be. */
+/* One work item's state: the rows' queries as dimension pairs, and the running softmax. */
+typedef struct {
+    __m512i qt[MAX_D / 2];     /* lane r: (q[r][2p], q[r][2p+1]) */
+    __m512 ot[MAX_D];          /* lane r: running sum of probability x value, dimension d */
+    __m512 s[KEYS];            /* lane r: this step's scores (log2 units), then probabilities */
+    __m512i p2[KEYS / 2];      /* lane r: probabilities of keys 2j and 2j + 1, bf16 */
+    uint32_t v2[KEYS / 2][MAX_D]; /* values of keys 2j and 2j + 1, dimension d, bf16 */
+    __mmask16 valid[KEYS];     /* rows that may see key k of this step */
+    const uint16_t *k[KEYS], *v[KEYS]; /* where key k of this step and its value lie */
+} Work;
+
+/* 2^x for x <= 0 (shifted scores): 2^round(x) x a degree-6 polynomial of the remainder (relative
+ * error ~1e-7); below -126 the result is ~0, as it should be. */
 static inline __m512 exp2_neg(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -66,113 +79,150 @@ static inline __m512 exp2_neg(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline const uint16_t *kv_row(const Layout *L, const int64_t *table, int plane,
-                                     int64_t key, int64_t kvh) {
-    const int64_t block = table[key / L->BS];
-    return L->pool + (((plane * L->NB + block) * L->BS + key % L->BS) * L->KVH + kvh) * L->D;
+/* Where keys k0..k0+n-1 and their values lie (one division per step, not per key). */
+static inline void locate(const Layout *L, const int64_t *table, int64_t kvh, int64_t k0, int n,
+                          Work *w) {
+    const int64_t row = L->KVH * L->D, plane = L->NB * L->BS * row;
+    int64_t b = k0 / L->BS, off = k0 % L->BS;
+    for (int k = 0; k < n; k++) {
+        w->k[k] = L->pool + (table[b] * L->BS + off) * row + kvh * L->D;
+        w->v[k] = w->k[k] + plane;
+        if (++off == L->BS) off = 0, b++;
+    }
 }
 
-/* The chunk's values as pairs of keys interleaved per output element: vp[j][d] = (v[2j][d],
- * v[2j+1][d]), a missing odd key as zeros. D / 16 vectors of 32 bf16 per pair. */
-static inline void pair_values(const Layout *L, const int64_t *table, int64_t k0, int n,
-                               int64_t kvh, __m512i *vp) {
+/* Scores of keys k0..k0+n-1 for every lane, GROUP keys at a time (a missing key repeats the
+ * last one; it is masked later). */
+static inline void score_keys(const Layout *L, int n, Work *w) {
+    const int64_t pairs = L->D / 2;
+    const __m512 scale = _mm512_set1_ps(L->scale2);
+    for (int g0 = 0; g0 < n; g0 += GROUP) {
+        const uint32_t *kp[GROUP];
+        for (int j = 0; j < GROUP; j++)
+            kp[j] = (const uint32_t *)w->k[g0 + j < n ? g0 + j : n - 1];
+        __m512 acc[GROUP];
+        for (int j = 0; j < GROUP; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; p++) {
+            const __m512bh qv = (__m512bh)w->qt[p];
+            for (int j = 0; j < GROUP; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32((int)kp[j][p]));
+        }
+        for (int j = 0; j < GROUP && g0 + j < n; j++) w->s[g0 + j] = _mm512_mul_ps(acc[j], scale);
+    }
+}
+
+/* The step's values as key pairs per dimension (a missing odd key as zeros). */
+static inline void pair_values(const Layout *L, int n, Work *w) {
     const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                          32, 0);
-    const int64_t C = L->D / 16;
     for (int j = 0; 2 * j < n; j++) {
-        const uint16_t *a = kv_row(L, table, 1, k0 + 2 * j, kvh);
-        const uint16_t *b = 2 * j + 1 < n ? kv_row(L, table, 1, k0 + 2 * j + 1, kvh) : NULL;
-        for (int64_t c = 0; c < C; c++) {
-            const __m512i av = _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(a + 16 * c)));
-            const __m512i bv = b ? _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(b + 16 * c)))
-                                 : _mm512_setzero_si512();
-            vp[j * C + c] = _mm512_permutex2var_epi16(av, idx, bv);
+        const uint16_t *a = w->v[2 * j], *b = 2 * j + 1 < n ? w->v[2 * j + 1] : NULL;
+        for (int64_t d = 0; d < L->D; d += 16) {
+            const __m512i av = _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(a + d)));
+            const __m512i bv =
+                b ? _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(b + d)))
+                  : _mm512_setzero_si512();
+            _mm512_storeu_si512(w->v2[j] + d, _mm512_permutex2var_epi16(av, idx, bv));
         }
     }
 }
 
-/* Scores (log2 units) of one query row against the chunk's n keys; lanes past n are junk. */
-static inline __m512 scores(const Layout *L, const int64_t *table, const uint16_t *qr,
-                            int64_t k0, int n, int64_t kvh) {
-    const int64_t C = L->D / 32;
-    __m512bh qv[MAX_D / 32];
-    for (int64_t c = 0; c < C; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
-    __m512 part[16];
-    const uint16_t *k = kv_row(L, table, 0, k0, kvh);
-    const int64_t stride = L->KVH * L->D; /* consecutive keys of one block */
-    for (int t = 0; t < 16; t++) {
-        const uint16_t *kt = k + (t < n ? t : 0) * stride;
-        __m512 p = _mm512_setzero_ps();
-        for (int64_t c = 0; c < C; c++)
-            p = _mm512_dpbf16_ps(p, qv[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
-        part[t] = p;
+/* One step of the online softmax over keys k0..k0+n-1: new max, rescale, probabilities (in
+ * w->s), their bf16 pairs (w->p2); returns the sum of this step's probabilities per lane. */
+static inline __m512 softmax_step(Work *w, int n, __m512 *m, __m512 *alpha) {
+    __m512 mx = *m;
+    for (int k = 0; k < n; k++) {
+        w->s[k] = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), w->valid[k], w->s[k]);
+        mx = _mm512_max_ps(mx, w->s[k]);
     }
-    return _mm512_mul_ps(sum16_ordered(part), _mm512_set1_ps(L->scale2));
-}
-
-typedef struct {
-    float m, l;               /* running max (log2 units) and sum of exp2(score - m) */
-    float o[MAX_D] __attribute__((aligned(64))); /* running sum of probability x value */
-} Row;
-
-/* One row takes one chunk: its valid scores, the online softmax update, probabilities x
- * values. `valid`: lanes whose key this row may see. */
-static inline void take_chunk(Row *row, __m512 s, __mmask16 valid, const __m512i *vp, int n,
-                              int64_t D) {
-    s = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), valid, s);
-    const float m_new = fmaxf(row->m, _mm512_reduce_max_ps(s));
-    const float alpha = exp2f(row->m - m_new);
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp2_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-    row->l = row->l * alpha + _mm512_reduce_add_ps(p);
-    row->m = m_new;
-    uint32_t pairs[CHUNK / 2];
-    _mm256_storeu_si256((void *)pairs, (__m256i)_mm512_cvtneps_pbh(p));
-    const int64_t C = D / 16;
-    __m512 o[MAX_D / 16];
-    const __m512 av = _mm512_set1_ps(alpha);
-    for (int64_t c = 0; c < C; c++) o[c] = _mm512_mul_ps(_mm512_load_ps(row->o + 16 * c), av);
+    *alpha = exp2_neg(_mm512_sub_ps(*m, mx));
+    *m = mx;
+    __m512 sum = _mm512_setzero_ps();
+    for (int k = 0; k < n; k++) {
+        w->s[k] = _mm512_maskz_mov_ps(w->valid[k], exp2_neg(_mm512_sub_ps(w->s[k], mx)));
+        sum = _mm512_add_ps(sum, w->s[k]);
+    }
+    /* lanes of cvtne2ps: key 2j in elements 0-15, key 2j+1 in 16-31; interleave per row */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
     for (int j = 0; 2 * j < n; j++) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[j]);
-        for (int64_t c = 0; c < C; c++) o[c] = _mm512_dpbf16_ps(o[c], w, (__m512bh)vp[j * C + c]);
+        const __m512 odd = 2 * j + 1 < n ? w->s[2 * j + 1] : _mm512_setzero_ps();
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, w->s[2 * j]);
+        w->p2[j] = _mm512_permutexvar_epi16(idx, both);
     }
-    for (int64_t c = 0; c < C; c++) _mm512_store_ps(row->o + 16 * c, o[c]);
+    return sum;
 }
 
-/* Rows r0..r1-1 of one (sequence, KV head): row r is query r / G, head kvh * G + r % G. */
+/* ot = ot x alpha + probabilities x values, 16 dimensions at a time in registers. */
+static inline void add_values(const Layout *L, int n, __m512 alpha, Work *w) {
+    const int pairs = (n + 1) / 2;
+    for (int64_t d0 = 0; d0 < L->D; d0 += 16) {
+        __m512 acc[16];
+        for (int dd = 0; dd < 16; dd++) acc[dd] = _mm512_mul_ps(w->ot[d0 + dd], alpha);
+        for (int j = 0; j < pairs; j++) {
+            const __m512bh pj = (__m512bh)w->p2[j];
+            const uint32_t *v = w->v2[j] + d0;
+            for (int dd = 0; dd < 16; dd++)
+                acc[dd] = _mm512_dpbf16_ps(acc[dd], pj, (__m512bh)_mm512_set1_epi32((int)v[dd]));
+        }
+        for (int dd = 0; dd < 16; dd++) w->ot[d0 + dd] = acc[dd];
+    }
+}
+
+/* Rows r0..r0+nrows-1 (nrows <= LANES) of one (sequence, KV head): row r is query r / G, head
+ * kvh * G + r % G. */
 static void work_item(const Layout *L, const int64_t *table, int64_t start, int64_t computed,
-                      int64_t kvh, int64_t r0, int64_t r1) {
-    Row rows[MAX_ROWS];
-    __m512i vp[(CHUNK / 2) * (MAX_D / 16)];
-    const int64_t G = L->G, D = L->D, nrows = r1 - r0;
-    for (int64_t r = 0; r < nrows; r++) {
-        rows[r].m = -1e30f;
-        rows[r].l = 0.0f;
-        for (int64_t d = 0; d < D; d++) rows[r].o[d] = 0.0f;
-    }
-    const int64_t p_first = computed + r0 / G, p_last = computed + (r1 - 1) / G;
-    const int64_t lo = L->window > 0 && p_first - L->window + 1 > 0 ? p_first - L->window + 1 : 0;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t k0 = lo - lo % L->chunk; k0 <= p_last; k0 += L->chunk) {
-        const int n = (int)(p_last + 1 - k0 < L->chunk ? p_last + 1 - k0 : L->chunk);
-        pair_values(L, table, k0, n, kvh, vp);
-        const __m512i keys = _mm512_add_epi32(lane, _mm512_set1_epi32((int)k0));
-        for (int64_t r = 0; r < nrows; r++) {
-            const int64_t i = (r0 + r) / G, pos = computed + i;
-            if (k0 > pos || (L->window > 0 && k0 + n - 1 <= pos - L->window)) continue;
-            const uint16_t *qr = L->q + (start + i) * L->q_row + (kvh * G + (r0 + r) % G) * L->q_head;
-            __mmask16 valid = (__mmask16)((1u << n) - 1);
-            valid &= _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32((int)pos));
-            if (L->window > 0)
-                valid &= _mm512_cmpgt_epi32_mask(keys, _mm512_set1_epi32((int)(pos - L->window)));
-            take_chunk(&rows[r], scores(L, table, qr, k0, n, kvh), valid, vp, n, D);
+                      int64_t kvh, int64_t r0, int nrows, Work *w) {
+    const int64_t G = L->G, D = L->D;
+    uint32_t rows[LANES][MAX_D / 2];
+    int32_t pos[LANES];
+    for (int r = 0; r < LANES; r++) {
+        if (r < nrows) {
+            const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
+            memcpy(rows[r], L->q + (start + i) * L->q_row + h * L->q_head, (size_t)D * 2);
+            pos[r] = (int32_t)(computed + i);
+        } else {
+            memset(rows[r], 0, (size_t)D * 2);
+            pos[r] = -1; /* sees no key */
         }
     }
-    for (int64_t r = 0; r < nrows; r++) {
-        const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
-        uint16_t *dst = L->out + (start + i) * L->H * D + h * D;
-        const float inv = 1.0f / rows[r].l;
-        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(rows[r].o[d] * inv);
+    for (int64_t p = 0; p < D / 2; p++) {
+        uint32_t col[LANES];
+        for (int r = 0; r < LANES; r++) col[r] = rows[r][p];
+        w->qt[p] = _mm512_loadu_si512(col);
+    }
+    for (int64_t d = 0; d < D; d++) w->ot[d] = _mm512_setzero_ps();
+    const __m512i posv = _mm512_loadu_si512(pos);
+    const int64_t first = computed + r0 / G, last = computed + (r0 + nrows - 1) / G;
+    const int64_t lo = L->window > 0 && first - L->window + 1 > 0 ? first - L->window + 1 : 0;
+    __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps(), alpha;
+    for (int64_t k0 = lo; k0 <= last; k0 += KEYS) {
+        const int n = (int)(last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS);
+        for (int k = 0; k < n; k++) {
+            const __m512i key = _mm512_set1_epi32((int)(k0 + k));
+            __mmask16 v = _mm512_cmple_epi32_mask(key, posv);
+            if (L->window > 0)
+                v &= _mm512_cmpgt_epi32_mask(
+                    key, _mm512_sub_epi32(posv, _mm512_set1_epi32((int)L->window)));
+            w->valid[k] = v;
+        }
+        locate(L, table, kvh, k0, n, w);
+        score_keys(L, n, w);
+        pair_values(L, n, w);
+        const __m512 sum = softmax_step(w, n, &m, &alpha);
+        l = _mm512_fmadd_ps(l, alpha, sum);
+        add_values(L, n, alpha, w);
+    }
+    float inv[LANES], o[LANES];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t d = 0; d < D; d++) {
+        _mm512_storeu_ps(o, w->ot[d]);
+        for (int r = 0; r < nrows; r++) {
+            const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
+            L->out[(start + i) * L->H * D + h * D + d] = f32_to_bf16(o[r] * inv[r]);
+        }
     }
 }
 
@@ -181,28 +231,39 @@ int paged_prefill(const uint16_t *q, const uint16_t *pool, uint16_t *out, const 
                   int64_t S, int64_t width, int64_t H, int64_t KVH, int64_t D, int64_t NB,
                   int64_t BS, int64_t q_row, int64_t q_head, float scale, int64_t window,
                   int nthreads) {
-    if (S < 1 || H < 1 || KVH < 1 || H % KVH || D % 32 || D > MAX_D || BS < 1) return -1;
-    if (BS > CHUNK && BS % CHUNK) return -1; /* a chunk never crosses a block */
+    if (S < 1 || H < 1 || KVH < 1 || H % KVH || D % 16 || D > MAX_D || BS < 1) return -1;
+    const Layout L = {q,  pool, out, q_row, q_head, H,     KVH,
+                      H / KVH, D, NB, BS, window, scale * 1.4426950408889634f};
     const int64_t G = H / KVH;
-    const Layout L = {q, pool, out, tables, q_row, q_head, width, H, KVH, G, D, NB, BS,
-                      BS < CHUNK ? BS : CHUNK, window, scale * 1.4426950408889634f};
-    /* work items: per sequence, KVH x ceil(qlen * G / MAX_ROWS), numbered in sequence order */
+    /* work items: per sequence, KVH x ceil(qlen * G / LANES), numbered in sequence order */
     int64_t *first = malloc((size_t)(S + 1) * sizeof *first);
     if (first == NULL) return -1;
     first[0] = 0;
     for (int64_t s = 0; s < S; s++)
-        first[s + 1] = first[s] + KVH * ((qlens[s] * G + MAX_ROWS - 1) / MAX_ROWS);
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(dynamic, 1)
-    for (int64_t item = 0; item < first[S]; item++) {
-        int64_t s = 0;
-        while (first[s + 1] <= item) s++;
-        const int64_t local = item - first[s], tiles = (first[s + 1] - first[s]) / KVH;
-        const int64_t kvh = local / tiles, r0 = (local % tiles) * MAX_ROWS;
-        const int64_t r1 = r0 + MAX_ROWS < qlens[s] * G ? r0 + MAX_ROWS : qlens[s] * G;
-        work_item(&L, tables + s * width, starts[s], computed[s], kvh, r0, r1);
+        first[s + 1] = first[s] + KVH * ((qlens[s] * G + LANES - 1) / LANES);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && first[S] > 1)
+    {
+        Work *w = aligned_alloc(64, sizeof(Work));
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < first[S]; item++) {
+            if (w == NULL) continue;
+            int64_t s = 0;
+            while (first[s + 1] <= item) s++;
+            const int64_t local = item - first[s], tiles = (first[s + 1] - first[s]) / KVH;
+            const int64_t kvh = local / tiles, r0 = (local % tiles) * LANES;
+            const int64_t left = qlens[s] * G - r0;
+            work_item(&L, tables + s * width, starts[s], computed[s], kvh, r0,
+                      (int)(left < LANES ? left : LANES), w);
+        }
+        free(w);
     }
     free(first);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 #else
