@@ -45,6 +45,8 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "exp2.h"
+
 typedef struct {
     const uint16_t *q, *pool;
     uint16_t *out;
@@ -62,22 +64,6 @@ typedef struct {
     __mmask16 valid[KEYS];     /* rows that may see key k of this step */
     const uint16_t *k[KEYS], *v[KEYS]; /* where key k of this step and its value lie */
 } Work;
-
-/* 2^x for x <= 0 (shifted scores): 2^round(x) x a degree-6 polynomial of the remainder (relative
- * error ~1e-7); below -126 the result is ~0, as it should be. */
-static inline __m512 exp2_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Where keys k0..k0+n-1 and their values lie (one division per step, not per key). */
 static inline void locate(const Layout *L, const int64_t *table, int64_t kvh, int64_t k0, int n,
