@@ -34,12 +34,11 @@ _SIGNATURES = {
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    lib = native.load("fused_ops", "PDSERVE_FUSED_OPS", "fused bf16 element-wise kernels")
+    lib = native.load(
+        "fused_ops", "PDSERVE_FUSED_OPS", "fused bf16 element-wise kernels", _SIGNATURES
+    )
     if lib is None:
         return None
-    for name, (args, result) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, result
     log.info("bf16 RMSNorm, SwiGLU and RoPE run fused (%s)", lib._name)
     return lib
 

@@ -55,13 +55,12 @@ def onednn_bf16_available() -> bool:
 @functools.cache
 def skinny_library() -> ctypes.CDLL | None:
     """kernels/skinny_gemm.c, or None where it is off or cannot be built."""
-    lib = native.load("skinny_gemm", "PDSERVE_SKINNY_GEMM", "one-row GEMM kernel")
+    p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    args = [p, i, p, p, p, i, i, i, n]
+    signatures = {name: (args, ctypes.c_int) for name in ("skinny_gemm_f32", "skinny_gemm_bf16")}
+    lib = native.load("skinny_gemm", "PDSERVE_SKINNY_GEMM", "one-row GEMM kernel", signatures)
     if lib is None:
         return None
-    p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for fn in (lib.skinny_gemm_f32, lib.skinny_gemm_bf16):
-        fn.argtypes = [p, i, p, p, p, i, i, i, n]
-        fn.restype = ctypes.c_int
     log.info("small-batch GEMMs stream their weights through a kernel (%s)", lib._name)
     return lib
 

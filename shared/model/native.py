@@ -90,10 +90,14 @@ def _run(cmd: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
 
 
-def load(name: str, switch: str, what: str) -> ctypes.CDLL | None:
+Signatures = dict[str, tuple[list[type], type | None]]
+
+
+def load(name: str, switch: str, what: str, signatures: Signatures) -> ctypes.CDLL | None:
     """The loaded kernel, or None (the reason logged) where it cannot be used.
 
-    `switch`: the environment variable that turns it off with "0"; `what`: its name in logs.
+    `switch`: the environment variable that turns it off with "0"; `what`: its name in logs;
+    `signatures`: each entry point's argument types and result type, set on the library.
     """
     if os.environ.get(switch, "1") == "0":
         log.info("%s off (%s=0): torch path", what, switch)
@@ -104,7 +108,11 @@ def load(name: str, switch: str, what: str) -> ctypes.CDLL | None:
         return None
     try:
         torch.get_num_threads()  # torch's OpenMP runtime is loaded before the kernel's
-        return ctypes.CDLL(str(build(name, compiler)))
+        lib = ctypes.CDLL(str(build(name, compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("%s unavailable (%s): torch path", what, e)
         return None
+    for symbol, (args, result) in signatures.items():
+        fn = getattr(lib, symbol)
+        fn.argtypes, fn.restype = args, result
+    return lib

@@ -40,11 +40,10 @@ _ARGTYPES = (
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (the reason logged once) where it cannot be used."""
-    lib = native.load("paged_decode", "PDSERVE_PAGED_DECODE", "paged decode kernel")
+    signatures = {"paged_decode": (_ARGTYPES, ctypes.c_int)}
+    lib = native.load("paged_decode", "PDSERVE_PAGED_DECODE", "paged decode kernel", signatures)
     if lib is None:
         return None
-    lib.paged_decode.argtypes = _ARGTYPES
-    lib.paged_decode.restype = ctypes.c_int
     log.info("decode attention reads the paged KV pool directly (%s)", lib._name)
     return lib
 

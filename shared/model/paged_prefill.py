@@ -35,11 +35,10 @@ _ARGTYPES = (
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (the reason logged once) where it cannot be used."""
-    lib = native.load("paged_prefill", "PDSERVE_PAGED_PREFILL", "paged prefill kernel")
+    signatures = {"paged_prefill": (_ARGTYPES, ctypes.c_int)}
+    lib = native.load("paged_prefill", "PDSERVE_PAGED_PREFILL", "paged prefill kernel", signatures)
     if lib is None:
         return None
-    lib.paged_prefill.argtypes = _ARGTYPES
-    lib.paged_prefill.restype = ctypes.c_int
     if not _probe(lib):
         log.info("paged prefill kernel: this CPU has no AVX-512 BF16, SDPA")
         return None
