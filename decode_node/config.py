@@ -59,7 +59,7 @@ class DecodeNodeConfig:
     # ... and while nothing decodes or waits here (no inter-token latency to protect), a prompt
     # leaving at most this many, chunked over several steps (0: only the rule above; a
     # local_prefill_tokens of 0 turns both off)
-    local_prefill_idle_tokens: int = 1024
+    local_prefill_idle_tokens: int = 2048
     local_prefill_fallback: bool = True  # no prefill node can serve: prefill here
     # how a prompt picks its prefill node: kv (fewest tokens to compute there, by the prefix
     # chains sent there, plus outstanding work), least-loaded or round-robin

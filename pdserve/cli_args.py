@@ -141,7 +141,7 @@ def _local_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--local-prefill-idle-tokens",
         type=int,
-        default=1024,
+        default=2048,
         help="... and, while nothing decodes here, one with at most this many (0: off)",
     )
     p.add_argument(
