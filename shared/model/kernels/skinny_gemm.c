@@ -5,8 +5,9 @@
  * and the libraries read the weight well below the memory bandwidth there (docs/performance.md,
  * section 6): on AMD Zen 4 MKL's fp32 sgemv at 11.5 GB/s and oneDNN's one-row bf16 primitives
  * at 8.4 where a sum() of the same bytes reads 25-28. Here each thread takes bands of 16
- * contiguous weight rows and reads every row start to end before the next: one sequential stream, which hardware prefetchers follow best (reading a band's rows
- * interleaved, chunk by chunk, ran at 13.5 GB/s against 24 on that CPU). Each row is dotted with
+ * contiguous weight rows and reads every row start to end before the next: one sequential
+ * stream, which hardware prefetchers follow best (reading a band's rows interleaved, chunk by
+ * chunk, ran at 13.5 GB/s against 24 on that CPU). Each row is dotted with
  * up to 8 rows of x at once (AVX-512 FMAs, or BF16 dot products; x stays in L1); more rows of x
  * take more passes over the band, which is in L1/L2 by then. The 16 row sums of a band are
  * reduced together by a transpose-and-add tree (sum16.h). Every output is summed in the same
