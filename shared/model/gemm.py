@@ -4,7 +4,7 @@
   kernels/skinny_gemm.c where this CPU has AVX-512 (BF16 for bf16). At these row counts a GEMM
   is a pass over its weight, and the libraries' small-row paths read it well below the memory
   bandwidth; the kernel streams the plain [out, in] weight row by row (docs/performance.md,
-  section 6). `PDSERVE_SKINNY_GEMM=0` turns it off.
+  sections 6 and 8). `PDSERVE_SKINNY_GEMM=0` turns it off.
 - **bf16, more rows**: oneDNN on a weight pre-packed once. bf16 `F.linear` on CPU already runs
   oneDNN but reorders the plain weight into oneDNN's blocked layout on every call; packing once
   and calling `mkldnn._linear_pointwise` gives the same bits, faster. Row counts above EXACT_ROWS

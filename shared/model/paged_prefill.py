@@ -5,7 +5,7 @@ a fifth to a third of the same core's bf16 GEMMs, and a chunk continuing a cache
 gathered that whole context from the pool per layer. The kernel keeps a work item's 16 query
 rows in the 16 lanes of its vectors (no reduction across lanes), takes scores and values as
 AVX-512 BF16 dot products straight from the pool, and runs the online softmax in fp32:
-SmolLM2's shapes, one thread, 2-3x SDPA (docs/performance.md, section 6), its error against a
+SmolLM2's shapes, one thread, 2-3x SDPA (docs/performance.md, section 8), its error against a
 float64 reference equal to SDPA's.
 
 bf16 only: fp32 prefill keeps SDPA, whose bits the parity tests pin to transformers'. Built and
