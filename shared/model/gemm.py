@@ -58,7 +58,7 @@ def skinny_library() -> ctypes.CDLL | None:
     p, i, n = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     args = [p, i, p, p, p, i, i, i, n]
     signatures = {name: (args, ctypes.c_int) for name in ("skinny_gemm_f32", "skinny_gemm_bf16")}
-    lib = native.load("skinny_gemm", "PDSERVE_SKINNY_GEMM", "one-row GEMM kernel", signatures)
+    lib = native.load("skinny_gemm", "PDSERVE_SKINNY_GEMM", "small-batch GEMM kernel", signatures)
     if lib is None:
         return None
     log.info("small-batch GEMMs stream their weights through a kernel (%s)", lib._name)
