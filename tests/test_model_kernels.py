@@ -153,6 +153,27 @@ def test_gemv_kernel_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None
             assert torch.equal(gemm(x[i : i + 1]), batched[i : i + 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_kernel_any_row_count(dtype: torch.dtype) -> None:
+    """The kernel's contract is any row count (the engine sends at most GEMV_ROWS): up to 4 rows
+    each row has the bits it has alone, in fp32 too; 11 rows (a pass of 8, one of 3) are right
+    within the dtype's rounding of a float64 reference."""
+    if gemm_module._gemv(dtype) is None:
+        pytest.skip(f"no {dtype} GEMV kernel on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(40, 70, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    x = torch.randn(11, 70, generator=gen).to(dtype)
+    with torch.inference_mode():
+        four = gemm_module._gemv_rows(x[:4], weight, bias)
+        for i in range(4):
+            assert torch.equal(gemm_module._gemv_rows(x[i : i + 1], weight, bias), four[i : i + 1])
+        got = gemm_module._gemv_rows(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), bias.double())
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
 @pytest.mark.parametrize("rows", [33, 300, 513])
 def test_packed_gemm_padded_rows_match_linear(rows: int) -> None:
     gen = torch.Generator().manual_seed(3)

@@ -10,8 +10,10 @@
  * chunk, ran at 13.5 GB/s against 24 on that CPU). Each row is dotted with
  * up to 8 rows of x at once (AVX-512 FMAs, or BF16 dot products; x stays in L1); more rows of x
  * take more passes over the band, which is in L1/L2 by then. The 16 row sums of a band are
- * reduced together by a transpose-and-add tree (sum16.h). Every output is summed in the same
- * order whatever the number of rows. Past a few rows the arithmetic per weight byte no longer
+ * reduced together by a transpose-and-add tree (sum16.h). Up to 4 rows of x in a pass (the
+ * most the engine sends) every output is summed in the same order whatever the number of rows;
+ * a pass of 5-8 rows gives each row one accumulator instead of two, so its last bits may differ
+ * from the same row's alone. Past a few rows the arithmetic per weight byte no longer
  * hides behind the stream on Zen 4 (8 rows: 8 GB/s) and oneDNN's packed GEMMs are faster: the
  * caller picks the row counts (shared/model/gemm.py).
  *
