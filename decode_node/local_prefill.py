@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.engine.block_manager import compute_block_hashes
+from shared.engine.block_manager import BlockHash
 from shared.engine.core import EngineCore, ResourcesExhausted
 from shared.engine.request import LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
@@ -24,14 +24,17 @@ from shared.engine.sampling_params import SamplingParams
 S = LlmRequestState
 
 
-def uncached_tokens(core: EngineCore, prompt: Sequence[int], params: SamplingParams) -> int:
+def uncached_tokens(
+    core: EngineCore, prompt: Sequence[int], params: SamplingParams, hashes: Sequence[BlockHash]
+) -> int:
     """Prompt tokens this node would compute: its prefix-cache hit taken off (none usable
-    when prompt logprobs are asked: every position's logits are computed then)."""
+    when prompt logprobs are asked: every position's logits are computed then). `hashes`:
+    the prompt's full-block hashes (compute_block_hashes)."""
     if params.prompt_logprobs is not None:
         return len(prompt)
     kv = core.kv_manager
-    hashes = compute_block_hashes(list(prompt[: len(prompt) - 1]), kv.block_size)
-    return len(prompt) - len(kv.blocks.match_prefix(hashes)) * kv.block_size
+    usable = hashes[: (len(prompt) - 1) // kv.block_size]  # the last token is always computed
+    return len(prompt) - len(kv.blocks.match_prefix(usable)) * kv.block_size
 
 
 def pending_step_tokens(core: EngineCore) -> int:
@@ -61,7 +64,8 @@ def try_local(
     request_id: str,
     threshold: int,
     max_inflight: int,
-    idle_threshold: int = 0,
+    idle_threshold: int,
+    hashes: Sequence[BlockHash],
 ) -> LlmRequest | None:
     """Add the request to this engine when it is short enough and fits now; else None.
 
@@ -71,12 +75,12 @@ def try_local(
     turns both off."""
     if threshold <= 0:
         return None
-    uncached = uncached_tokens(core, prompt, params)
+    uncached = uncached_tokens(core, prompt, params, hashes)
     if not core.requests and uncached <= idle_threshold:
-        return core.add_request(prompt, params, request_id)
+        return core.add_request(prompt, params, request_id, hashes)
     if uncached > threshold or not has_room(core, uncached, max_inflight):
         return None
-    return core.add_request(prompt, params, request_id)
+    return core.add_request(prompt, params, request_id, hashes)
 
 
 def start_local(
@@ -84,7 +88,8 @@ def start_local(
     prompt: Sequence[int],
     params: SamplingParams,
     request_id: str,
-    max_requests: int | None = None,
+    max_requests: int | None,
+    hashes: Sequence[BlockHash],
 ) -> LlmRequest:
     """A colocated node, or the fallback (no prefill node could serve it): prefill here
     whatever the length; the scheduler holds it QUEUED, holding nothing, until its blocks are
@@ -96,4 +101,4 @@ def start_local(
             f"--max-inflight + --max-queued = {max_requests}); retry after about 1s",
             1,
         )
-    return core.add_request(prompt, params, request_id)
+    return core.add_request(prompt, params, request_id, hashes)

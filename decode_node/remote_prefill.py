@@ -5,6 +5,7 @@ the blocks this node reserved for it; the KV lands layer by layer through the re
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
@@ -13,7 +14,7 @@ import grpc
 from grpc import aio
 
 from decode_node.config import DecodeNodeConfig
-from decode_node.kv_router import PrefixIndex, prefill_cost, prompt_hashes
+from decode_node.kv_router import PrefixIndex, prefill_cost
 from decode_node.peers import LayoutMismatch, PrefillPeer
 from decode_node.stream import PrefillFailed, Stream
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
@@ -24,7 +25,9 @@ from shared.serving.grpc_server import GenerateError, NodeMetrics
 from shared.serving.replica_pool import ReplicaPool
 from shared.serving.wire import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
 from transfer.protocol import TransferDestination
-from transfer.ucx import KvReceiver, TransferError, TransferTimeout
+from transfer.ucx import KvReceiver, TransferError, TransferReset, TransferTimeout
+
+log = logging.getLogger(__name__)
 
 # the first token of each completion as the engine's complete_transfer_all takes it
 FirstTokens = tuple[
@@ -55,14 +58,19 @@ class RemotePrefill:
         self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
 
     async def prefill(
-        self, stream: Stream, prompt: list[int], params: SamplingParams, grant: TransferGrant
+        self,
+        stream: Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        grant: TransferGrant,
+        hashes: list[bytes],
     ) -> FirstTokens:
         """Try healthy prefill nodes (1 + prefill_retries of them) until one fills the granted
-        blocks; returns the first tokens. Raises PrefillFailed when none could."""
+        blocks; returns the first tokens. Raises PrefillFailed when none could. `hashes`: the
+        prompt's full-block hashes (prompt_hashes, at this node's block size, the layout's)."""
         tried: set[str] = set()
         last_error = "every prefill node is marked unhealthy (failing health checks)"
         block = self.layout_info.block_size
-        hashes = prompt_hashes(prompt, block)
         usable = hashes[: (len(prompt) - 1) // block]  # the last token is always computed
         for _ in range(1 + self.config.prefill_retries):
             peer = self.pool.pick(tried, self._cost(prompt, usable, tried))
@@ -76,6 +84,8 @@ class RemotePrefill:
                 )
             except PrefillFailed as e:
                 last_error = str(e)
+                if e.node_ok:
+                    tried.discard(peer.target)
                 continue
             self.index.correct(peer.target, usable, response.cached_tokens // block)
             self.index.record(peer.target, hashes)
@@ -206,6 +216,8 @@ class RemotePrefill:
         return PrefillFailed(f"{peer.target}: {code.name} {e.details()}")
 
     def _transfer_failure(self, e: Exception, stream: Stream, peer: PrefillPeer) -> Exception:
+        if isinstance(e, TransferReset):
+            return PrefillFailed(f"{peer.target}: {e}", node_ok=True)
         if not isinstance(e, TransferTimeout):  # TransferTimeout is a TransferError too
             self._mark_unhealthy(peer, f"KV transfer failed: {e}")
             return PrefillFailed(f"{peer.target}: KV transfer failed: {e}")
@@ -216,10 +228,8 @@ class RemotePrefill:
             )
         # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
         self._mark_unhealthy(peer, "KV transfer timed out")
-        return PrefillFailed(
-            f"{peer.target}: KV transfer for {stream.request_id} timed out after "
-            f"{self.config.kv_transfer_timeout:.1f}s"
-        )
+        log.warning("%s: %s (receiver: %s)", peer.target, e, self.receiver.describe())
+        return PrefillFailed(f"{peer.target}: {e}")
 
     def background(self, coro: Coroutine[object, object, None]) -> None:
         """Fire-and-forget with a strong reference, so the task is not collected mid-flight."""

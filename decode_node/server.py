@@ -41,8 +41,10 @@ from decode_node.responses import generate_response
 from decode_node.startup import build_parts
 from decode_node.stream import PrefillFailed, Stream
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from shared.engine.block_manager import BlockHash, compute_block_hashes
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine.output import TokenDelta
+from shared.engine.request import LlmRequest
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
 from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
@@ -235,12 +237,14 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         on), else remote; returns the first deltas already known (remote: one per completion;
         local: none, they come from the engine's steps)."""
         assert self.thread is not None
-        if await self._try_local(stream, prompt, params, force=self._fallback_now()):
+        # hashed once, here: the local-prefill check, the prefix cache and the router reuse them
+        hashes = compute_block_hashes(prompt, self.core.config.block_size)
+        if await self._start(stream, prompt, params, hashes, force=self._fallback_now()):
             return []
-        grant = await self._admit(stream, prompt, params, stream.deadline)
+        grant = await self._granted(stream)
         stream.cached_tokens = grant.request.cached_tokens
         try:
-            first = await self.remote.prefill(stream, prompt, params, grant)
+            first = await self.remote.prefill(stream, prompt, params, grant, hashes)
         except PrefillFailed as e:
             if not self.config.local_prefill_fallback:
                 raise GenerateError(
@@ -248,7 +252,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                     f"no healthy prefill node could serve {stream.request_id}: {e}",
                 ) from None
             log.warning("prefilling %s locally: %s", stream.request_id, e)
-            await self._try_local(stream, prompt, params, force=True)
+            await self._start(stream, prompt, params, hashes, force=True)
             return []
         self.counters.remote()
         return await release_first(self.thread, stream, prompt, params, first)
@@ -258,25 +262,38 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             return True  # every prompt is prefilled here
         return self.config.local_prefill_fallback and not self.pool.any_healthy()
 
-    async def _try_local(
-        self, stream: Stream, prompt: list[int], params: SamplingParams, force: bool
+    async def _start(
+        self,
+        stream: Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        hashes: list[BlockHash],
+        force: bool,
     ) -> bool:
-        """Add the request to this engine's scheduler if it qualifies (or `force`)."""
-        assert self.thread is not None
-        rid, threshold = stream.request_id, self.config.local_prefill_tokens
-        idle = self.config.local_prefill_idle_tokens
-        if threshold <= 0 and not force:
-            return False  # no engine hop for a decision that cannot be yes
-        inflight = self.config.max_inflight
-
+        """One engine command: add the request to this engine's scheduler if it qualifies for
+        local prefill (always with `force`), else queue it for a transfer (its grant comes on
+        `stream.admission`). One command, not two: each is a hand-off between this loop and
+        the engine thread, taken between two decode steps. Returns whether it went local."""
+        rid, deadline, config = stream.request_id, stream.deadline, self.config
+        threshold, idle = config.local_prefill_tokens, config.local_prefill_idle_tokens
+        inflight = config.max_inflight
         # a colocated node's scheduler queue is its admission queue: bounded the same way
-        bound = inflight + self.config.max_queued if self.config.colocated else None
+        bound = inflight + config.max_queued if config.colocated else None
+        if not force:
+            stream.admission = asyncio.get_running_loop().create_future()
 
-        def command(core: EngineCore):
-            request = try_local(core, prompt, params, rid, threshold, inflight, idle)
-            return request or (start_local(core, prompt, params, rid, bound) if force else None)
+        def command(core: EngineCore) -> LlmRequest | None:
+            if force:  # a reservation made before the prefill nodes failed is dropped first
+                return start_local(core, prompt, params, rid, bound, hashes)
+            request = try_local(core, prompt, params, rid, threshold, inflight, idle, hashes)
+            if request is None:
+                core.admission.enqueue(core, prompt, params, rid, deadline, hashes)
+            return request
 
-        stream.local = await self._admitting_call(command)
+        try:
+            stream.local = await self._admitting_call(command)
+        except AdmissionClosed as e:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"decode node: {e}") from None
         return stream.local is not None
 
     async def _admitting_call(self, fn: Callable[[EngineCore], T]) -> T:
@@ -353,23 +370,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         return prompt, self.validate(prompt, params, request.request_id)
 
     # ---- admission (remote path) ----------------------------------------------------------
-    async def _admit(
-        self,
-        stream: Stream,
-        prompt: list[int],
-        params: SamplingParams,
-        deadline: float | None,
-    ) -> TransferGrant:
-        """Queue the request and wait (its deadline kept) until it holds its blocks."""
-        assert self.thread is not None
-        rid = stream.request_id
-        stream.admission = asyncio.get_running_loop().create_future()
-        try:
-            await self._admitting_call(
-                lambda core: core.admission.enqueue(core, prompt, params, rid, deadline)
-            )
-        except AdmissionClosed as e:
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"decode node: {e}") from None
+    async def _granted(self, stream: Stream) -> TransferGrant:
+        """Wait (the deadline kept) until the queued request holds its blocks."""
+        assert stream.admission is not None
+        deadline = stream.deadline
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             grant = await asyncio.wait_for(asyncio.shield(stream.admission), timeout)
@@ -378,7 +382,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if grant is None:
             raise GenerateError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"request {rid} exceeded its deadline while queued for KV blocks "
+                f"request {stream.request_id} exceeded its deadline while queued for KV blocks "
                 f"({time.monotonic() - stream.admitted_at:.2f}s queued)",
             )
         stream.admission_wait = grant.queue_seconds

@@ -106,3 +106,64 @@ def test_prefix_caching_disabled() -> None:
     assert bm.match_prefix(h) == []
     bm.free([blk])
     bm.check_all_free()
+
+
+def test_block_hashes_are_a_sha256_chain_however_they_are_extended() -> None:
+    """The hash is a wire-level key (routers on other nodes predict this node's cache with it):
+    block i's = sha256(block i-1's + block i's int64 token ids)[:16], extended in any pieces."""
+    import hashlib
+    from array import array
+
+    from shared.engine.block_manager import extend_block_hashes
+
+    tokens = [(i * 7919) % 50_000 for i in range(70)]
+    parent, want = b"", []
+    for i in range(70 // 16):
+        parent = hashlib.sha256(parent + array("q", tokens[i * 16 : i * 16 + 16]).tobytes())
+        parent = parent.digest()[:16]
+        want.append(parent)
+    assert compute_block_hashes(tokens, 16) == want
+    pieces: list[bytes] = []
+    for end in (5, 16, 40, 40, 70):
+        extend_block_hashes(pieces, tokens[:end], 16)
+    assert pieces == want
+
+
+def test_carried_prompt_hashes_spare_the_engine_a_second_pass(monkeypatch) -> None:
+    """A request created with its prompt's hashes matches and caches its prefix with them,
+    hashing only the tokens past the prompt; the result equals hashing from scratch."""
+    from shared.engine import resource_manager
+    from shared.engine.request import LlmRequest
+    from shared.engine.resource_manager import KVCacheManager
+    from shared.engine.sampling_params import SamplingParams
+
+    prompt = list(range(100, 150))  # 3 full blocks of 16, 2 tokens over
+    kv = KVCacheManager(16, 16, 4)
+    first = LlmRequest("a", prompt, SamplingParams(max_tokens=4))
+    assert kv.acquire_prefix(first) == 0
+    kv.reserve(first, len(prompt))
+    first.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(first)
+    expected = kv.block_hashes["a"]
+
+    calls: list[int] = []
+    real = resource_manager.extend_block_hashes
+
+    def counting(hashes, tokens, block_size):
+        calls.append(len(tokens) // block_size - len(hashes))  # blocks hashed here
+        return real(hashes, tokens, block_size)
+
+    monkeypatch.setattr(resource_manager, "extend_block_hashes", counting)
+    second = LlmRequest("b", prompt, SamplingParams(max_tokens=20))
+    second.prompt_block_hashes = compute_block_hashes(prompt, 16)
+    assert kv.acquire_prefix(second) == 48  # every full block but the one holding the last token
+    kv.reserve(second, len(prompt) + 16)
+    second.output_token_ids = list(range(16))
+    second.num_computed_tokens = len(prompt) + 16
+    kv.cache_computed_blocks(second)
+    assert calls == [1]  # the one block past the prompt, none of the prompt's
+    assert kv.block_hashes["b"][:3] == expected
+    assert kv.block_hashes["b"] == compute_block_hashes(second.all_token_ids, 16)
+    kv.free_resources(first)
+    kv.free_resources(second)
+    kv.check_conservation()

@@ -16,7 +16,8 @@ import pytest
 
 from benchmarks.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
-from shared.engine.request import LlmRequestState
+from shared.engine.block_manager import compute_block_hashes
+from shared.engine.request import LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
 from tests.engine_helpers import hf_greedy, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate, same_logprobs
@@ -170,12 +171,18 @@ def test_an_idle_engine_takes_a_longer_prompt_than_a_busy_one() -> None:
         return [3 + (seed + 7 * i) % 250 for i in range(n)]  # the tiny model's vocab is 259
 
     params = SamplingParams(max_tokens=2)
-    assert try_local(core, ids(1100, 2), params, "x", 32, 8, idle_threshold=1024) is None
-    assert try_local(core, ids(600, 0), params, "off", 0, 8, idle_threshold=1024) is None  # 0: off
+
+    def local(prompt: list[int], rid: str, threshold: int) -> LlmRequest | None:
+        hashes = compute_block_hashes(prompt, core.kv_manager.block_size)
+        return try_local(core, prompt, params, rid, threshold, 8, 1024, hashes)
+
+    assert local(ids(1100, 2), "x", 32) is None
+    assert local(ids(600, 0), "off", 0) is None  # 0: off
     # 600 tokens: past one 64-token step and the 32-token rule, within the idle bound: taken
-    assert try_local(core, ids(600, 0), params, "idle", 32, 8, idle_threshold=1024) is not None
+    taken = local(ids(600, 0), "idle", 32)
+    assert taken is not None and taken.prompt_block_hashes  # carried: not hashed again
     # now a request is live: only the one-step rule, and this step's budget is owed to it
-    assert try_local(core, ids(600, 1), params, "busy", 32, 8, idle_threshold=1024) is None
-    assert try_local(core, [5, 6, 7], params, "short", 32, 8, idle_threshold=1024) is None
+    assert local(ids(600, 1), "busy", 32) is None
+    assert local([5, 6, 7], "short", 32) is None
     core.abort("idle")
     core.check_conservation()

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from shared.engine.block_manager import (
     BlockHash,
     BlockManager,
-    compute_block_hashes,
     extend_block_hashes,
 )
 from shared.engine.request import LlmRequest, LlmRequestState
@@ -225,11 +224,10 @@ class KVCacheManager(BaseResourceManager):
         At most `max_tokens` (default: all but the last token, which must be computed for its
         logits; none while the request's prompt logprobs are still to be computed)."""
         assert request.request_id not in self.block_tables, "prefix acquired twice"
-        tokens = request.all_token_ids
-        limit = len(tokens) - 1 if max_tokens is None else max_tokens
+        limit = request.num_tokens - 1 if max_tokens is None else max_tokens
         if max_tokens is None and request.needs_prompt_logits:
             limit = 0  # prompt logprobs need every prompt position's logits computed here
-        hashes = compute_block_hashes(tokens[: max(limit, 0)], self.block_size)
+        hashes = self._extend_hashes([], request, max(limit, 0))
         hit = self.blocks.match_prefix(hashes)
         self.blocks.acquire(hit)
         self.block_tables[request.request_id] = list(hit)
@@ -294,10 +292,22 @@ class KVCacheManager(BaseResourceManager):
         done = len(hashes)
         if request.num_computed_tokens // self.block_size <= done:
             return
-        tokens = request.all_token_ids[: request.num_computed_tokens]
-        extend_block_hashes(hashes, tokens, self.block_size)
+        self._extend_hashes(hashes, request, request.num_computed_tokens)
         for block_id, h in zip(table[done:], hashes[done:], strict=False):
             self.blocks.cache_block(block_id, h)
+
+    def _extend_hashes(
+        self, hashes: list[BlockHash], request: LlmRequest, num_tokens: int
+    ) -> list[BlockHash]:
+        """Extend `hashes` (in place) to the full blocks of the request's first `num_tokens`:
+        from the prompt hashes it came with where they reach, hashing only the rest."""
+        full = num_tokens // self.block_size
+        known = request.prompt_block_hashes
+        if len(hashes) < min(full, len(known)):
+            hashes.extend(known[len(hashes) : full])
+        if len(hashes) < full:
+            extend_block_hashes(hashes, request.all_token_ids[:num_tokens], self.block_size)
+        return hashes
 
     # ---- BaseResourceManager hooks --------------------------------------------------------
     def prepare_resources(self, batch: Sequence[LlmRequest]) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.engine.admission_queue import AdmissionQueue, QueueEntry, QueueFull
+from shared.engine.block_manager import BlockHash
 from shared.engine.request import FinishReason, LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.utils import cdiv
@@ -69,6 +70,7 @@ class TransferAdmission:
         params: SamplingParams,
         request_id: str,
         deadline: float | None = None,
+        prompt_hashes: Sequence[BlockHash] = (),
     ) -> LlmRequest:
         """Validate, create the request QUEUED and queue it (then try to admit at once).
         Raises RequestRejected (bad input, or a request the pool could never hold) or
@@ -77,7 +79,7 @@ class TransferAdmission:
 
         if self.closed:
             raise AdmissionClosed("node is shutting down: retry on another node")
-        request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED)
+        request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED, prompt_hashes)
         now = time.monotonic()
         entry = QueueEntry(request_id, request, now, deadline)
         if not self.queue and self._admit_now(core, entry):
