@@ -461,7 +461,7 @@ def test_stalled_sender_mid_payload_holds_the_fence_until_endpoints_reset(h: Har
     """A payload receive already posted into the pool cannot be cancelled; if its sender stops
     half-way, the transfer's blocks stay fenced (not reusable) until `release` force-closes
     the KV endpoints, which ends the receive. The receiver then serves new transfers."""
-    from transfer.ucx import KvMessage, KvReceiver, KvSender
+    from transfer.ucx import KvMessage, KvReceiver, KvSender, TransferReset
 
     big = KvLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=256, dtype="float32")
     nbytes = 4 * big.block_bytes_per_layer  # 8 MiB: rendezvous, many fragments
@@ -496,11 +496,18 @@ def test_stalled_sender_mid_payload_holds_the_fence_until_endpoints_reset(h: Har
             fence = receiver.quiesced(dest.transfer_id)
             await asyncio.sleep(0.3)
             assert not fence.done() and receiver.fenced_transfers == 1  # still being written
+            # another transfer in flight: the reset may discard its messages, so it fails now
+            # (TransferReset, its sender not at fault) instead of waiting out its deadline
+            bystander = receiver.expect("bystander", [6, 7])
+            waiting = asyncio.ensure_future(receiver.wait(bystander.transfer_id, 60))
             started = time.monotonic()
             await receiver.release(dest.transfer_id, timeout=0.5)
             assert fence.done() and receiver.fenced_transfers == 0
             assert receiver.endpoint_resets == 1 and receiver.writes_in_flight == 0
+            with pytest.raises(TransferReset):
+                await asyncio.wait_for(waiting, 1)
             assert time.monotonic() - started < 3
+            assert "0 live, 0 fenced, 0 writes posted" in receiver.describe()
             # the receiver keeps serving: a healthy sender's transfer lands
             source = allocate_kv_pool(big, 4, "cpu")
             source.copy_(torch.randn(source.shape))

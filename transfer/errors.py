@@ -14,6 +14,12 @@ class TransferTimeout(TransferError):
     """The transfer's deadline passed before every (layer, block) pair landed."""
 
 
+class TransferReset(TransferError):
+    """This receiver force-closed its KV endpoints (to end another transfer's stalled write):
+    messages in flight on them may be lost, so the transfer was failed at once rather than left
+    to time out. The sender is not at fault; a retry may go to the same node."""
+
+
 class TransferCancelled(TransferError):
     """The transfer was cancelled by the caller (or the receiver closed)."""
 
@@ -24,6 +30,7 @@ class ProtocolError(ValueError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
 
 def retrieve_exception(fut: asyncio.Future) -> None:
     """Done-callback for futures nobody awaits: retrieve the exception so asyncio stays quiet."""

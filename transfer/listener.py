@@ -41,6 +41,11 @@ class KvListener:
     def port(self) -> int:
         return self._listener.port
 
+    @property
+    def num_endpoints(self) -> int:
+        """Accepted endpoints not closing: one per connected prefill node, normally."""
+        return sum(1 for ep in self._listener.endpoints if not ep.closing)
+
     async def reset(self) -> None:
         """Force-close every accepted endpoint: UCX fails the receives posted on them."""
         await self._close_all(force=True)

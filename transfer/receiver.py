@@ -31,6 +31,7 @@ from transfer.errors import (
     ProtocolError,
     TransferCancelled,
     TransferError,
+    TransferReset,
     TransferTimeout,
     retrieve_exception,
 )
@@ -213,13 +214,21 @@ class KvReceiver:
             return
         except TimeoutError:
             pass
+        live = list(self._landings.live.values())
         log.warning(
             "transfer %#x: a payload write is still posted %.3gs after the transfer ended "
-            "(sender stalled mid-message?); force-closing every KV endpoint to end it",
+            "(sender stalled mid-message?); force-closing every KV endpoint to end it, and "
+            "failing the %d other transfers in flight (their senders retry)",
             transfer_id,
             timeout,
+            len(live),
         )
         self.endpoint_resets += 1
+        # A sender may count a message as sent once it sits in this side's buffers, which the
+        # reset discards: such a transfer would wait out its deadline for bytes that never come.
+        for t in live:
+            why = f"KV endpoints reset to end a stalled write of transfer {transfer_id:#x}"
+            self._fail(t, TransferReset(f"transfer {t.transfer_id:#x}: {why}"))
         if self._net is not None:
             await self._net.reset()
         await asyncio.wait_for(asyncio.shield(fence), CLOSE_TIMEOUT_S)
@@ -237,6 +246,15 @@ class KvReceiver:
     def writes_in_flight(self) -> int:
         """Payload receives posted into the pool (or staging) and not completed."""
         return self._writing
+
+    def describe(self) -> str:
+        """One line for logs: what this receiver holds now (when a transfer timed out)."""
+        endpoints = 0 if self._net is None else self._net.num_endpoints
+        return (
+            f"{self.live_transfers} live, {self.fenced_transfers} fenced, {self._writing} "
+            f"writes posted, {endpoints} endpoints, {self.endpoint_resets} resets, "
+            f"rejected {self.rejected_by_reason or 'none'}"
+        )
 
     # ---- UCX side -----------------------------------------------------------------------------
     def _drain_unexpected(self) -> None:

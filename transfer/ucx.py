@@ -9,7 +9,7 @@ first receiver/sender starts (UCX reads most settings when a context is created)
 from __future__ import annotations
 
 from transfer.env import configure_ucx_env
-from transfer.errors import TransferCancelled, TransferError, TransferTimeout
+from transfer.errors import TransferCancelled, TransferError, TransferReset, TransferTimeout
 from transfer.protocol import TransferDestination
 from transfer.receiver import KvReceiver, TransferStats
 from transfer.sender import KvMessage, KvPush, KvSender
@@ -22,6 +22,7 @@ __all__ = [
     "TransferCancelled",
     "TransferDestination",
     "TransferError",
+    "TransferReset",
     "TransferStats",
     "TransferTimeout",
     "configure_ucx_env",
