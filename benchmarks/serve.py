@@ -6,10 +6,8 @@ one colocated node, each node pinned to its own core, the same client and worklo
    (`--request-rate`, `--burstiness`; 1 = Poisson) with at most `--max-concurrency` in flight.
    Metrics: TTFT, TPOT, ITL, E2E (mean, median, p99), request and token throughput, goodput under
    `--goodput ttft:MS tpot:MS`.
-2. Interference (DistServe's experiment): a few short-prompt, long-output requests decode
-   steadily; their ITL p99 is measured alone, then again while long prompts arrive. P/D should
-   keep it (prefill runs on another node), colocated should not (long prefill chunks share the
-   decode steps).
+2. Interference (DistServe's experiment, benchmarks/interference.py): decode ITL p99 alone and
+   while long prompts arrive, over `--interference-rounds` alternating phase pairs.
 
 Setups: `pd` (prefill on core 0, decode on core 1), `colocated` (core 0, one thread: the same
 compute as one P/D role) and `colocated_2core` (both cores, two threads: the same hardware as
@@ -29,10 +27,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import serve_prefix
+from benchmarks import interference, serve_prefix
 from benchmarks.support import nodes as bench_nodes
 from benchmarks.support.load import (
-    RequestRecord,
     RequestSpec,
     arrival_offsets,
     parse_goodput,
@@ -47,8 +44,6 @@ from benchmarks.support.util import (
     exit_on_sigterm,
     figure,
     load_average,
-    ratio,
-    summarize,
     write_json,
 )
 
@@ -67,13 +62,6 @@ LOAD_KEYS = [
     "goodput",
     "seed",
     "api",
-]
-INTERFERENCE_KEYS = [
-    "decode_streams",
-    "decode_input_len",
-    "decode_output_len",
-    "long_prompts",
-    "long_input_len",
 ]
 
 
@@ -100,68 +88,6 @@ def load_workload(a: argparse.Namespace, model: BenchModel, variant: int = 0) ->
     return [RequestSpec(p, a.output_len, t) for p, t in zip(prompts, offsets, strict=True)]
 
 
-def decode_streams(a: argparse.Namespace, model: BenchModel, seed: int) -> list[RequestSpec]:
-    rng = np.random.default_rng(seed)
-    prompts = random_prompts(a.decode_streams, a.decode_input_len, model.prompt_vocab, rng)
-    return [RequestSpec(p, a.decode_output_len, 0.0, "decode") for p in prompts]
-
-
-def long_prompts(
-    a: argparse.Namespace, model: BenchModel, window: float, seed: int
-) -> list[RequestSpec]:
-    """`--long-prompts` prompts arriving at random inside the first 60% of the decode streams'
-    quiet lifetime, so that their prefills (and, for P/D, their KV pushes) land while the
-    streams still decode."""
-    rng = np.random.default_rng(seed)
-    n = a.long_prompts
-    prompts = random_prompts(n, a.long_input_len, model.prompt_vocab, rng)
-    offsets = sorted(rng.uniform(0.05 * window, 0.6 * window, size=n))
-    return [RequestSpec(p, 4, float(t), "long") for p, t in zip(prompts, offsets, strict=True)]
-
-
-# ---- runs ---------------------------------------------------------------------------------------
-def itl_of(records: list[RequestRecord], group: str) -> list[float]:
-    return [gap for r in records if r.ok and r.spec.group == group for gap in r.itls]
-
-
-async def interference(
-    target: str, a: argparse.Namespace, model: BenchModel, bar: tqdm
-) -> dict[str, Any]:
-    """Decode ITL alone, then with long prompts arriving; the same decode requests both times
-    (fresh prompts, so no prefix-cache help)."""
-    bar.set_postfix_str("interference: decode alone")
-    quiet, quiet_s = await run_requests(target, decode_streams(a, model, 1))
-    bar.set_postfix_str("interference: with long prompts")
-    mixed_specs = decode_streams(a, model, 2) + long_prompts(a, model, quiet_s, 3)
-    mixed, mixed_s = await run_requests(target, mixed_specs)
-    failed = [r.error for r in quiet + mixed if not r.ok]
-    base, loaded = summarize(itl_of(quiet, "decode")), summarize(itl_of(mixed, "decode"))
-    longs = [r for r in mixed if r.spec.group == "long" and r.ok]
-    return {
-        "decode_itl_alone_s": base,
-        "decode_itl_with_long_prompts_s": loaded,
-        "p99_ratio": ratio(loaded["p99"], base["p99"]),
-        "long_prompt_ttft_s": summarize([r.ttft for r in longs]),
-        "failed": len(failed),
-        "timeline": _timeline(mixed),
-        "durations_s": {"alone": quiet_s, "with_long_prompts": mixed_s},
-    }
-
-
-def _timeline(records: list[RequestRecord]) -> dict[str, Any]:
-    """Per-token gaps of the decode streams over time, and when the long prompts arrived (for
-    the plot)."""
-    t0 = min(r.start for r in records)
-    points = [
-        (b - t0, b - a)
-        for r in records
-        if r.ok and r.spec.group == "decode"
-        for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)
-    ]
-    arrivals = [r.start - t0 for r in records if r.spec.group == "long"]
-    return {"t_s": [p[0] for p in points], "itl_s": [p[1] for p in points], "long_at_s": arrivals}
-
-
 def run_setup(
     setup: str, a: argparse.Namespace, model: BenchModel, slos: dict[str, float], bar: tqdm
 ) -> dict[str, Any]:
@@ -184,7 +110,7 @@ def run_setup(
             if len(out["load_by_api"]) == 2:
                 out["http_overhead_ms"] = http_overhead(out["load_by_api"])
             if not a.no_interference and setup in ("pd", "colocated"):
-                out["interference"] = await interference(target, a, model, bar)
+                out["interference"] = await interference.interference(target, a, model, bar)
             return out
 
         result = asyncio.run(go())
@@ -288,7 +214,9 @@ def print_summary(result: dict[str, Any]) -> None:
             print(
                 f"{'':>16} decode ITL p99 {i['decode_itl_alone_s']['p99'] * 1e3:.2f} ms alone, "
                 f"{i['decode_itl_with_long_prompts_s']['p99'] * 1e3:.2f} ms with long prompts: "
-                f"{i['p99_ratio'] or 0:.2f}x"
+                f"{i['p99_ratio'] or 0:.2f}x (rounds pooled; each: "
+                + " ".join(f"{r['p99_ratio'] or 0:.2f}" for r in i["rounds"])
+                + ")"
             )
         if "http_overhead_ms" in r:
             h = r["http_overhead_ms"]
@@ -325,13 +253,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-queued", type=int, default=100, help="decode node queue (--sweep)")
     serve_prefix.add_arguments(p)  # --workload shared-prefix and its flags
-    g = p.add_argument_group("interference experiment")
-    g.add_argument("--no-interference", action="store_true")
-    g.add_argument("--decode-streams", type=int, default=None)
-    g.add_argument("--decode-input-len", type=int, default=32)
-    g.add_argument("--decode-output-len", type=int, default=None)
-    g.add_argument("--long-prompts", type=int, default=None)
-    g.add_argument("--long-input-len", type=int, default=None)
+    interference.add_arguments(p)
     a = p.parse_args(argv)
     quick = a.quick
     defaults = {
@@ -346,6 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "decode_output_len": 24 if quick else 512,
         "long_prompts": 2 if quick else 8,
         "long_input_len": 256 if quick else 2048,
+        "interference_rounds": 1 if quick else 5,
     }
     for key, value in defaults.items():
         if getattr(a, key) is None:
@@ -383,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average": {"start": load_at_start, "end": load_average()},
         "model": {"name": model.name, "spec": model.spec},
         "workload": {k: getattr(a, k) for k in LOAD_KEYS},
-        "interference_workload": {k: getattr(a, k) for k in INTERFERENCE_KEYS},
+        "interference_workload": {k: getattr(a, k) for k in interference.KEYS},
         "setups": results,
     }
     result["targets"] = targets(results)

@@ -87,7 +87,7 @@ def test_serve_quick(tmp_path: Path) -> None:
     from benchmarks import serve
 
     # the shared-prefix mode: every prompt starts with the same 32 tokens
-    argv = ["--quick", "--out", str(tmp_path), "--prefix-len", "32"]
+    argv = ["--quick", "--out", str(tmp_path), "--prefix-len", "32", "--interference-rounds", "2"]
     result = _written(tmp_path, "serve", serve.main(argv))
     assert set(result["setups"]) == {"pd", "colocated"}
     for setup, r in result["setups"].items():
@@ -100,6 +100,7 @@ def test_serve_quick(tmp_path: Path) -> None:
         inter = r["interference"]
         assert inter["failed"] == 0
         assert inter["decode_itl_alone_s"]["n"] > 0 and inter["p99_ratio"] is not None
+        assert len(inter["rounds"]) == 2 and all(x["p99_ratio"] for x in inter["rounds"])
         assert set(r["idle_cpu_percent"]) == (
             {"prefill", "decode"} if setup == "pd" else {"colocated"}
         )

@@ -130,21 +130,13 @@ def test_block_hashes_are_a_sha256_chain_however_they_are_extended() -> None:
 
 
 def test_carried_prompt_hashes_spare_the_engine_a_second_pass(monkeypatch) -> None:
-    """A request created with its prompt's hashes matches and caches its prefix with them,
-    hashing only the tokens past the prompt; the result equals hashing from scratch."""
+    """A prompt is hashed once: by its creator (carried in) or by its first prefix match; the
+    match and the caching of its blocks reuse those hashes, hashing only tokens past the
+    prompt, with the same result as hashing from scratch."""
     from shared.engine import resource_manager
     from shared.engine.request import LlmRequest
     from shared.engine.resource_manager import KVCacheManager
     from shared.engine.sampling_params import SamplingParams
-
-    prompt = list(range(100, 150))  # 3 full blocks of 16, 2 tokens over
-    kv = KVCacheManager(16, 16, 4)
-    first = LlmRequest("a", prompt, SamplingParams(max_tokens=4))
-    assert kv.acquire_prefix(first) == 0
-    kv.reserve(first, len(prompt))
-    first.num_computed_tokens = len(prompt)
-    kv.cache_computed_blocks(first)
-    expected = kv.block_hashes["a"]
 
     calls: list[int] = []
     real = resource_manager.extend_block_hashes
@@ -154,8 +146,20 @@ def test_carried_prompt_hashes_spare_the_engine_a_second_pass(monkeypatch) -> No
         return real(hashes, tokens, block_size)
 
     monkeypatch.setattr(resource_manager, "extend_block_hashes", counting)
+    prompt = list(range(100, 150))  # 3 full blocks of 16, 2 tokens over
+    kv = KVCacheManager(16, 16, 4)
+    first = LlmRequest("a", prompt, SamplingParams(max_tokens=4))
+    assert kv.acquire_prefix(first) == 0
+    kv.reserve(first, len(prompt))
+    first.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(first)
+    assert calls == [3]  # the match hashed the prompt; caching its blocks reused the hashes
+    expected = kv.block_hashes["a"]
+    assert expected == compute_block_hashes(prompt, 16)
+
+    calls.clear()
     second = LlmRequest("b", prompt, SamplingParams(max_tokens=20))
-    second.prompt_block_hashes = compute_block_hashes(prompt, 16)
+    second.prompt_block_hashes = compute_block_hashes(prompt, 16)  # carried in
     assert kv.acquire_prefix(second) == 48  # every full block but the one holding the last token
     kv.reserve(second, len(prompt) + 16)
     second.output_token_ids = list(range(16))

@@ -111,9 +111,10 @@ class LlmRequest:
     choice_index: int = 0
     # first tokens of completions 1..n-1, drawn from this request's last prompt logits
     choice_first_tokens: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
-    # chained hashes of the prompt's full blocks when its creator had them (the decode node
-    # hashes a prompt once, on its event loop, for routing and the local-prefill check): the
-    # prefix cache extends from them instead of hashing the prompt again on the engine thread
+    # chained hashes of the prompt's leading full blocks, once known: from its creator (the
+    # decode node hashes a prompt once, on its event loop, for routing and the local-prefill
+    # check) or from the first prefix match; the prefix cache extends from them instead of
+    # hashing the prompt again
     prompt_block_hashes: list[bytes] = field(default_factory=list)
     # (state entered, seat held at that moment): the debug trail tests read the lifecycle from
     history: list[tuple[LlmRequestState, int | None]] = field(default_factory=list)

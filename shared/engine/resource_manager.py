@@ -228,6 +228,9 @@ class KVCacheManager(BaseResourceManager):
         if max_tokens is None and request.needs_prompt_logits:
             limit = 0  # prompt logprobs need every prompt position's logits computed here
         hashes = self._extend_hashes([], request, max(limit, 0))
+        known = hashes[: request.prompt_len // self.block_size]
+        if len(known) > len(request.prompt_block_hashes):
+            request.prompt_block_hashes = known  # caching its blocks later hashes none again
         hit = self.blocks.match_prefix(hashes)
         self.blocks.acquire(hit)
         self.block_tables[request.request_id] = list(hit)
