@@ -220,6 +220,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")

@@ -180,6 +180,19 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
                 await client.completions.create(model=SERVED, prompt="x", logprobs=21)
             with pytest.raises(openai.BadRequestError, match="max_tokens"):
                 await client.completions.create(model=SERVED, prompt="x", max_tokens=10**7)
+            with pytest.raises(openai.BadRequestError, match="guided_json"):
+                await client.completions.create(
+                    model=SERVED, prompt="x", extra_body={"guided_json": {"type": "object"}}
+                )
+            with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+                await client.chat.completions.create(
+                    model=SERVED,
+                    messages=[{"role": "user", "content": "hi"}],
+                    extra_body={"chat_template_kwargs": {"add_generation_prompt": False}},
+                )
+            assert (await client.models.retrieve(SERVED)).id == SERVED
+            with pytest.raises(openai.NotFoundError):
+                await client.models.retrieve("gpt-9")
             with pytest.raises(openai.BadRequestError, match="alternate"):
                 await client.chat.completions.create(
                     model=SERVED, messages=[{"role": "assistant", "content": "first?"}]

@@ -313,6 +313,10 @@ def test_penalties_bias_min_tokens_stop_ids_equal_llm(run, llm: LLM, model_dir: 
         ({"logit_bias": {str(stop_id): -100}}, SamplingParams(logit_bias={stop_id: -100.0})),
         ({"stop_token_ids": [stop_id]}, SamplingParams(stop_token_ids=(stop_id,))),
         (
+            {"min_p": 0.2, "temperature": 1.5, "seed": 3},
+            SamplingParams(min_p=0.2, temperature=1.5, seed=3),
+        ),
+        (
             {"stop_token_ids": [stop_id], "min_tokens": 6},
             SamplingParams(stop_token_ids=(stop_id,), min_tokens=6),
         ),

@@ -55,6 +55,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "min_tokens": (14, _T.TYPE_UINT32, False),
         "stop_token_ids": (15, _T.TYPE_UINT32, True),
         "n": (16, _T.TYPE_UINT32, False),
+        "min_p": (17, _T.TYPE_FLOAT, False),
     },
     "TopLogprob": {
         "token_id": (1, _T.TYPE_UINT32, False),

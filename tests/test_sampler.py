@@ -208,7 +208,61 @@ def test_top_p_rows_without_top_k_draw_the_full_sorts_tokens() -> None:
     temps, top_p = torch.full((rows,), 0.8), torch.full((rows,), 0.9)
     top_k = torch.zeros(rows, dtype=torch.long)
     uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
-    fast = Sampler._sample_random(logits, temps, top_k, top_p, uniforms)
+    fast = Sampler._sample_random(logits, temps, top_k, top_p, uniforms, torch.zeros(rows))
     full = _draw(logits, temps, top_k, top_p, uniforms, None)
     assert (fast == full).float().mean().item() >= 0.995  # a uniform on a mass boundary may differ
     assert len(set(fast[750:].tolist())) > 100  # the flat row really drew from a wide nucleus
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p"),
+    [(0, 1.0), (3, 1.0), (0, 0.99), (50_000, 0.999)],
+    ids=["unfiltered", "top_k", "top_p", "full_sort"],
+)
+def test_min_p_draws_from_the_renormalised_survivors(top_k: int, top_p: float) -> None:
+    """vLLM's min-p: after temperature, a token below min_p x the top probability is never
+    drawn and the rest keep their relative odds, on every path of the draw."""
+    probs = torch.tensor([0.40, 0.05, 0.30, 0.16, 0.09])
+    logits = torch.log(probs)[None, :]
+    temperature, min_p = 2.0, 0.5  # tempered: sqrt(p); bar 0.5 x sqrt(0.40) keeps 0, 2, 3
+    tempered = probs.sqrt() / probs.sqrt().sum()
+    keep = tempered >= min_p * tempered.max()
+    assert keep.tolist() == [True, False, True, True, False]
+    want = torch.where(keep, tempered, 0.0)  # top-3 and the wide top-p keep every survivor
+    want = want / want.sum()
+    counts = [0] * 5
+    s = Sampler(1)
+    for i in range(3000):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        r = seated(f"r{i}", 0, params.with_resolved_seed(), outputs=i)
+        counts[s.sample([r], logits)[0]] += 1
+        s.release_request(r)
+    assert counts[1] == counts[4] == 0
+    assert [c / 3000 for c in counts] == pytest.approx(want.tolist(), abs=0.04)
+
+
+def test_min_p_leaves_other_rows_and_greedy_alone() -> None:
+    """A min_p row in the batch changes no other row's draw; greedy ignores min_p."""
+    torch.manual_seed(9)
+    logits = torch.randn(3, 300)
+    plain = SamplingParams(temperature=1.0, seed=5)
+    alone = Sampler(4).sample([seated("a", 0, plain)], logits[:1])
+    s = Sampler(4)
+    mixed = s.sample(
+        [
+            seated("a", 0, plain),
+            seated("b", 1, SamplingParams(temperature=1.0, seed=6, min_p=0.9)),
+            seated("c", 2, SamplingParams(min_p=0.9)),
+        ],
+        logits,
+    )
+    assert mixed[0] == alone[0]
+    assert mixed[2] == int(logits[2].argmax())
+    # min_p 0.9 at temperature 1: only tokens within ln(0.9) of the top logit survive
+    assert logits[1, mixed[1]] >= logits[1].max() + torch.log(torch.tensor(0.9))
+
+
+def test_min_p_is_validated() -> None:
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_p"):
+            SamplingParams(min_p=bad).validate()

@@ -27,6 +27,7 @@ FEATURES: list[dict[str, object]] = [
     {"stop_token_ids": (40, 41, 42, 43, 44, 45)},
     {"top_k": 20, "top_p": 0.9, "logprobs": 0},
     {"n": 4, "logprobs": 2, "frequency_penalty": 0.5},
+    {"min_p": 0.15, "top_p": 0.95},
 ]
 
 

@@ -71,6 +71,7 @@ class Sampler:
         self.temperature = torch.zeros(max_num_sequences, dtype=torch.float32)
         self.top_p = torch.ones(max_num_sequences, dtype=torch.float32)
         self.top_k = torch.zeros(max_num_sequences, dtype=torch.long)
+        self.min_p = torch.zeros(max_num_sequences, dtype=torch.float32)
         self.seeds: list[int | None] = [None] * max_num_sequences
         self.logprobs_k: list[int | None] = [None] * max_num_sequences
         self.owner: list[str | None] = [None] * max_num_sequences
@@ -79,7 +80,7 @@ class Sampler:
 
     def _check_invariants(self) -> None:
         assert self.new_tokens.shape[1] == self.max_num_sequences + 1
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "min_p"):
             rows = getattr(self, name).shape[0]
             assert rows == self.max_num_sequences, f"{name} has {rows} rows"
         assert len(self.seeds) == len(self.owner) == self.max_num_sequences
@@ -103,6 +104,7 @@ class Sampler:
         self.temperature[seat] = params.temperature
         self.top_p[seat] = params.top_p
         self.top_k[seat] = params.top_k
+        self.min_p[seat] = params.min_p
         self.seeds[seat] = params.seed
         self.logprobs_k[seat] = params.logprobs
         if params.has_penalties:
@@ -121,6 +123,7 @@ class Sampler:
         self.temperature[seat] = 0.0
         self.top_p[seat] = 1.0
         self.top_k[seat] = 0
+        self.min_p[seat] = 0.0
         self.seeds[seat] = None
         self.logprobs_k[seat] = None
         if self.penalties is not None and self.penalties.active[seat]:
@@ -163,6 +166,7 @@ class Sampler:
                     self.top_k[seats[random_rows]],
                     self.top_p[seats[random_rows]],
                     torch.tensor(uniforms, dtype=torch.float64),
+                    self.min_p[seats[random_rows]],
                 ).to(tokens.device)
         row_index = torch.tensor(rows, dtype=torch.long, device=self.new_tokens.device)
         self.new_tokens[0, row_index, 0] = tokens.to(self.new_tokens.device)
@@ -197,6 +201,7 @@ class Sampler:
                     self.top_k[seat].repeat(m),
                     self.top_p[seat].repeat(m),
                     torch.tensor([stream_uniform(s, 0) for s in seeds], dtype=torch.float64),
+                    self.min_p[seat].repeat(m),
                 ).tolist()
             else:
                 tokens = [int(shaped[i].argmax())] * m
@@ -273,14 +278,17 @@ class Sampler:
         top_k: torch.Tensor,
         top_p: torch.Tensor,
         uniforms: torch.Tensor,
+        min_p: torch.Tensor,
     ) -> torch.Tensor:
-        """Rows whose top_k is at most TOPK_CANDIDATES draw from that many candidates (topk);
-        rows with no top-k / top-p filter draw over the vocabulary in id order, with no sort (the
-        OpenAI default, temperature only: a stable sort of the vocabulary per row was half of a
-        batch-16 decode step of SmolLM2); top-p rows without a top-k take their nucleus from
-        those candidates when it lies within them; the others from a full sort. Which path a row
-        takes depends on its own parameters and logits only, so its draw does not depend on the
-        rest of the batch."""
+        """Rows with a min_p lose their tokens below it first (as -inf logits, which every path
+        below gives no mass). Rows whose top_k is at most TOPK_CANDIDATES draw from that many
+        candidates (topk); rows with no top-k / top-p filter draw over the vocabulary in id
+        order, with no sort (the OpenAI default, temperature only: a stable sort of the
+        vocabulary per row was half of a batch-16 decode step of SmolLM2); top-p rows without a
+        top-k take their nucleus from those candidates when it lies within them; the others
+        from a full sort. Which path a row takes depends on its own parameters and logits only,
+        so its draw does not depend on the rest of the batch."""
+        logits = _apply_min_p(logits, temps, min_p)
         out = torch.empty(logits.shape[0], dtype=torch.long)
         few = (top_k > 0) & (top_k <= TOPK_CANDIDATES)
         no_k = ~few & ((top_k <= 0) | (top_k >= logits.shape[-1]))
@@ -301,6 +309,20 @@ class Sampler:
                     logits[idx], temps[idx], top_k[idx], top_p[idx], uniforms[idx], width
                 )
         return out
+
+
+def _apply_min_p(logits: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min-p, before top-k and top-p: a token whose probability after temperature is
+    below min_p x the top token's is masked. In logits: p_i / p_max = exp((l_i - l_max) / T),
+    so the bar is l_max + T ln(min_p) (no softmax needed). Rows without min_p are untouched."""
+    rows = (min_p > 0).nonzero().flatten()
+    if not rows.numel():
+        return logits
+    picked = logits[rows]
+    bar = picked.amax(dim=-1, keepdim=True) + temps[rows, None] * min_p[rows, None].log()
+    out = logits.clone()
+    out[rows] = picked.masked_fill(picked < bar, float("-inf"))
+    return out
 
 
 def _draw_nucleus(

@@ -23,6 +23,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # 1 = off (shared.serving.wire maps the wire's 0 to 1)
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off; below min_p x the top token's probability is never drawn
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -74,6 +75,8 @@ class SamplingParams:
             raise ValueError(f"sampling.top_p must be in [0, 1] (0 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling.min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"sampling.seed must fit in uint64, got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS:

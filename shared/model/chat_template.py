@@ -40,6 +40,10 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# the variables `render` itself passes; a caller's extra variables may not replace them
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API of a decode node, as a FastAPI app.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
 GET /metrics, GET /version. Served by uvicorn on the node's own event loop (see
 shared/serving/metrics.AsgiServer). A client that goes away — while its stream runs or before
 its first token — cancels the generation, which releases the request on both nodes exactly as a
@@ -99,6 +99,11 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
         return service.models().model_dump()
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, object]:
+        service.check_model(model)  # names may hold slashes (org/name): a path parameter
+        return service.models().data[0].model_dump()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -19,6 +19,7 @@ OPENAI_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
     "top_p": 1.0,
     "top_k": 0,
+    "min_p": 0.0,
     "repetition_penalty": 1.0,
 }
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -53,6 +54,7 @@ def to_sampling_params(
         temperature=float(pick("temperature")),
         top_p=float(pick("top_p")),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "off"
+        min_p=float(pick("min_p")),
         seed=req.seed,
         stop=stop,
         ignore_eos=req.ignore_eos,

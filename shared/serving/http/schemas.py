@@ -25,6 +25,17 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False
 
 
+# vLLM extensions a client may rely on and pdserve does not implement: refused when set
+_REFUSED_WHEN_SET = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "truncate_prompt_tokens",
+)
+
+
 class _Sampling(BaseModel):
     """The fields completions and chat share. Ranges are checked here, so that a bad value is a
     400 naming the field as the client spelled it; engine-level checks (vocabulary, context)
@@ -37,6 +48,7 @@ class _Sampling(BaseModel):
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None  # vLLM extension
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
@@ -52,11 +64,17 @@ class _Sampling(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
     # known, not implemented: refused with a 400 naming them when set
-    min_p: StrictFloat | None = None
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # vLLM's structured outputs and prompt truncation
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    truncate_prompt_tokens: Any = None
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to something pdserve cannot honour (their no-op values pass)."""
@@ -64,10 +82,10 @@ class _Sampling(BaseModel):
         no_ops: dict[str, tuple[object, ...]] = {
             # best_of = n samples exactly the n completions returned; more would need ranking
             "best_of": (None, self.n or 1),
-            "min_p": (None, 0, 0.0),
             "response_format": (None, {"type": "text"}),
             "tools": (None, []),
             "tool_choice": (None, "none"),
+            **{name: (None,) for name in _REFUSED_WHEN_SET},
             **self._extra_no_ops(),
         }
         for name, allowed in no_ops.items():
@@ -145,6 +163,18 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool | None = None
     top_logprobs: TopK | None = None
     add_generation_prompt: StrictBool = True
+    # extra variables for the chat template (vLLM's; e.g. enable_thinking)
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    continue_final_message: StrictBool = False
+    functions: list[Any] | None = None  # OpenAI's deprecated tools
+    function_call: Any = None
+
+    def _extra_no_ops(self) -> dict[str, tuple[object, ...]]:
+        return {
+            "continue_final_message": (False,),
+            "functions": (None, []),
+            "function_call": (None, "none"),
+        }
 
     @property
     def generated_logprobs(self) -> int | None:

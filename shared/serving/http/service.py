@@ -22,7 +22,7 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
-from shared.model.chat_template import ChatTemplate, ChatTemplateError
+from shared.model.chat_template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from shared.model.loader import LoadedModel
 from shared.serving.http.errors import ApiError
 from shared.serving.http.logprobs import TokenTexts
@@ -168,9 +168,17 @@ class OpenAIService:
                 code="no_chat_template",
             )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        extra = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_VARIABLES)
+        if reserved:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
+                param="chat_template_kwargs",
+            )
         try:
             return self.chat_template.render(
-                messages, add_generation_prompt=req.add_generation_prompt
+                messages, add_generation_prompt=req.add_generation_prompt, **extra
             )
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
