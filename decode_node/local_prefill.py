@@ -77,10 +77,10 @@ def try_local(
         return None
     uncached = uncached_tokens(core, prompt, params, hashes)
     if not core.requests and uncached <= idle_threshold:
-        return core.add_request(prompt, params, request_id, hashes)
+        return _add(core, prompt, params, request_id, hashes)
     if uncached > threshold or not has_room(core, uncached, max_inflight):
         return None
-    return core.add_request(prompt, params, request_id, hashes)
+    return _add(core, prompt, params, request_id, hashes)
 
 
 def start_local(
@@ -101,4 +101,17 @@ def start_local(
             f"--max-inflight + --max-queued = {max_requests}); retry after about 1s",
             1,
         )
-    return core.add_request(prompt, params, request_id, hashes)
+    return _add(core, prompt, params, request_id, hashes)
+
+
+def _add(
+    core: EngineCore,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    request_id: str,
+    hashes: Sequence[BlockHash],
+) -> LlmRequest:
+    """Into the scheduler (QUEUED), with the prompt's hashes: scheduling hashes nothing."""
+    request = core.add_request(prompt, params, request_id)
+    request.prompt_block_hashes = list(hashes)
+    return request

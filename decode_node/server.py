@@ -270,10 +270,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         hashes: list[BlockHash],
         force: bool,
     ) -> bool:
-        """One engine command: add the request to this engine's scheduler if it qualifies for
-        local prefill (always with `force`), else queue it for a transfer (its grant comes on
-        `stream.admission`). One command, not two: each is a hand-off between this loop and
-        the engine thread, taken between two decode steps. Returns whether it went local."""
+        """One engine command (a loop-engine hand-off, taken between two decode steps): local
+        prefill if the request qualifies (always with `force`), else queued for a transfer, its
+        grant coming on `stream.admission`. Returns whether it went local."""
         rid, deadline, config = stream.request_id, stream.deadline, self.config
         threshold, idle = config.local_prefill_tokens, config.local_prefill_idle_tokens
         inflight = config.max_inflight
@@ -373,12 +372,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     async def _granted(self, stream: Stream) -> TransferGrant:
         """Wait (the deadline kept) until the queued request holds its blocks."""
         assert stream.admission is not None
-        deadline = stream.deadline
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
+        timeout = None if stream.deadline is None else max(0.0, stream.deadline - time.monotonic())
+        grant = None
+        with contextlib.suppress(TimeoutError):
             grant = await asyncio.wait_for(asyncio.shield(stream.admission), timeout)
-        except TimeoutError:
-            grant = None
         if grant is None:
             raise GenerateError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

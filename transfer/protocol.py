@@ -106,6 +106,12 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """(host, port) -> "host:port", an IPv6 literal bracketed (split_address's inverse)."""
+    bracket = ":" in host and not host.startswith("[")
+    return f"[{host}]:{port}" if bracket else f"{host}:{port}"
+
+
 def resolve_bind_address(host: str) -> tuple[int, bytes]:
     """(family, packed IP) of the address to bind, for an IP literal or a resolvable name."""
     try:

@@ -17,6 +17,7 @@ All methods run on the loop the receiver was started on; `on_layer` callbacks ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -109,7 +110,7 @@ class KvReceiver:
     def address(self) -> str:
         if self._net is None:
             raise RuntimeError("KvReceiver not started")
-        return f"{_bracket(self._host)}:{self._net.port}"
+        return proto.join_address(self._host, self._net.port)
 
     @property
     def bound(self) -> tuple[str, int]:
@@ -209,24 +210,16 @@ class KvReceiver:
         fence = self.quiesced(transfer_id)
         if fence.done():
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(fence), timeout)
-            return
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(fence), timeout)
         live = list(self._landings.live.values())
         log.warning(
-            "transfer %#x: a payload write is still posted %.3gs after the transfer ended "
-            "(sender stalled mid-message?); force-closing every KV endpoint to end it, and "
-            "failing the %d other transfers in flight (their senders retry)",
-            transfer_id,
-            timeout,
-            len(live),
-        )
+            "transfer %#x: a payload write still posted %.3gs after it ended (sender stalled "
+            "mid-message?): force-closing every KV endpoint, failing the %d transfers in flight",
+            transfer_id, timeout, len(live),
+        )  # fmt: skip
         self.endpoint_resets += 1
-        # A sender may count a message as sent once it sits in this side's buffers, which the
-        # reset discards: such a transfer would wait out its deadline for bytes that never come.
-        for t in live:
+        for t in live:  # the reset may discard messages their senders already count as sent
             why = f"KV endpoints reset to end a stalled write of transfer {transfer_id:#x}"
             self._fail(t, TransferReset(f"transfer {t.transfer_id:#x}: {why}"))
         if self._net is not None:
@@ -247,8 +240,7 @@ class KvReceiver:
         """Payload receives posted into the pool (or staging) and not completed."""
         return self._writing
 
-    def describe(self) -> str:
-        """One line for logs: what this receiver holds now (when a transfer timed out)."""
+    def describe(self) -> str:  # one line for logs: what this receiver holds now
         endpoints = 0 if self._net is None else self._net.num_endpoints
         return (
             f"{self.live_transfers} live, {self.fenced_transfers} fenced, {self._writing} "
@@ -406,7 +398,3 @@ class KvReceiver:
     def _count_reject(self, reason: str) -> None:
         self.rejected_total += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from shared.engine.block_manager import BlockHash
 from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
 from shared.engine.context_role import ContextRole
 from shared.engine.errors import RequestRejected, ResourcesExhausted
@@ -176,33 +175,22 @@ class EngineCore(ContextRole, TransferRole):
         params: SamplingParams,
         request_id: str = "",
         state: LlmRequestState = LlmRequestState.CONTEXT_INIT,
-        prompt_hashes: Sequence[BlockHash] = (),
     ) -> LlmRequest:
-        """`prompt_hashes`: the prompt's full-block hashes (compute_block_hashes), when the
-        caller has them already; the prefix cache then does not hash the prompt again."""
         self.validate_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests or fork_id(request_id, 1) in self.requests:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
-        full_blocks = len(prompt_token_ids) // self.config.block_size
-        assert len(prompt_hashes) in (0, full_blocks), "prompt hashes of another block size"
-        hashes = list(prompt_hashes)
-        request = LlmRequest(request_id, list(prompt_token_ids), params.with_resolved_seed(), state)
-        request.prompt_block_hashes = hashes
+        request = LlmRequest(
+            request_id, list(prompt_token_ids), params.with_resolved_seed(), state=state
+        )
         self.requests[request_id] = request
         self.outputs.add(request)
         return request
 
     def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str = "",
-        prompt_hashes: Sequence[BlockHash] = (),
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
     ) -> LlmRequest:
-        request = self.new_request(
-            prompt_token_ids, params, request_id, LlmRequestState.QUEUED, prompt_hashes
-        )
+        request = self.new_request(prompt_token_ids, params, request_id, LlmRequestState.QUEUED)
         self.scheduler.add_request(request)  # QUEUED there until its blocks are free
         return request
 

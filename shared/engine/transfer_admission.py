@@ -79,7 +79,8 @@ class TransferAdmission:
 
         if self.closed:
             raise AdmissionClosed("node is shutting down: retry on another node")
-        request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED, prompt_hashes)
+        request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED)
+        request.prompt_block_hashes = list(prompt_hashes)  # the prefix match hashes nothing
         now = time.monotonic()
         entry = QueueEntry(request_id, request, now, deadline)
         if not self.queue and self._admit_now(core, entry):
