@@ -132,6 +132,10 @@ def test_completions_and_chat_through_the_sdk(cluster: Cluster) -> None:
             assert done.object == "text_completion" and done.choices[0].finish_reason == "length"
             assert done.usage.completion_tokens == 5
             assert done.usage.total_tokens == done.usage.prompt_tokens + 5
+            bare = await client.completions.create(
+                model=SERVED, prompt="Hello", max_tokens=1, extra_body={"add_special_tokens": False}
+            )
+            assert bare.usage.prompt_tokens == done.usage.prompt_tokens - 1  # no BOS
 
             stream = await client.completions.create(
                 model=SERVED, prompt="Hello", max_tokens=5, temperature=0, stream=True,
@@ -184,6 +188,13 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
                 await client.completions.create(
                     model=SERVED, prompt="x", extra_body={"guided_json": {"type": "object"}}
                 )
+            for field, value in [("include_stop_str_in_output", True), ("echo", True)]:
+                with pytest.raises(openai.BadRequestError, match=field):
+                    await client.chat.completions.create(
+                        model=SERVED,
+                        messages=[{"role": "user", "content": "hi"}],
+                        extra_body={field: value},
+                    )
             with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
                 await client.chat.completions.create(
                     model=SERVED,

@@ -25,15 +25,20 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False
 
 
-# vLLM extensions a client may rely on and pdserve does not implement: refused when set
-_REFUSED_WHEN_SET = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "truncate_prompt_tokens",
-)
+# vLLM extensions a client may rely on and pdserve does not implement: refused unless unset or
+# at the value pdserve behaves as (vLLM's default)
+_VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+}
 
 
 class _Sampling(BaseModel):
@@ -68,13 +73,17 @@ class _Sampling(BaseModel):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    # vLLM's structured outputs and prompt truncation
+    # vLLM's, refused by `unsupported_fields` unless at a no-op value (_VLLM_NO_OPS)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
     truncate_prompt_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
 
     def unsupported_fields(self) -> list[str]:
         """Fields set to something pdserve cannot honour (their no-op values pass)."""
@@ -85,7 +94,7 @@ class _Sampling(BaseModel):
             "response_format": (None, {"type": "text"}),
             "tools": (None, []),
             "tool_choice": (None, "none"),
-            **{name: (None,) for name in _REFUSED_WHEN_SET},
+            **_VLLM_NO_OPS,
             **self._extra_no_ops(),
         }
         for name, allowed in no_ops.items():
@@ -121,6 +130,7 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = False
     prompt_logprobs: TopK | None = None  # vLLM extension
     suffix: StrictStr | None = None
+    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS before a text prompt
 
     def _extra_no_ops(self) -> dict[str, tuple[object, ...]]:
         return {"suffix": (None, "")}
@@ -168,10 +178,16 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: StrictBool = False
     functions: list[Any] | None = None  # OpenAI's deprecated tools
     function_call: Any = None
+    # vLLM's: specials added on top of the rendered template (which writes its own)
+    add_special_tokens: StrictBool = False
+    echo: Any = None  # vLLM's chat echo and prompt logprobs: not implemented for chat
+    prompt_logprobs: Any = None
 
     def _extra_no_ops(self) -> dict[str, tuple[object, ...]]:
         return {
             "continue_final_message": (False,),
+            "echo": (None, False),
+            "prompt_logprobs": (None,),
             "functions": (None, []),
             "function_call": (None, "none"),
         }

@@ -152,7 +152,7 @@ class OpenAIService:
         out = []
         for p in batch:
             if isinstance(p, str):
-                out.append((self.tokenizer.encode(p), p))
+                out.append((self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens), p))
             else:
                 ids = list(p)  # type: ignore[arg-type]
                 out.append((ids, self.tokenizer.decode(ids) if req.echo else ""))
@@ -184,9 +184,10 @@ class OpenAIService:
             raise ApiError(400, str(e), param="messages") from None
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
-        # the template already wrote BOS and the role markers: no second set of specials
+        # the template already wrote BOS and the role markers: no second set of specials unless
+        # the client asks (vLLM's add_special_tokens)
         text = self.render_chat(req)
-        return self.tokenizer.encode(text, add_special_tokens=False), text
+        return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text
 
     def jobs(
         self,
