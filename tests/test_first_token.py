@@ -25,6 +25,9 @@ def _cases(core: EngineCore, token: int) -> dict[str, SamplingParams]:
         "max_tokens=1": SamplingParams(max_tokens=1),
         "stop string = the token's text": SamplingParams(max_tokens=8, stop=(text,)),
         "stop string the text may grow into": SamplingParams(max_tokens=8, stop=(text + "zq",)),
+        "stop string kept": SamplingParams(
+            max_tokens=8, stop=(text,), include_stop_str_in_output=True
+        ),
         "stop token id": SamplingParams(max_tokens=8, stop_token_ids=(token,)),
         "ignore_eos": SamplingParams(max_tokens=8, ignore_eos=True),
         "min_tokens": SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(token,)),
@@ -72,3 +75,27 @@ def test_a_twin_that_differs_is_reported(caplog: pytest.LogCaptureFixture) -> No
     rest = TokenDelta("r", [6], "b")
     assert drop_twin(early, [TokenDelta("r", [5], "b"), rest]) == [rest]
     assert "first delta streamed early" in caplog.text
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_or_kept_streamed_alike(include: bool) -> None:
+    """A stop string ends the text cut before it, or (include_stop_str_in_output) right after
+    it; the streamed deltas add up to that text whatever the token boundaries."""
+    from shared.engine.output import OutputProcessor
+    from shared.engine.request import LlmRequest
+    from shared.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    params = SamplingParams(max_tokens=40, stop=("END", "ST"), include_stop_str_in_output=include)
+    request = LlmRequest("r", [1, 2], params)
+    outputs = OutputProcessor(tok, frozenset())
+    outputs.add(request)
+    streamed, finish = "", None
+    for token in tok.encode("hello wEND and STOP", add_special_tokens=False):
+        delta = outputs.process(request, token)
+        streamed += delta.text
+        if delta.finish_reason is not None:
+            finish = delta.finish_reason
+            break
+    assert finish == FinishReason.STOP
+    assert streamed == ("hello wEND" if include else "hello w")

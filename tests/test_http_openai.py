@@ -188,7 +188,7 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
                 await client.completions.create(
                     model=SERVED, prompt="x", extra_body={"guided_json": {"type": "object"}}
                 )
-            for field, value in [("include_stop_str_in_output", True), ("echo", True)]:
+            for field, value in [("skip_special_tokens", False), ("echo", True)]:
                 with pytest.raises(openai.BadRequestError, match=field):
                     await client.chat.completions.create(
                         model=SERVED,

@@ -298,6 +298,8 @@ def test_penalties_bias_min_tokens_stop_ids_equal_llm(run, llm: LLM, model_dir: 
     prompt = random_prompts(1, 500, min_len=12, max_len=12, seed=31)[0]
     [greedy] = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     stop_id = greedy.token_ids[3]
+    assert len(greedy.text) >= 4
+    stop_text = greedy.text[2:4]
     forced = 77
     cases: list[tuple[dict[str, object], SamplingParams]] = [
         ({"repetition_penalty": 1.3}, SamplingParams(repetition_penalty=1.3)),
@@ -312,6 +314,10 @@ def test_penalties_bias_min_tokens_stop_ids_equal_llm(run, llm: LLM, model_dir: 
         ({"logit_bias": {str(forced): 100}}, SamplingParams(logit_bias={forced: 100.0})),
         ({"logit_bias": {str(stop_id): -100}}, SamplingParams(logit_bias={stop_id: -100.0})),
         ({"stop_token_ids": [stop_id]}, SamplingParams(stop_token_ids=(stop_id,))),
+        (
+            {"stop": [stop_text], "include_stop_str_in_output": True},
+            SamplingParams(stop=(stop_text,), include_stop_str_in_output=True),
+        ),
         (
             {"min_p": 0.2, "temperature": 1.5, "seed": 3},
             SamplingParams(min_p=0.2, temperature=1.5, seed=3),
@@ -342,6 +348,8 @@ def test_penalties_bias_min_tokens_stop_ids_equal_llm(run, llm: LLM, model_dir: 
         assert stop_id not in by_name[json.dumps({"logit_bias": {str(stop_id): -100}})].token_ids
         stopped = by_name[json.dumps({"stop_token_ids": [stop_id]})]
         assert stopped.token_ids == greedy.token_ids[:4] and stopped.finish_reason.value == "stop"
+        kept = by_name[json.dumps({"stop": [stop_text], "include_stop_str_in_output": True})]
+        assert kept.text.endswith(stop_text) and kept.finish_reason.value == "stop"
         late = by_name[json.dumps({"stop_token_ids": [stop_id], "min_tokens": 6})]
         assert len(late.token_ids) >= 6 and stop_id not in late.token_ids[:5]
 

@@ -56,6 +56,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "stop_token_ids": (15, _T.TYPE_UINT32, True),
         "n": (16, _T.TYPE_UINT32, False),
         "min_p": (17, _T.TYPE_FLOAT, False),
+        "include_stop_str_in_output": (18, _T.TYPE_BOOL, False),
     },
     "TopLogprob": {
         "token_id": (1, _T.TYPE_UINT32, False),

@@ -33,6 +33,7 @@ class TokenDelta:
 class OutputState:
     detokenizer: IncrementalDetokenizer
     stops: tuple[str, ...]
+    include_stop: bool = False  # a matched stop string stays in the text (vLLM's option)
     text: str = ""  # all text decoded so far (stop string included until finish)
     emitted: int = 0  # chars of `text` already released to the client
     checked: int = 0  # chars of `text` already searched for stop strings
@@ -53,6 +54,7 @@ class OutputProcessor:
         self._states[request.request_id] = OutputState(
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             request.sampling_params.stop,
+            request.sampling_params.include_stop_str_in_output,
         )
 
     def forget(self, request_id: str) -> None:
@@ -106,14 +108,14 @@ class OutputProcessor:
         # a new match must end in the new text, so it starts at most `holdback` chars earlier
         start = max(0, state.checked - state.holdback)
         state.checked = len(state.text)
-        best = -1
+        best, end = -1, -1
         for stop in state.stops:
             pos = state.text.find(stop, start)
             if pos != -1 and (best == -1 or pos < best):
-                best = pos
+                best, end = pos, pos + len(stop)
         if best == -1:
             return False
-        state.text = state.text[:best]
+        state.text = state.text[: end if state.include_stop else best]
         return True
 
 

@@ -38,6 +38,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many were generated
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # finish with "stop"
     n: int = 1  # completions of the one prompt
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
 
     def __hash__(self) -> int:  # logit_bias is a dict; params are compared, rarely hashed
         return hash((self.max_tokens, self.seed, self.stop, self.n))

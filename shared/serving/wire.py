@@ -68,6 +68,7 @@ def sampling_from_proto(
         min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids),
         n=s.n or 1,
+        include_stop_str_in_output=s.include_stop_str_in_output,
     )
 
 
@@ -89,6 +90,7 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         min_tokens=params.min_tokens,
         stop_token_ids=list(params.stop_token_ids),
         n=params.n,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
     if params.seed is not None:  # unset: the server draws one
         msg.seed = params.seed

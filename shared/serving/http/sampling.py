@@ -67,6 +67,7 @@ def to_sampling_params(
         min_tokens=req.min_tokens or 0,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         n=req.n or 1,
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
 
 

@@ -34,7 +34,6 @@ _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,),
-    "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False),
@@ -68,6 +67,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-100, le=100)]] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
+    include_stop_str_in_output: StrictBool = False  # vLLM extension
     # known, not implemented: refused with a 400 naming them when set
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
     response_format: dict[str, Any] | None = None
@@ -80,7 +80,6 @@ class _Sampling(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     truncate_prompt_tokens: Any = None
-    include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
