@@ -84,8 +84,6 @@ class RemotePrefill:
                 )
             except PrefillFailed as e:
                 last_error = str(e)
-                if e.node_ok:
-                    tried.discard(peer.target)
                 continue
             self.index.correct(peer.target, usable, response.cached_tokens // block)
             self.index.record(peer.target, hashes)
@@ -216,8 +214,8 @@ class RemotePrefill:
         return PrefillFailed(f"{peer.target}: {code.name} {e.details()}")
 
     def _transfer_failure(self, e: Exception, stream: Stream, peer: PrefillPeer) -> Exception:
-        if isinstance(e, TransferReset):
-            return PrefillFailed(f"{peer.target}: {e}", node_ok=True)
+        if isinstance(e, TransferReset):  # this node's doing: the prefill node stays healthy
+            return PrefillFailed(f"{peer.target}: {e}")
         if not isinstance(e, TransferTimeout):  # TransferTimeout is a TransferError too
             self._mark_unhealthy(peer, f"KV transfer failed: {e}")
             return PrefillFailed(f"{peer.target}: KV transfer failed: {e}")

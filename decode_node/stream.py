@@ -17,13 +17,7 @@ if TYPE_CHECKING:
 
 
 class PrefillFailed(Exception):
-    """The prefill node could not serve this attempt; another node (or this one) may.
-    `node_ok`: the node was not at fault (this node reset its KV endpoints): it may be tried
-    again."""
-
-    def __init__(self, message: str, node_ok: bool = False) -> None:
-        super().__init__(message)
-        self.node_ok = node_ok
+    """The prefill node could not serve this attempt; another node (or this one) may."""
 
 
 @dataclass
