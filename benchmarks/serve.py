@@ -280,6 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(a.setups) - set(SETUPS)
     if unknown:
         p.error(f"unknown setups {sorted(unknown)}; choose from {SETUPS}")
+    if a.interference_rounds < 1:
+        p.error(f"--interference-rounds must be >= 1, got {a.interference_rounds}")
     return a
 
 

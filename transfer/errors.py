@@ -17,7 +17,9 @@ class TransferTimeout(TransferError):
 class TransferReset(TransferError):
     """This receiver force-closed its KV endpoints (to end another transfer's stalled write):
     messages in flight on them may be lost, so the transfer was failed at once rather than left
-    to time out. The sender is not at fault; a retry may go to the same node."""
+    to time out. The sender is not at fault (the decode node does not mark it unhealthy); the
+    retry goes to another node, since this one refuses the request id until the cancelled
+    attempt has quiesced."""
 
 
 class TransferCancelled(TransferError):

@@ -103,7 +103,7 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> dict[str, object]:
         service.check_model(model)  # names may hold slashes (org/name): a path parameter
-        return service.models().data[0].model_dump()
+        return service.model_card().model_dump()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -123,14 +123,16 @@ class OpenAIService:
     def tokenizer(self):
         return self.backend.core.tokenizer
 
-    def models(self) -> ModelList:
-        card = ModelCard(
+    def model_card(self) -> ModelCard:
+        return ModelCard(
             id=self.model_name,
             created=self.created,
             root=self.backend.core.loaded.name,
             max_model_len=self.backend.core.max_model_len,
         )
-        return ModelList(data=[card])
+
+    def models(self) -> ModelList:
+        return ModelList(data=[self.model_card()])
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
