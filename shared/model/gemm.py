@@ -78,6 +78,11 @@ def _gemv(dtype: torch.dtype) -> Callable[..., int] | None:
     return entry if entry(p, 1, p, None, p, 1, 1, 1, 1) == 0 else None
 
 
+def gemv_available(dtype: torch.dtype) -> bool:
+    """Whether few-row GEMMs of `dtype` run through the kernel on this machine."""
+    return _gemv(dtype) is not None
+
+
 # Up to how many rows the kernel beats the libraries (measured on AMD Zen 4 over SmolLM2's decode
 # weights, one thread, ms for every layer's GEMMs, kernel vs oneDNN: fp32 1 row 18 vs 30, 2 rows
 # 23 vs 37, 4 rows 32 vs 27; bf16 1 row 9.3 vs 17, 2 rows 10.3 vs 20.5, 4 rows 14.0 vs 15.0, 8

@@ -23,6 +23,7 @@ from torch import nn
 from shared.model import fused_ops
 from shared.model.attention import GatherScratch, paged_attention
 from shared.model.config import ModelConfig, RopeScaling
+from shared.model.decode_stack import DecodeStack
 from shared.model.forward_batch import ForwardBatch
 from shared.model.gemm import PackedGemm
 
@@ -313,6 +314,7 @@ class Model(nn.Module):
             self.lm_head = Linear.empty(config.hidden_size, config.vocab_size, False, device, dtype)
         self._head = PackedGemm(self.lm_head_weight(), None)
         self._scratch = GatherScratch()
+        self._stack = DecodeStack(self.model.layers)
         self.eval()
 
     @property
@@ -351,10 +353,13 @@ class Model(nn.Module):
         with torch.inference_mode():
             x = self.model.embed_tokens(batch.input_ids)
             rope = self.model.rotary_emb(batch.positions, x.dtype)
-            step = StepContext(batch, kv_pool, rope, layer_hook, scratch or self._scratch)
-            pending = None
-            for layer in self.model.layers:
-                pending = layer(x, pending, step)
+            if layer_hook is None and self._stack.usable(batch, x, kv_pool):
+                pending = self._stack.run(x, batch, rope, kv_pool)
+            else:
+                step = StepContext(batch, kv_pool, rope, layer_hook, scratch or self._scratch)
+                pending = None
+                for layer in self.model.layers:
+                    pending = layer(x, pending, step)
             if not all_logits:
                 last = batch.last_token_index
                 x = x.index_select(0, last)

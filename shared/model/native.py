@@ -1,8 +1,8 @@
 """Build, cache and load the C kernels under `kernels/` (bf16 CPU ops torch has no fast path for).
 
 Each kernel is one C file, compiled once per machine with the system C compiler (`$CC`, else
-`cc`) into `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/kernels), keyed by its source, the
-shared headers, the flags and the CPU, and loaded with ctypes. The libraries link against the
+`cc`) into `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/kernels), keyed by every kernel
+source and header, the flags and the CPU, and loaded with ctypes. The libraries link against the
 same `libgomp.so.1` torch uses, so their OpenMP threads are torch's; callers pass torch's thread
 count. No compiler, a failed build or the kernel's switch variable set to 0: `load` returns None
 after one log line, and the caller keeps its torch path.
@@ -63,8 +63,9 @@ def source(name: str) -> Path:
 
 def library_path(name: str, compiler: str) -> Path:
     digest = hashlib.sha256(source(name).read_bytes())
-    for header in sorted(KERNELS.glob("*.h")):
-        digest.update(header.read_bytes())
+    # every kernel file: a kernel may include another's source (decode_stack.c does)
+    for dependency in sorted([*KERNELS.glob("*.h"), *KERNELS.glob("*.c")]):
+        digest.update(dependency.read_bytes())
     digest.update(" ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS)).encode())
     digest.update(_cpu_key().encode())
     return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"

@@ -1,0 +1,174 @@
+"""A small bf16 decode batch through every decoder layer in one native call
+(kernels/decode_stack.c), on CPU.
+
+Why: at batch 1 a decode step is a pass over the weights, and on SmolLM2 the Python between the
+kernels (module calls, shape checks, allocations, nine ctypes calls per layer) took ~3 ms of a
+~13 ms step (docs/performance.md, section 8). The native loop calls the very kernels the layer
+loop of shared/model/llama.py calls, in the same order on the same kinds of buffers, so a step's
+logits are bit-identical either way (tested); it is taken only where that loop would run those
+kernels: bf16, one decode group of up to `gemm.GEMV_ROWS` sequences, no layer hook, every kernel
+available. Anything else keeps the layer loop. `PDSERVE_DECODE_STACK=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from shared.model import fused_ops, gemm, native, paged_decode
+from shared.model.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
+            "input_norm", "post_norm",
+        )
+    ] + [("window", _I)]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, _I) for name in ("M", "hidden", "Hq", "Hk", "D", "inter")),
+        *((name, _I) for name in ("num_blocks", "block_size", "blocks_per_seq")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((name, _P) for name in ("cos", "ssin", "slots", "blocks", "pos")),
+        ("parallel_elements", _I),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    signatures = {
+        "decode_stack_bf16": ([_P, _I, _P, _P, _P, _P, _P], ctypes.c_int),
+        "decode_stack_work": ([_P], _I),
+    }
+    lib = native.load("decode_stack", "PDSERVE_DECODE_STACK", "one-call decode stack", signatures)
+    if lib is None:
+        return None
+    log.info("small bf16 decode batches run every layer in one call (%s)", lib._name)
+    return lib
+
+
+def _kernels_on() -> bool:
+    """Whether the layer loop itself would run every kernel the native loop runs (read per
+    step: each kernel's dtypes and availability are its own module's say)."""
+    bf16 = torch.bfloat16
+    return (
+        bf16 in fused_ops.KERNEL_DTYPES
+        and bf16 in paged_decode.KERNEL_DTYPES
+        and fused_ops.library() is not None
+        and paged_decode.library() is not None
+        and gemm.gemv_available(bf16)
+        and library() is not None
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeStack:
+    """The decoder layers' weight table for the native call, built on first use."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
+        self._layers = layers
+        self._table: ctypes.Array[_Layer] | None = None
+        self._weights_ok: bool | None = None
+
+    def _model_ok(self) -> bool:
+        if self._weights_ok is None:
+            self._weights_ok = all(_layer_ok(m) for m in self._layers)
+        return self._weights_ok and _kernels_on()
+
+    def usable(self, batch: ForwardBatch, x: torch.Tensor, kv_pool: torch.Tensor) -> bool:
+        if len(batch.groups) != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return False
+        group = batch.groups[0]
+        return (
+            group.query_len == 1
+            and not group.fresh
+            and group.token_rows is None
+            and group.query_rows is None
+            and batch.num_tokens == batch.num_seqs <= gemm.GEMV_ROWS[torch.bfloat16]
+            and kv_pool.dtype == torch.bfloat16
+            and kv_pool.is_contiguous()
+            and self._model_ok()
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every layer over x [M, hidden] (the residual stream, updated in place, as the layer
+        loop leaves it); returns the last layer's MLP output [M, hidden]."""
+        lib = library()
+        assert lib is not None
+        if self._table is None:
+            self._table = (_Layer * len(self._layers))(*map(_layer_entry, self._layers))
+        group = batch.groups[0]
+        assert group.kv_blocks is not None
+        blocks = group.kv_blocks.view(batch.num_seqs, -1)
+        pos = group.query_pos[:, 0].contiguous()
+        cos, ssin = (t.reshape(t.shape[0], -1) for t in rope)
+        attn = self._layers[0].self_attn
+        step = _Step(
+            M=batch.num_seqs, hidden=x.shape[1], Hq=attn.num_heads, Hk=attn.num_kv_heads,
+            D=attn.head_dim, inter=self._layers[0].mlp.intermediate_size,
+            num_blocks=kv_pool.shape[2], block_size=kv_pool.shape[3],
+            blocks_per_seq=blocks.shape[1], eps=self._layers[0].input_layernorm.eps,
+            scale=attn.scale, cos=cos.data_ptr(), ssin=ssin.data_ptr(),
+            slots=batch.slot_mapping.data_ptr(), blocks=blocks.data_ptr(), pos=pos.data_ptr(),
+            parallel_elements=fused_ops.PARALLEL_ELEMENTS, nthreads=torch.get_num_threads(),
+        )  # fmt: skip
+        assert cos.is_contiguous() and ssin.is_contiguous() and x.is_contiguous()
+        ref = ctypes.byref(step)
+        work = x.new_empty(lib.decode_stack_work(ref))
+        out = torch.empty_like(x)
+        code = lib.decode_stack_bf16(
+            self._table, len(self._layers), ref, x.data_ptr(), kv_pool.data_ptr(),
+            work.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"decode stack failed ({code}): a slot or shape out of range")
+        return out
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    return t is None or (t.is_contiguous() and t.dtype == torch.bfloat16 and t.device.type == "cpu")
+
+
+def _layer_ok(layer: torch.nn.Module) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    tensors = (
+        attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight, attn.o_proj.bias,
+        mlp.gate_up_weight, mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias,
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+    )  # fmt: skip
+    return all(map(_plain, tensors))
+
+
+def _layer_entry(layer: torch.nn.Module) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        _ptr(attn.qkv_weight), _ptr(attn.qkv_bias), _ptr(attn.o_proj.weight),
+        _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_weight), _ptr(mlp.gate_up_bias),
+        _ptr(mlp.down_proj.weight), _ptr(mlp.down_proj.bias),
+        _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+        attn.window or 0,
+    )  # fmt: skip

@@ -1,0 +1,113 @@
+"""The one-call bf16 decode stack (shared/model/decode_stack.py) against the layer loop it
+replaces: the same logits and the same KV pool bit for bit, for the model shapes the loop
+handles (grouped-query heads, q/k/v, o and MLP biases, sliding-window layers) at every batch
+size it takes; and it stays out of every step it does not cover."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared.engine.kv_cache import allocate_kv_pool
+from shared.model import decode_stack
+from shared.model.decode_stack import DecodeStack
+from shared.model.forward_batch import ForwardBatch, SeqEntry
+from shared.model.gemm import GEMV_ROWS
+from shared.model.llama import Model
+from shared.model.loader import init_dummy_weights, tiny_config
+
+BF16 = torch.bfloat16
+BLOCK = 16
+needs_kernel = pytest.mark.skipif(
+    not decode_stack._kernels_on(), reason="the decode stack cannot run on this machine"
+)
+
+VARIANTS = {
+    "llama-gqa": {},
+    "biases": {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True},
+    "window": {"sliding_window": 20, "sliding_window_layers": (1, 3)},
+    "mha-64": {"num_heads": 2, "num_kv_heads": 2, "head_dim": 64},
+}
+
+
+def _model(variant: str, dtype: torch.dtype = BF16) -> Model:
+    config = dataclasses.replace(tiny_config(), **VARIANTS[variant])
+    model = Model(config, "cpu", dtype)
+    init_dummy_weights(model, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norms and biases away from their 1 / 0 init, so that they count
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                noise = torch.randn(param.shape, generator=gen, dtype=torch.float64) * 0.1
+                param.add_(noise.to(dtype))
+    return model
+
+
+def _decode(
+    model: Model, batch_size: int, steps: int, stack: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Logits of `steps` decode steps of `batch_size` sequences after their prefills, the pool
+    after them, and how many steps the stack ran."""
+    monkeypatch.setattr(decode_stack, "_kernels_on", lambda: stack)
+    runs = 0
+    real_run = DecodeStack.run
+
+    def counted(self: DecodeStack, *args: object) -> torch.Tensor:
+        nonlocal runs
+        runs += 1
+        return real_run(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeStack, "run", counted)
+    pool = allocate_kv_pool(model.config.kv_layout(BLOCK, model.dtype), 24, "cpu")
+    prompts = [[(7 * s + 3 * i) % 250 for i in range(21 + 3 * s)] for s in range(batch_size)]
+    tables = [list(range(5 * s, 5 * s + 5)) for s in range(batch_size)]
+    for prompt, table in zip(prompts, tables, strict=True):
+        model(ForwardBatch.build([SeqEntry(prompt, 0, table)], BLOCK, "cpu"), pool)
+    logits = []
+    for i in range(steps):
+        pairs = zip(prompts, tables, strict=True)
+        entries = [SeqEntry([(p[i] * 5) % 250], len(p) + i, t) for p, t in pairs]
+        logits.append(model(ForwardBatch.build(entries, BLOCK, "cpu"), pool))
+    return torch.stack(logits), pool, runs
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("batch_size", range(1, GEMV_ROWS[BF16] + 1))
+def test_the_stack_equals_the_layer_loop_bitwise(
+    variant: str, batch_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model(variant)
+    steps = 12  # the windowed layers drop keys from the first step on (contexts > 20)
+    stacked, stacked_pool, runs = _decode(model, batch_size, steps, True, monkeypatch)
+    looped, looped_pool, no_runs = _decode(model, batch_size, steps, False, monkeypatch)
+    assert (runs, no_runs) == (steps, 0)
+    assert torch.isfinite(stacked).all()
+    assert torch.equal(stacked, looped)
+    assert torch.equal(stacked_pool, looped_pool)
+
+
+@needs_kernel
+def test_steps_it_does_not_cover_keep_the_layer_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16 = _model("llama-gqa")
+    too_many = GEMV_ROWS[BF16] + 1
+    assert _decode(bf16, too_many, 2, True, monkeypatch)[2] == 0  # the loop's GEMMs: oneDNN
+    assert _decode(_model("llama-gqa", torch.float32), 1, 2, True, monkeypatch)[2] == 0
+    hooked: list[int] = []
+    pool = allocate_kv_pool(bf16.config.kv_layout(BLOCK, BF16), 4, "cpu")
+    bf16(ForwardBatch.build([SeqEntry([1, 2, 3], 0, [0])], BLOCK, "cpu"), pool)
+    batch = ForwardBatch.build([SeqEntry([4], 3, [0])], BLOCK, "cpu")
+    bf16(batch, pool, layer_hook=hooked.append)  # a hook runs between layers: the loop
+    assert hooked == list(range(bf16.config.num_layers))
+
+
+def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    decode_stack.library.cache_clear()
+    monkeypatch.setenv("PDSERVE_DECODE_STACK", "0")
+    try:
+        assert decode_stack.library() is None
+        assert not decode_stack._kernels_on()
+    finally:
+        decode_stack.library.cache_clear()
