@@ -25,6 +25,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from benchmarks.roofline_decode import (
+    DECODE_CONTEXT,
+    DECODE_STEPS,
+    decode_setup,
+    measure_batch,
+    prompt,
+)
 from benchmarks.roofline_parts import (
     DTYPES,
     bandwidth,
@@ -42,8 +49,6 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 
-DECODE_CONTEXT = 128  # prompt tokens of each decode request
-DECODE_STEPS = 8
 PREFILL_TARGET, DECODE_TARGET, PREFILL_TARGET_MIN_TOKENS = 0.7, 0.7, 512
 AGREEMENT_PROMPTS = [
     "The capital of France is",
@@ -70,10 +75,6 @@ def _core(loaded: LoadedModel, dtype: str, batch: int, budget: int, blocks: int)
     return EngineCore(config, loaded)
 
 
-def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
 def _drain(core: EngineCore) -> None:
     while core.has_work:
         core.step()
@@ -84,7 +85,7 @@ def prefill_seconds(core: EngineCore, tokens: int, reps: int) -> list[float]:
     rng, vocab = random.Random(tokens), core.model_config.vocab_size
     times = []
     for i in range(reps + 1):
-        core.add_request(_prompt(rng, tokens, vocab), SamplingParams(max_tokens=1, ignore_eos=True))
+        core.add_request(prompt(rng, tokens, vocab), SamplingParams(max_tokens=1, ignore_eos=True))
         start = time.perf_counter()
         _drain(core)
         if i:
@@ -93,34 +94,7 @@ def prefill_seconds(core: EngineCore, tokens: int, reps: int) -> list[float]:
     return times
 
 
-def decode_setup(core: EngineCore, batch: int, steps: int) -> None:
-    """`batch` requests prefilled and one token in: every later step is a pure decode step."""
-    rng, vocab = random.Random(batch), core.model_config.vocab_size
-    for _ in range(batch):
-        params = SamplingParams(max_tokens=1 + steps, ignore_eos=True)
-        core.add_request(_prompt(rng, DECODE_CONTEXT, vocab), params)
-    while any(not r.output_token_ids for r in core.requests.values()):
-        core.step()
-
-
-def decode_step_seconds(core: EngineCore, batch: int, steps: int) -> list[float]:
-    decode_setup(core, batch, steps)
-    times = []
-    while core.has_work:
-        start = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - start)
-    core.check_conservation()
-    return times[:-1] or times  # the last step also finishes (and frees) every request
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
-def measure_run(
-    model: str, dtype: str, a: argparse.Namespace, read_gbps: dict[int, float], bar: tqdm
-) -> dict[str, Any]:
+def measure_run(model: str, dtype: str, a: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     loaded, source = load_bench_model(model, DTYPES[dtype])
     c, name = loaded.config, {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     lengths = [t for t in a.lengths if t < c.max_context_len]
@@ -140,7 +114,7 @@ def measure_run(
     for threads in a.threads:
         torch.set_num_threads(threads)
         _measure_prefill(run, loaded, dtype, threads, lengths, blocks, a, bar)
-        _measure_decode(run, loaded, dtype, threads, blocks, read_gbps, a, bar)
+        _measure_decode(run, loaded, dtype, threads, blocks, a, bar)
     torch.set_num_threads(a.threads[0])
     run["profile"] = profile_steps(loaded, name, max(lengths), 8, blocks)
     if a.agreement_tokens:
@@ -193,7 +167,6 @@ def _measure_decode(
     dtype: str,
     threads: int,
     blocks: int,
-    read_gbps: dict[int, float],
     a: argparse.Namespace,
     bar: tqdm,
 ) -> None:
@@ -205,21 +178,27 @@ def _measure_decode(
     decode = _core(loaded, name, max(a.batches), 4096, blocks)
     for batch in a.batches:
         bar.set_postfix_str(f"{model} {dtype} {threads}t decode {batch}")
-        step = _median(decode_step_seconds(decode, batch, DECODE_STEPS))
+        m = measure_batch(decode, DTYPES[dtype], batch, a.bandwidth_mib * 2**20, a.reps)
+        step, read = m["step_s"], m["read_gbps"]
         kv_bytes = batch * (DECODE_CONTEXT + DECODE_STEPS // 2) * kv_per_token
-        run["decode"].append(
-            {
-                "batch": batch,
-                "threads": threads,
-                "step_ms": step * 1e3,
-                "output_tokens_per_s": batch / step,
-                "weight_gbps": weights / step / 1e9,
-                "weight_and_kv_gbps": (weights + kv_bytes) / step / 1e9,
-                "bandwidth_ratio": weights / step / 1e9 / read_gbps[threads],
-                "effective_gflops": 2.0 * weights / elem * batch / step / 1e9,
-                "intensity": 2.0 * batch / elem,
-            }
-        )
+        point = {
+            "batch": batch,
+            "threads": threads,
+            "step_ms": step * 1e3,
+            "output_tokens_per_s": batch / step,
+            "weight_gbps": weights / step / 1e9,
+            "weight_and_kv_gbps": (weights + kv_bytes) / step / 1e9,
+            "read_gbps": read,
+            "read_gbps_per_round": m["reads"],
+            "bandwidth_ratio": weights / step / 1e9 / read,
+            "effective_gflops": 2.0 * weights / elem * batch / step / 1e9,
+            "intensity": 2.0 * batch / elem,
+        }
+        if "layer_loop_step_s" in m:  # the same steps without the one-call decode stack
+            loop = m["layer_loop_step_s"]
+            point["layer_loop_step_ms"] = loop * 1e3
+            point["layer_loop_bandwidth_ratio"] = weights / loop / 1e9 / read
+        run["decode"].append(point)
         bar.update()
     del decode
 
@@ -231,7 +210,7 @@ def profile_steps(
     core = _core(loaded, dtype, batch, max(tokens, batch * DECODE_CONTEXT), blocks)
     prefill_seconds(core, tokens, 0)  # warm-up
     core.add_request(
-        _prompt(random.Random(0), tokens, loaded.config.vocab_size),
+        prompt(random.Random(0), tokens, loaded.config.vocab_size),
         SamplingParams(max_tokens=1, ignore_eos=True),
     )
     prefill_ops = top_ops(core.step)
@@ -332,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tqdm(total=points, desc="roofline", unit="pt") as bar:
         for model in a.models:
             for dtype in a.dtypes:
-                runs.append(measure_run(model, dtype, a, {t: bw[t]["read_gbps"] for t in bw}, bar))
+                runs.append(measure_run(model, dtype, a, bar))
                 _report(runs[-1])
                 # a long run keeps what it has measured if it is stopped later
                 write_json(a.out / "roofline.partial.json", {"runs": runs, "bandwidth": bw})
@@ -379,7 +358,14 @@ def _report(run: dict[str, Any]) -> None:
         tqdm.write(
             f"{run['model']:>8} {run['dtype']} {d['threads']}t decode b{d['batch']:<4}: "
             f"{d['step_ms']:7.1f} ms/step  {d['output_tokens_per_s']:8.0f} tok/s  "
-            f"weights {d['weight_gbps']:.1f} GB/s = {d['bandwidth_ratio']:.2f}x bandwidth"
+            f"weights {d['weight_gbps']:.1f} GB/s = {d['bandwidth_ratio']:.2f}x bandwidth "
+            f"({d['read_gbps']:.1f} GB/s)"
+            + (
+                f"; layer loop {d['layer_loop_step_ms']:.1f} ms = "
+                f"{d['layer_loop_bandwidth_ratio']:.2f}x"
+                if "layer_loop_step_ms" in d
+                else ""
+            )
         )
 
 

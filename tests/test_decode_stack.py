@@ -1,7 +1,8 @@
-"""The one-call bf16 decode stack (shared/model/decode_stack.py) against the layer loop it
-replaces: the same logits and the same KV pool bit for bit, for the model shapes the loop
-handles (grouped-query heads, q/k/v, o and MLP biases, sliding-window layers) at every batch
-size it takes; and it stays out of every step it does not cover."""
+"""The one-call decode stack (shared/model/decode_stack.py) against the layer loop it replaces,
+for the model shapes the loop handles (grouped-query heads, q/k/v, o and MLP biases,
+sliding-window layers) at every batch size it takes: in bf16 the same logits and KV pool bit for
+bit; in fp32 within rounding, with the same greedy tokens. And it stays out of every step it
+does not cover."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from shared.model.loader import init_dummy_weights, tiny_config
 BF16 = torch.bfloat16
 BLOCK = 16
 needs_kernel = pytest.mark.skipif(
-    not decode_stack._kernels_on(), reason="the decode stack cannot run on this machine"
+    not (decode_stack._kernels_on(BF16) and decode_stack._kernels_on(torch.float32)),
+    reason="the decode stack cannot run on this machine",
 )
 
 VARIANTS = {
@@ -50,7 +52,8 @@ def _decode(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Logits of `steps` decode steps of `batch_size` sequences after their prefills, the pool
     after them, and how many steps the stack ran."""
-    monkeypatch.setattr(decode_stack, "_kernels_on", lambda: stack)
+    on = decode_stack._kernels_on
+    monkeypatch.setattr(decode_stack, "_kernels_on", lambda dtype: stack and on(dtype))
     runs = 0
     real_run = DecodeStack.run
 
@@ -90,11 +93,26 @@ def test_the_stack_equals_the_layer_loop_bitwise(
 
 
 @needs_kernel
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("batch_size", range(1, GEMV_ROWS[torch.float32] + 1))
+def test_fp32_stack_equals_the_layer_loop_within_rounding(
+    variant: str, batch_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model(variant, torch.float32)
+    stacked, stacked_pool, runs = _decode(model, batch_size, 12, True, monkeypatch)
+    looped, looped_pool, _ = _decode(model, batch_size, 12, False, monkeypatch)
+    assert runs == 12
+    torch.testing.assert_close(stacked, looped, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stacked_pool, looped_pool, rtol=1e-5, atol=1e-5)
+    assert torch.equal(stacked.argmax(-1), looped.argmax(-1))
+
+
+@needs_kernel
 def test_steps_it_does_not_cover_keep_the_layer_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     bf16 = _model("llama-gqa")
-    too_many = GEMV_ROWS[BF16] + 1
-    assert _decode(bf16, too_many, 2, True, monkeypatch)[2] == 0  # the loop's GEMMs: oneDNN
-    assert _decode(_model("llama-gqa", torch.float32), 1, 2, True, monkeypatch)[2] == 0
+    for dtype in (BF16, torch.float32):  # the loop's GEMMs: oneDNN
+        model = bf16 if dtype == BF16 else _model("llama-gqa", dtype)
+        assert _decode(model, GEMV_ROWS[dtype] + 1, 2, True, monkeypatch)[2] == 0
     hooked: list[int] = []
     pool = allocate_kv_pool(bf16.config.kv_layout(BLOCK, BF16), 4, "cpu")
     bf16(ForwardBatch.build([SeqEntry([1, 2, 3], 0, [0])], BLOCK, "cpu"), pool)
@@ -108,6 +126,13 @@ def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_DECODE_STACK", "0")
     try:
         assert decode_stack.library() is None
-        assert not decode_stack._kernels_on()
+        assert not decode_stack._kernels_on(BF16)
     finally:
         decode_stack.library.cache_clear()
+
+
+@needs_kernel
+def test_layer_loop_pauses_it() -> None:
+    with decode_stack.layer_loop():
+        assert not decode_stack._kernels_on(BF16)
+    assert decode_stack._kernels_on(BF16)

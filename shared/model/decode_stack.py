@@ -1,21 +1,26 @@
-"""A small bf16 decode batch through every decoder layer in one native call
-(kernels/decode_stack.c), on CPU.
+"""A small decode batch through every decoder layer in one native call (kernels/decode_stack.c),
+on CPU, bf16 or fp32.
 
 Why: at batch 1 a decode step is a pass over the weights, and on SmolLM2 the Python between the
 kernels (module calls, shape checks, allocations, nine ctypes calls per layer) took ~3 ms of a
-~13 ms step (docs/performance.md, section 8). The native loop calls the very kernels the layer
-loop of shared/model/llama.py calls, in the same order on the same kinds of buffers, so a step's
-logits are bit-identical either way (tested); it is taken only where that loop would run those
-kernels: bf16, one decode group of up to `gemm.GEMV_ROWS` sequences, no layer hook, every kernel
-available. Anything else keeps the layer loop. `PDSERVE_DECODE_STACK=0` turns it off.
+~13 ms bf16 step (docs/performance.md, section 8). In bf16 the native loop calls the very kernels
+the layer loop of shared/model/llama.py calls, in the same order on the same kinds of buffers, so
+a step's logits are bit-identical either way (tested). In fp32 the layer loop's element-wise ops
+are torch's (their bits pinned to transformers' for prefill); the native loop's RMSNorm, RoPE and
+SwiGLU product follow the same formulas but may differ in the last bit, as fp32 decode GEMMs
+already differ from MKL's (shared/model/gemm.py); greedy tokens stay transformers' (tested).
+Taken where the layer loop would run the GEMV and paged decode kernels: one decode group of up to
+`gemm.GEMV_ROWS[dtype]` sequences, no layer hook. Anything else keeps the layer loop.
+`PDSERVE_DECODE_STACK=0` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -25,6 +30,18 @@ from shared.model.forward_batch import ForwardBatch
 log = logging.getLogger(__name__)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_paused = False
+
+
+@contextlib.contextmanager
+def layer_loop() -> Iterator[None]:
+    """Decode steps inside keep the layer loop (a benchmark's baseline in the same run)."""
+    global _paused
+    before, _paused = _paused, True
+    try:
+        yield
+    finally:
+        _paused = before
 
 
 class _Layer(ctypes.Structure):
@@ -53,25 +70,32 @@ class _Step(ctypes.Structure):
 def library() -> ctypes.CDLL | None:
     signatures = {
         "decode_stack_bf16": ([_P, _I, _P, _P, _P, _P, _P], ctypes.c_int),
+        "decode_stack_f32": ([_P, _I, _P, _P, _P, _P, _P], ctypes.c_int),
         "decode_stack_work": ([_P], _I),
     }
     lib = native.load("decode_stack", "PDSERVE_DECODE_STACK", "one-call decode stack", signatures)
     if lib is None:
         return None
-    log.info("small bf16 decode batches run every layer in one call (%s)", lib._name)
+    log.info("small decode batches run every layer in one call (%s)", lib._name)
     return lib
 
 
-def _kernels_on() -> bool:
-    """Whether the layer loop itself would run every kernel the native loop runs (read per
-    step: each kernel's dtypes and availability are its own module's say)."""
-    bf16 = torch.bfloat16
+_ENTRY = {torch.bfloat16: "decode_stack_bf16", torch.float32: "decode_stack_f32"}
+
+
+def _kernels_on(dtype: torch.dtype) -> bool:
+    """Whether the layer loop itself would run the kernels the native loop runs in `dtype` (read
+    per step: each kernel's dtypes and availability are its own module's say)."""
+    # bf16: the loop's element-wise ops are the fused kernels the stack runs (bit-identical
+    # steps); fp32: the loop runs torch's, the stack its own
+    fused = dtype in fused_ops.KERNEL_DTYPES and fused_ops.library() is not None
     return (
-        bf16 in fused_ops.KERNEL_DTYPES
-        and bf16 in paged_decode.KERNEL_DTYPES
-        and fused_ops.library() is not None
+        not _paused
+        and dtype in _ENTRY
+        and (fused or dtype == torch.float32)
+        and dtype in paged_decode.KERNEL_DTYPES
         and paged_decode.library() is not None
-        and gemm.gemv_available(bf16)
+        and gemm.gemv_available(dtype)
         and library() is not None
     )
 
@@ -88,13 +112,13 @@ class DecodeStack:
         self._table: ctypes.Array[_Layer] | None = None
         self._weights_ok: bool | None = None
 
-    def _model_ok(self) -> bool:
+    def _model_ok(self, dtype: torch.dtype) -> bool:
         if self._weights_ok is None:
-            self._weights_ok = all(_layer_ok(m) for m in self._layers)
-        return self._weights_ok and _kernels_on()
+            self._weights_ok = all(_layer_ok(m, dtype) for m in self._layers)
+        return self._weights_ok and _kernels_on(dtype)
 
     def usable(self, batch: ForwardBatch, x: torch.Tensor, kv_pool: torch.Tensor) -> bool:
-        if len(batch.groups) != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if len(batch.groups) != 1 or x.device.type != "cpu":
             return False
         group = batch.groups[0]
         return (
@@ -102,10 +126,10 @@ class DecodeStack:
             and not group.fresh
             and group.token_rows is None
             and group.query_rows is None
-            and batch.num_tokens == batch.num_seqs <= gemm.GEMV_ROWS[torch.bfloat16]
-            and kv_pool.dtype == torch.bfloat16
+            and batch.num_tokens == batch.num_seqs <= gemm.GEMV_ROWS.get(x.dtype, 0)
+            and kv_pool.dtype == x.dtype
             and kv_pool.is_contiguous()
-            and self._model_ok()
+            and self._model_ok(x.dtype)
         )
 
     def run(
@@ -140,7 +164,7 @@ class DecodeStack:
         ref = ctypes.byref(step)
         work = x.new_empty(lib.decode_stack_work(ref))
         out = torch.empty_like(x)
-        code = lib.decode_stack_bf16(
+        code = getattr(lib, _ENTRY[x.dtype])(
             self._table, len(self._layers), ref, x.data_ptr(), kv_pool.data_ptr(),
             work.data_ptr(), out.data_ptr(),
         )  # fmt: skip
@@ -149,18 +173,18 @@ class DecodeStack:
         return out
 
 
-def _plain(t: torch.Tensor | None) -> bool:
-    return t is None or (t.is_contiguous() and t.dtype == torch.bfloat16 and t.device.type == "cpu")
+def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is None or (t.is_contiguous() and t.dtype == dtype and t.device.type == "cpu")
 
 
-def _layer_ok(layer: torch.nn.Module) -> bool:
+def _layer_ok(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     tensors = (
         attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight, attn.o_proj.bias,
         mlp.gate_up_weight, mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias,
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
     )  # fmt: skip
-    return all(map(_plain, tensors))
+    return all(_plain(t, dtype) for t in tensors)
 
 
 def _layer_entry(layer: torch.nn.Module) -> _Layer:

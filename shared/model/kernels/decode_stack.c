@@ -1,11 +1,16 @@
-/* A small bf16 decode batch (one new token per sequence) through every decoder layer in one call.
+/* A small decode batch (one new token per sequence) through every decoder layer in one call,
+ * bf16 or fp32.
  *
  * At batch 1 a layer's kernels take ~300 us on SmolLM2 and the Python around them (module calls,
  * shape checks, tensor allocations, nine ctypes calls) another ~100: a quarter of the step went
- * to dispatch (docs/performance.md, section 8). This file runs the same kernels, in the same
- * order on the same buffers as shared/model/llama.py's layer loop, so its outputs equal that
- * path's bit for bit; it only removes the interpreter between them. It is a unity build: the
- * kernels' sources are included, not linked (each kernel is its own library for the torch path).
+ * to dispatch (docs/performance.md, section 8). In bf16 this file runs the same kernels, in the
+ * same order on the same buffers as shared/model/llama.py's layer loop, so its outputs equal that
+ * path's bit for bit; it only removes the interpreter between them. In fp32 the loop runs torch's
+ * element-wise ops (their bits pinned to transformers' for prefill); here RMSNorm, RoPE and
+ * SwiGLU's product are plain C loops with the same formulas and roundings, whose sums and exp
+ * may differ from torch's in the last bit, as the decode GEMMs already do (shared/model/gemm.py).
+ * It is a unity build: the kernels' sources are included, not linked (each kernel is its own
+ * library for the layer loop).
  *
  * Per layer (llama.DecoderLayer.forward):
  *   h = RMSNorm(x += pending)           pending: the previous layer's MLP output (none at 0)
@@ -15,16 +20,71 @@
  *   pending = (silu(gate) * up)(h @ Wgu^T + b) @ Wdown^T + b
  * The final norm and the LM head stay with the caller (`pending` is returned in `out`).
  */
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "fused_ops.c"
 #include "paged_decode.c"
 #include "skinny_gemm.c"
 
-/* One decoder layer's weights (bf16, torch's [out, in] layout, contiguous); biases may be NULL. */
+/* ---- fp32 element-wise ops: fused_ops.c's signatures, llama.py's formulas ------------------ */
+
+static void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
+                             int64_t rows, int64_t dim, int64_t x_row, int64_t delta_row,
+                             float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * x_row, *o = out + r * dim, sq = 0.0f;
+        const float *d = delta ? delta + r * delta_row : NULL;
+        for (int64_t i = 0; i < dim; i++) {
+            if (d) xr[i] += d[i];
+            sq += xr[i] * xr[i];
+        }
+        volatile float root = sqrtf(sq / (float)dim + eps); /* torch: 1 / sqrt, not rsqrt */
+        const float inv = 1.0f / root;
+        for (int64_t i = 0; i < dim; i++) {
+            volatile float scaled = xr[i] * inv; /* rounded before the weight, as torch */
+            o[i] = scaled * weight[i];
+        }
+    }
+}
+
+static void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                         int64_t row_stride, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * row_stride, *u = g + inter;
+        for (int64_t i = 0; i < inter; i++) out[r * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+static int rope_store_f32(const float *qkv, const float *cos, const float *ssin, float *qk,
+                          float *k_plane, float *v_plane, const int64_t *slots, int64_t T,
+                          int64_t Hq, int64_t Hk, int64_t D, int64_t row, int64_t num_slots,
+                          int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    const int64_t H = Hq + Hk, h2 = D / 2;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = ssin + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = qkv + t * row + h * D;
+            float *o = qk + (t * H + h) * D;
+            for (int64_t i = 0; i < D; i++) o[i] = x[i] * c[i] + x[i < h2 ? i + h2 : i - h2] * s[i];
+        }
+        memcpy(k_plane + slots[t] * Hk * D, qk + (t * H + Hq) * D, (size_t)(Hk * D) * 4);
+        memcpy(v_plane + slots[t] * Hk * D, qkv + t * row + H * D, (size_t)(Hk * D) * 4);
+    }
+    return 0;
+}
+
+/* One decoder layer's weights (bf16 or fp32, torch's [out, in] layout, contiguous); biases may
+ * be NULL. */
 typedef struct {
-    const uint16_t *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
-    const uint16_t *input_norm, *post_norm;
+    const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    const void *input_norm, *post_norm;
     int64_t window; /* sliding window of this layer, 0 for full attention */
 } DecodeLayer;
 
@@ -33,7 +93,7 @@ typedef struct {
     int64_t M, hidden, Hq, Hk, D, inter;
     int64_t num_blocks, block_size, blocks_per_seq; /* pool: [L, 2, NB, BS, Hk, D] contiguous */
     float eps, scale;
-    const uint16_t *cos, *ssin; /* [M, D] */
+    const void *cos, *ssin; /* [M, D], the model's element type */
     const int64_t *slots, *blocks, *pos;
     int64_t parallel_elements; /* element-wise ops fork threads from this many elements */
     int nthreads;
@@ -44,7 +104,7 @@ static inline int64_t stack_work_elements(const DecodeStep *s) {
     return s->M * (2 * s->hidden + qkv + qk + s->Hq * s->D + 3 * s->inter);
 }
 
-/* Elements of bf16 scratch `work` must hold for this step. */
+/* Elements (of the model's type) scratch `work` must hold for this step. */
 int64_t decode_stack_work(const DecodeStep *s) { return stack_work_elements(s); }
 
 static inline int ew_threads(const DecodeStep *s, int64_t elements) {
@@ -52,41 +112,49 @@ static inline int ew_threads(const DecodeStep *s, int64_t elements) {
 }
 
 /* x [M, hidden] contiguous: the residual stream, updated in place; out [M, hidden]: the last
- * layer's MLP output; pool: every layer's KV, [L, 2, NB, BS, Hk, D]. Returns 0; -1 (before
- * anything is written) where a shape or slot is outside the kernels' range or this CPU lacks
- * AVX-512 BF16; -2 if attention's scratch memory could not be had (the step is then lost). */
-int decode_stack_bf16(const DecodeLayer *layers, int64_t num_layers, const DecodeStep *s,
-                      uint16_t *x, uint16_t *pool, uint16_t *work, uint16_t *out) {
-    const int64_t M = s->M, H = s->hidden, Hq = s->Hq, Hk = s->Hk, D = s->D, I = s->inter;
-    const int64_t qkv_w = (Hq + 2 * Hk) * D, qk_w = (Hq + Hk) * D;
-    const int64_t slots = s->num_blocks * s->block_size;
-    if (M < 1 || M > MB || Hk <= 0 || Hq % Hk || Hq > MAX_HEADS || D <= 0 || D % 2) return -1;
-    for (int64_t t = 0; t < M; t++)
-        if (s->slots[t] < 0 || s->slots[t] >= slots) return -1;
-    uint16_t probe = 0;
-    if (skinny_gemm_bf16(&probe, 1, &probe, NULL, &probe, 1, 1, 1, 1) != 0) return -1;
-
-    uint16_t *h = work, *qkv = h + M * H, *qk = qkv + M * qkv_w, *attn = qk + M * qk_w;
-    uint16_t *o = attn + M * Hq * D, *gate_up = o + M * H, *act = gate_up + M * 2 * I;
-    const int64_t layer_elements = 2 * slots * Hk * D;
-    const int nt = s->nthreads;
-    for (int64_t l = 0; l < num_layers; l++) {
-        const DecodeLayer *w = layers + l;
-        uint16_t *k_plane = pool + l * layer_elements, *v_plane = k_plane + layer_elements / 2;
-        add_rms_norm(x, l ? out : NULL, w->input_norm, h, M, H, H, H, s->eps,
-                     ew_threads(s, M * H));
-        skinny_gemm_bf16(h, H, w->qkv_w, w->qkv_b, qkv, M, qkv_w, H, nt);
-        rope_store(qkv, s->cos, s->ssin, qk, k_plane, v_plane, s->slots, M, Hq, Hk, D, qkv_w,
-                   slots, ew_threads(s, M * qkv_w));
-        const int code = paged_decode(qk, k_plane, attn, s->blocks, s->pos, M,
-                                      s->blocks_per_seq, Hq, Hk, D, s->num_blocks,
-                                      s->block_size, qk_w, D, s->scale, w->window, 1, nt);
-        if (code != 0) return code;
-        skinny_gemm_bf16(attn, Hq * D, w->o_w, w->o_b, o, M, H, Hq * D, nt);
-        add_rms_norm(x, o, w->post_norm, h, M, H, H, H, s->eps, ew_threads(s, M * H));
-        skinny_gemm_bf16(h, H, w->gate_up_w, w->gate_up_b, gate_up, M, 2 * I, H, nt);
-        silu_mul(gate_up, act, M, I, 2 * I, ew_threads(s, M * I));
-        skinny_gemm_bf16(act, I, w->down_w, w->down_b, out, M, H, I, nt);
+ * layer's MLP output; pool: every layer's KV, [L, 2, NB, BS, Hk, D]; weights in the table of
+ * the same element type. Returns 0; -1 (before anything is written) where a shape or slot is
+ * outside the kernels' range or this CPU lacks the GEMM's instructions; -2 if attention's
+ * scratch memory could not be had (the step is then lost). */
+#define DEFINE_STACK(NAME, T, GEMM, NORM, ROPE, SILU, IS_BF16)                                    \
+    int NAME(const DecodeLayer *layers, int64_t num_layers, const DecodeStep *s, T *x, T *pool,  \
+             T *work, T *out) {                                                                   \
+        const int64_t M = s->M, H = s->hidden, Hq = s->Hq, Hk = s->Hk, D = s->D, I = s->inter;   \
+        const int64_t qkv_w = (Hq + 2 * Hk) * D, qk_w = (Hq + Hk) * D;                            \
+        const int64_t slots = s->num_blocks * s->block_size;                                      \
+        if (M < 1 || M > MB || Hk <= 0 || Hq % Hk || Hq > MAX_HEADS || D <= 0 || D % 2)           \
+            return -1;                                                                            \
+        for (int64_t t = 0; t < M; t++)                                                           \
+            if (s->slots[t] < 0 || s->slots[t] >= slots) return -1;                               \
+        T probe = 0;                                                                              \
+        if (GEMM(&probe, 1, &probe, NULL, &probe, 1, 1, 1, 1) != 0) return -1;                    \
+        T *h = work, *qkv = h + M * H, *qk = qkv + M * qkv_w, *attn = qk + M * qk_w;              \
+        T *o = attn + M * Hq * D, *gate_up = o + M * H, *act = gate_up + M * 2 * I;               \
+        const int64_t layer_elements = 2 * slots * Hk * D;                                        \
+        const int nt = s->nthreads;                                                               \
+        for (int64_t l = 0; l < num_layers; l++) {                                                \
+            const DecodeLayer *w = layers + l;                                                    \
+            T *k_plane = pool + l * layer_elements, *v_plane = k_plane + layer_elements / 2;      \
+            NORM(x, l ? out : NULL, (const T *)w->input_norm, h, M, H, H, H, s->eps,             \
+                 ew_threads(s, M * H));                                                           \
+            GEMM(h, H, (const T *)w->qkv_w, (const T *)w->qkv_b, qkv, M, qkv_w, H, nt);           \
+            ROPE(qkv, (const T *)s->cos, (const T *)s->ssin, qk, k_plane, v_plane, s->slots, M,   \
+                 Hq, Hk, D, qkv_w, slots, ew_threads(s, M * qkv_w));                              \
+            const int code = paged_decode(qk, k_plane, attn, s->blocks, s->pos, M,                \
+                                          s->blocks_per_seq, Hq, Hk, D, s->num_blocks,            \
+                                          s->block_size, qk_w, D, s->scale, w->window, IS_BF16,   \
+                                          nt);                                                    \
+            if (code != 0) return code;                                                           \
+            GEMM(attn, Hq * D, (const T *)w->o_w, (const T *)w->o_b, o, M, H, Hq * D, nt);        \
+            NORM(x, o, (const T *)w->post_norm, h, M, H, H, H, s->eps, ew_threads(s, M * H));    \
+            GEMM(h, H, (const T *)w->gate_up_w, (const T *)w->gate_up_b, gate_up, M, 2 * I, H,    \
+                 nt);                                                                             \
+            SILU(gate_up, act, M, I, 2 * I, ew_threads(s, M * I));                                \
+            GEMM(act, I, (const T *)w->down_w, (const T *)w->down_b, out, M, H, I, nt);           \
+        }                                                                                         \
+        return 0;                                                                                 \
     }
-    return 0;
-}
+
+DEFINE_STACK(decode_stack_bf16, uint16_t, skinny_gemm_bf16, add_rms_norm, rope_store, silu_mul, 1)
+DEFINE_STACK(decode_stack_f32, float, skinny_gemm_f32, add_rms_norm_f32, rope_store_f32,
+             silu_mul_f32, 0)
