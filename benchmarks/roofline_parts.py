@@ -8,6 +8,7 @@ import importlib.util
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -139,19 +140,27 @@ def best_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def matmul_ceiling(c: ModelConfig, dtype: torch.dtype, tokens: int, reps: int) -> dict[str, Any]:
-    """Bare F.linear GFLOP/s for each of the model's GEMM shapes at `tokens` rows, and the
-    aggregate a layer would reach if every GEMM ran at its bare speed."""
+    """Bare GEMM GFLOP/s for each of the model's GEMM shapes at `tokens` rows, the faster of
+    `F.linear` (MKL in fp32) and oneDNN on a pre-packed weight (MKL runs a slow path on AMD), and
+    the aggregate a layer would reach if every GEMM ran at its bare speed."""
     gen = torch.Generator().manual_seed(0)
     shapes, flops_total, time_total = [], 0.0, 0.0
     for n_in, n_out in linear_shapes(c):
         x = torch.randn(tokens, n_in, generator=gen).to(dtype)
         w = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
         seconds = best_time(lambda x=x, w=w: F.linear(x, w), reps)
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            seconds = min(seconds, best_time(partial(_onednn_linear, x, packed), reps))
         flops = 2.0 * tokens * n_in * n_out
         shapes.append({"in": n_in, "out": n_out, "gflops": flops / seconds / 1e9})
         flops_total += flops
         time_total += seconds
     return {"tokens": tokens, "gflops": flops_total / time_total / 1e9, "shapes": shapes}
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def bandwidth(num_bytes: int, reps: int) -> dict[str, float]:

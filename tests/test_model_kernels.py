@@ -90,15 +90,49 @@ def assert_same(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Non
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_fp32_prefill_rows_keep_mkl_bits() -> None:
-    """More rows than a decode batch: `F.linear` itself, transformers' library and bits."""
+@pytest.fixture
+def fp32_gemm(monkeypatch: pytest.MonkeyPatch):
+    """Sets PDSERVE_FP32_GEMM for one test (the choice is read once per process)."""
+
+    def choose(value: str) -> None:
+        monkeypatch.setenv("PDSERVE_FP32_GEMM", value)
+        gemm_module.fp32_rows_onednn.cache_clear()
+
+    yield choose
+    gemm_module.fp32_rows_onednn.cache_clear()
+
+
+@pytest.mark.parametrize("choice", ["mkl", "onednn"])
+def test_fp32_prefill_rows_follow_the_choice(choice: str, fp32_gemm) -> None:
+    """More rows than a decode batch: `mkl` is `F.linear` itself, transformers' library and
+    bits; `onednn` the packed copy, within float rounding of it (rows padded to a bucket)."""
+    fp32_gemm(choice)
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(80, 96, generator=gen)
-    x = torch.randn(EXACT_ROWS + 1, 96, generator=gen)
-    gemm = PackedGemm(weight, None)
-    with torch.inference_mode():
-        assert torch.equal(gemm(x), F.linear(x, weight))
-    assert gemm._packed is None
+    bias = torch.randn(80, generator=gen)
+    gemm = PackedGemm(weight, bias)
+    for rows in (EXACT_ROWS + 1, 300):
+        x = torch.randn(rows, 96, generator=gen)
+        with torch.inference_mode():
+            out = gemm(x)
+        if choice == "mkl":
+            assert torch.equal(out, F.linear(x, weight, bias))
+            assert gemm._packed is None
+        elif torch.backends.mkldnn.is_available():
+            assert out.shape == (rows, 80) and gemm._packed is not None
+            torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_fp32_gemm_auto_follows_the_vendor_and_bad_values_are_refused(
+    fp32_gemm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for vendor, onednn in (("GenuineIntel", False), ("AuthenticAMD", True), ("", False)):
+        monkeypatch.setattr(gemm_module, "cpu_vendor", lambda vendor=vendor: vendor)
+        fp32_gemm("auto")
+        assert gemm_module.fp32_rows_onednn() is onednn
+    fp32_gemm("fast")
+    with pytest.raises(ValueError, match="PDSERVE_FP32_GEMM='fast': expected one of"):
+        gemm_module.fp32_rows_onednn()
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(80, 96), (37, 100), (3072, 576)])

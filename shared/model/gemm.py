@@ -16,7 +16,11 @@
   these row counts ran at a third to a half of oneDNN's speed on AMD Zen 4 (where vLLM's oneDNN
   GEMMs outran pdserve 2x in fp32). Costs a second copy of the fp32 weights.
 - **fp32, more rows** (prefill): `F.linear` (MKL), the library transformers runs, so prompt
-  logits keep transformers' bits.
+  logits keep transformers' bits; except where MKL runs a slow path (`fp32_rows_onednn`): MKL
+  picks its code path by CPU vendor, and on AMD it ran SmolLM2's prefill GEMMs at 92 GFLOP/s
+  where oneDNN on the packed copy ran 216 (Zen 5, one thread, 512 rows). There fp32 prefill
+  GEMMs go to oneDNN too, and prompt logits are within float rounding of transformers' instead
+  of equal (greedy tokens equal in every parity test). `PDSERVE_FP32_GEMM=mkl|onednn|auto`.
 
 The kernel and oneDNN sum in other orders than MKL: a decode step's fp32 outputs may differ from
 MKL's in the last bits (bf16: by one bf16 step in a few outputs). MKL itself is not
@@ -33,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 
 from shared.engine.utils import cdiv
 from shared.model import native
+from shared.model.native import cpu_vendor
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +143,7 @@ class PackedGemm:
             return onednn_bf16_available()
         return (
             dtype == torch.float32
-            and x.shape[0] <= EXACT_ROWS
+            and (x.shape[0] <= EXACT_ROWS or fp32_rows_onednn())
             and torch.backends.mkldnn.is_available()
         )
 
@@ -161,6 +167,26 @@ class PackedGemm:
             pad_rows(x).contiguous(), self._packed, bias, "none", [], ""
         )
         return out if out.shape[0] == rows else out[:rows]
+
+
+FP32_GEMM_CHOICES = ("auto", "mkl", "onednn")
+
+
+@functools.cache
+def fp32_rows_onednn() -> bool:
+    """Whether fp32 GEMMs past EXACT_ROWS rows (prefill) run oneDNN rather than MKL: `auto` (the
+    default of `PDSERVE_FP32_GEMM`) where the CPU is not Intel's, whose MKL path is the fast one
+    (see the module docstring)."""
+    choice = os.environ.get("PDSERVE_FP32_GEMM", "auto")
+    if choice not in FP32_GEMM_CHOICES:
+        raise ValueError(f"PDSERVE_FP32_GEMM={choice!r}: expected one of {FP32_GEMM_CHOICES}")
+    vendor = cpu_vendor()
+    onednn = choice == "onednn" or (choice == "auto" and vendor not in ("GenuineIntel", ""))
+    log.info(
+        "fp32 prefill GEMMs: %s (PDSERVE_FP32_GEMM=%s, CPU vendor %s)",
+        "oneDNN" if onednn else "MKL, transformers' bits", choice, vendor or "unknown",
+    )  # fmt: skip
+    return onednn
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:

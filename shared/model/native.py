@@ -53,6 +53,12 @@ def _cpuinfo_field(name: str) -> str:
     return next((ln for ln in lines if ln.split(":")[0].strip() == name), "")
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where there is none)."""
+    line = _cpuinfo_field("vendor_id")
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
 def _cpu_key() -> str:
     return platform.machine() + _cpuinfo_field("flags")
 
