@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -39,6 +40,11 @@ def test_release_pool_ends_the_callers_idle_workers() -> None:
         pool = _os_threads() - start  # the workers the parallel region started
         result["with_pool"] = len(pool)
         result["released"] = openmp.release_pool()
+        # libgomp's workers leave the pool before the call returns but end their OS threads
+        # after it (they are detached): wait for them, up to a bound no idle worker outlives
+        deadline = time.monotonic() + 5.0
+        while pool & _os_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
         result["after"] = len(pool & _os_threads())  # of those, still alive
 
     t = threading.Thread(target=body)
