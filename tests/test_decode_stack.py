@@ -136,3 +136,16 @@ def test_layer_loop_pauses_it() -> None:
     with decode_stack.layer_loop():
         assert not decode_stack._kernels_on(BF16)
     assert decode_stack._kernels_on(BF16)
+
+
+@needs_kernel
+def test_a_slot_outside_the_pool_is_refused_before_anything_is_written() -> None:
+    model = _model("llama-gqa")
+    pool = allocate_kv_pool(model.config.kv_layout(BLOCK, BF16), 4, "cpu")
+    model(ForwardBatch.build([SeqEntry([1, 2, 3], 0, [0])], BLOCK, "cpu"), pool)
+    batch = ForwardBatch.build([SeqEntry([4], 3, [0])], BLOCK, "cpu")
+    batch.slot_mapping.fill_(4 * BLOCK)  # one past the pool's last slot
+    before = pool.clone()
+    with pytest.raises(IndexError, match="a KV slot outside the pool's 64"):
+        model(batch, pool)
+    assert torch.equal(pool, before)

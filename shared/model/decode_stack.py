@@ -168,9 +168,18 @@ class DecodeStack:
             self._table, len(self._layers), ref, x.data_ptr(), kv_pool.data_ptr(),
             work.data_ptr(), out.data_ptr(),
         )  # fmt: skip
-        if code != 0:
-            raise RuntimeError(f"decode stack failed ({code}): a slot or shape out of range")
+        if code == -2:  # attention's per-thread scratch: the step is lost, as on any OOM
+            raise MemoryError("decode stack: no memory for attention's scratch")
+        if code != 0:  # checked before anything is written
+            raise IndexError(
+                f"decode stack: a KV slot outside the pool's {num_slots(kv_pool)} or a shape "
+                "out of the kernels' range"
+            )
         return out
+
+
+def num_slots(kv_pool: torch.Tensor) -> int:
+    return kv_pool.shape[2] * kv_pool.shape[3]
 
 
 def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
