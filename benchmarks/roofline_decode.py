@@ -20,7 +20,6 @@ from benchmarks.roofline_parts import bandwidth
 from shared.engine.core import EngineCore
 from shared.engine.sampling_params import SamplingParams
 from shared.model import decode_stack
-from shared.model.gemm import GEMV_ROWS
 
 DECODE_CONTEXT = 128  # prompt tokens of each decode request
 DECODE_STEPS = 16  # steps per round and mode (the last one, which frees, not counted)
@@ -56,10 +55,6 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def stack_covers(dtype: torch.dtype, batch: int) -> bool:
-    return batch <= GEMV_ROWS.get(dtype, 0)
-
-
 def measure_batch(
     core: EngineCore, dtype: torch.dtype, batch: int, read_bytes: int, reps: int
 ) -> dict[str, Any]:
@@ -70,7 +65,7 @@ def measure_batch(
     for _ in range(ROUNDS):
         reads.append(bandwidth(read_bytes, reps)["read_gbps"])
         steps["step"] += decode_step_seconds(core, batch, DECODE_STEPS)
-        if stack_covers(dtype, batch):
+        if decode_stack.covers(dtype, batch):
             with decode_stack.layer_loop():
                 steps["layer_loop"] += decode_step_seconds(core, batch, DECODE_STEPS)
     result = {"step_s": median(steps["step"]), "read_gbps": median(reads), "reads": reads}

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.config import ModelConfig
+from shared.model.gemm import onednn_linear, pack_onednn
 from shared.model.llama import Model
 from shared.model.loader import LoadedModel, init_dummy_weights, load_model
 from shared.model.tokenizer import ByteTokenizer
@@ -150,17 +151,13 @@ def matmul_ceiling(c: ModelConfig, dtype: torch.dtype, tokens: int, reps: int) -
         w = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
         seconds = best_time(lambda x=x, w=w: F.linear(x, w), reps)
         if torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w)
-            seconds = min(seconds, best_time(partial(_onednn_linear, x, packed), reps))
+            packed = pack_onednn(w)
+            seconds = min(seconds, best_time(partial(onednn_linear, x, packed), reps))
         flops = 2.0 * tokens * n_in * n_out
         shapes.append({"in": n_in, "out": n_out, "gflops": flops / seconds / 1e9})
         flops_total += flops
         time_total += seconds
     return {"tokens": tokens, "gflops": flops_total / time_total / 1e9, "shapes": shapes}
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def bandwidth(num_bytes: int, reps: int) -> dict[str, float]:

@@ -100,6 +100,12 @@ def _kernels_on(dtype: torch.dtype) -> bool:
     )
 
 
+def covers(dtype: torch.dtype, rows: int) -> bool:
+    """Whether a decode step of `rows` sequences in `dtype` is in the stack's range: the rows
+    whose GEMMs the layer loop sends to the GEMV kernel."""
+    return rows <= gemm.GEMV_ROWS.get(dtype, 0)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -126,7 +132,8 @@ class DecodeStack:
             and not group.fresh
             and group.token_rows is None
             and group.query_rows is None
-            and batch.num_tokens == batch.num_seqs <= gemm.GEMV_ROWS.get(x.dtype, 0)
+            and batch.num_tokens == batch.num_seqs
+            and covers(x.dtype, batch.num_seqs)
             and kv_pool.dtype == x.dtype
             and kv_pool.is_contiguous()
             and self._model_ok(x.dtype)

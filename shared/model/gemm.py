@@ -159,14 +159,24 @@ class PackedGemm:
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         version = _version(self.weight)
         if self._packed is None or version != self._version:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self._packed = pack_onednn(self.weight.detach())
             self._version = version
         bias = None if self.bias is None else self.bias.detach()
         rows = x.shape[0]
-        out = torch.ops.mkldnn._linear_pointwise(
-            pad_rows(x).contiguous(), self._packed, bias, "none", [], ""
-        )
+        out = onednn_linear(pad_rows(x).contiguous(), self._packed, bias)
         return out if out.shape[0] == rows else out[:rows]
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T + bias through oneDNN on a weight from `pack_onednn`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 FP32_GEMM_CHOICES = ("auto", "mkl", "onednn")

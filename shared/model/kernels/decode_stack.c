@@ -99,13 +99,11 @@ typedef struct {
     int nthreads;
 } DecodeStep;
 
-static inline int64_t stack_work_elements(const DecodeStep *s) {
+/* Elements (of the model's type) scratch `work` must hold for this step. */
+int64_t decode_stack_work(const DecodeStep *s) {
     const int64_t qkv = (s->Hq + 2 * s->Hk) * s->D, qk = (s->Hq + s->Hk) * s->D;
     return s->M * (2 * s->hidden + qkv + qk + s->Hq * s->D + 3 * s->inter);
 }
-
-/* Elements (of the model's type) scratch `work` must hold for this step. */
-int64_t decode_stack_work(const DecodeStep *s) { return stack_work_elements(s); }
 
 static inline int ew_threads(const DecodeStep *s, int64_t elements) {
     return elements >= s->parallel_elements ? s->nthreads : 1;
