@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from decode_node.push_mode import PUSH_MODES
 from shared.engine.config import EngineConfig
 from shared.serving.limits import (
     HEALTH_CHECK_INTERVAL_S,
@@ -66,7 +67,10 @@ class DecodeNodeConfig:
     prefill_routing: str = "kv"
     # `pdserve colocated`: no prefill nodes, every prompt prefilled here (NODE_ROLE_COLOCATED)
     colocated: bool = False
-    layerwise: bool = True  # push each layer as it is computed (False: whole request at the end)
+    # how prefill nodes push the KV: layer by layer as it is computed, the whole request after
+    # the last layer, or auto (whole from a prefill node on this host into a CPU pool, layer-wise
+    # otherwise: decode_node/push_mode.py says why)
+    push: str = "auto"
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
 
@@ -90,6 +94,8 @@ class DecodeNodeConfig:
 
     def validate(self) -> None:
         self.engine.validate()
+        if self.push not in PUSH_MODES:
+            raise ValueError(f"--push must be one of {', '.join(PUSH_MODES)}, got {self.push!r}")
         if self.colocated and self.prefill_targets:
             raise ValueError("a colocated node takes no prefill targets (--prefill)")
         if not self.prefill_targets and not self.colocated:

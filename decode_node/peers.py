@@ -26,6 +26,7 @@ class PrefillPeer(Replica):
     stub: prefill_pb2_grpc.PrefillStub = field(default=None)  # type: ignore[assignment]
     layout: generation_pb2.KvLayoutInfo | None = None
     num_kv_blocks: int = 0  # its pool, as it reports it (0: not reported)
+    layerwise: bool | None = None  # the push asked of it (decode_node/push_mode.py); None: not yet
 
     def forget(self) -> None:
         self.layout = None  # a restarted node may come back with another model

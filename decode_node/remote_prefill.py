@@ -16,6 +16,7 @@ from grpc import aio
 from decode_node.config import DecodeNodeConfig
 from decode_node.kv_router import PrefixIndex, prefill_cost
 from decode_node.peers import LayoutMismatch, PrefillPeer
+from decode_node.push_mode import pushes_layerwise
 from decode_node.stream import PrefillFailed, Stream
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
 from shared.engine.logprobs import TokenLogprobs
@@ -46,8 +47,10 @@ class RemotePrefill:
         receiver: KvReceiver,
         metrics: NodeMetrics,
         layout: generation_pb2.KvLayoutInfo,
+        kv_on_cpu: bool,
     ):
         self.config = config
+        self.kv_on_cpu = kv_on_cpu
         self.pool = pool
         self.receiver = receiver
         self.metrics = metrics
@@ -117,6 +120,17 @@ class RemotePrefill:
 
         return kv
 
+    def _layerwise(self, peer: PrefillPeer) -> bool:
+        if peer.layerwise is None:
+            peer.layerwise = pushes_layerwise(self.config.push, peer.target, self.kv_on_cpu)
+            log.info(
+                "prefill node %s: %s KV push (--push %s)",
+                peer.target,
+                "layer-wise" if peer.layerwise else "whole-request",
+                self.config.push,
+            )
+        return peer.layerwise
+
     def _mark_unhealthy(self, peer: PrefillPeer, why: str) -> None:
         self.pool.mark_unhealthy(peer, why)
         self.index.forget_node(peer.target)  # it may come back restarted, its cache empty
@@ -144,6 +158,7 @@ class RemotePrefill:
         if stream.deadline is not None:
             budget = min(budget, max(0.001, stream.deadline - time.monotonic()))
         request = self._prefill_request(stream, prompt, params, dest, grant.first_block)
+        request.layerwise = self._layerwise(peer)
         call = peer.stub.Prefill(request, timeout=budget)
         landed = asyncio.ensure_future(
             self.receiver.wait(dest.transfer_id, min(budget, self.config.kv_transfer_timeout))
@@ -269,7 +284,6 @@ class RemotePrefill:
                 first_block_index=first_block,
                 layout_fingerprint=self.layout_info.fingerprint,
             ),
-            layerwise=self.config.layerwise,
         )
 
 

@@ -213,6 +213,12 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     )
 
 
+def _push_mode(a: argparse.Namespace) -> str:
+    if a.whole_request_push and a.push not in (None, "whole"):
+        raise SystemExit(f"--whole-request-push contradicts --push {a.push}")
+    return "whole" if a.whole_request_push else a.push or "auto"
+
+
 def cmd_decode(a: argparse.Namespace) -> int:
     from pdserve.nodes import run_decode
 
@@ -223,7 +229,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             engine=_engine_config(a),
             prefill_targets=tuple(t.strip() for t in a.prefill.split(",") if t.strip()),
             ucx_bind_host=a.ucx_bind,
-            layerwise=not a.whole_request_push,
+            push=_push_mode(a),
             tls=_server_tls(a),
             prefill_tls=client_tls(a, "prefill_"),
             colocated=a.command == "colocated",

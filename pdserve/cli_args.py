@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from decode_node.push_mode import PUSH_MODES
 from shared.serving import limits
 
 
@@ -111,7 +112,17 @@ def _add_decode(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
     _http_args(dc)
     _decode_limit_args(dc)
-    dc.add_argument("--whole-request-push", action="store_true", help="disable layer-wise push")
+    dc.add_argument(
+        "--push",
+        choices=PUSH_MODES,
+        default=None,
+        help="how prefill nodes push the KV: layerwise (each layer as it is computed), whole "
+        "(after the last layer), auto (default: whole from a prefill node on this host into a "
+        "CPU pool, layer-wise otherwise)",
+    )
+    dc.add_argument(
+        "--whole-request-push", action="store_true", help="the same as --push whole (older flag)"
+    )
     _local_prefill_args(dc)
     _server_tls_args(dc)
     client_tls_args(dc, "prefill-", "CA that signed the prefill nodes' certs")

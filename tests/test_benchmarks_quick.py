@@ -79,8 +79,10 @@ def test_ttft_quick(tmp_path: Path) -> None:
         "layerwise_tail_le_10pct_prefill_ge_1k",
         "pd_ttft_le_1_1x_colocated_all_lengths",
         "pd_ttft_le_1_1x_colocated_ge_1k",
+        "pd_ttft_le_1_05x_colocated_all_lengths_default_push",
         "pd_ttft_le_1_05x_colocated_all_lengths_both_pushes",
     }
+    assert result["default_push"] == "pd_whole"  # both nodes on this host, CPU pools
 
 
 def test_serve_quick(tmp_path: Path) -> None:

@@ -154,6 +154,31 @@ def test_layerwise_push_overlaps_compute_and_prefix_hit_sends_only_missing(
     run(body())
 
 
+def test_auto_push_from_a_prefill_node_on_this_host_is_whole(
+    checkpoint: Callable[..., Path],
+) -> None:
+    """--push auto (the default): a prefill node on this host pushes into a CPU pool once, after
+    the prompt's last chunk (layer-wise, each of its 5 chunks would go as its own messages); the
+    same tokens as the layer-wise push."""
+    path = checkpoint("llama", num_hidden_layers=3)
+    prompt = random_prompts(1, 512, min_len=300, max_len=300, seed=43)[0]
+    prefill = EngineConfig(model=str(path), num_kv_blocks=1024, max_num_tokens=64)
+
+    async def body() -> None:
+        overrides = {"push": "auto"}
+        async with pd_cluster(path, prefill_engine=prefill, decode_overrides=overrides) as c:
+            node = c.decodes[0]
+            r = await generate(c.targets[0], prompt, max_tokens=4, timeout=120)
+            stats = node.transfer_log[r.request_id].stats
+            layout = node.core.layout
+            assert stats.messages <= layout.num_layers  # no message per chunk
+            assert stats.bytes_sent == 19 * layout.block_bytes_per_layer * layout.num_layers
+            assert r.token_ids == hf_greedy(path, prompt, 4)
+            await c.assert_idle_and_conserved()
+
+    run(body())
+
+
 def test_layout_mismatch_fails_precondition_and_node_stays_up(
     checkpoint: Callable[..., Path],
 ) -> None:

@@ -101,6 +101,9 @@ async def pd_cluster(
                 # and its fallback are asked for through decode_overrides)
                 local_prefill_tokens=0,
                 local_prefill_fallback=False,
+                # the layer-wise push, the one with the most moving parts (the default, auto,
+                # would push whole: these nodes share a host); tests ask for others
+                push="layerwise",
                 colocated=colocated,
             )
             cfg = replace(cfg, **(decode_overrides or {}))

@@ -117,23 +117,23 @@ def engine_args(model: str, extra: dict[str, Any] | None = None) -> list[str]:
 def pd_specs(
     model: str, engine: dict[str, Any] | None = None, whole_too: bool = False
 ) -> list[NodeSpec]:
-    """1 prefill node on core 0, its decode node on core 1 (and, with whole_too, a second
-    decode node on core 1 that asks the same prefill node for whole-request pushes)."""
+    """1 prefill node on core 0, its decode node on core 1 with the default push (auto: whole,
+    both nodes being on this host). With whole_too (bench ttft, which compares the pushes), that
+    decode node asks for layer-wise pushes and a second one on core 1 for whole-request pushes
+    from the same prefill node."""
     base = engine_args(model, engine)
+    decode = ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"]
     specs = [
         NodeSpec("prefill", "pdserve.cli", ["prefill", *base, "--port", "0"], core(0)),
         NodeSpec(
             "decode",
             "pdserve.cli",
-            ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"],
+            [*decode, "--push", "layerwise"] if whole_too else decode,
             core(1),
         ),
     ]
     if whole_too:
-        args = ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"]
-        specs.append(
-            NodeSpec("decode-whole", "pdserve.cli", [*args, "--whole-request-push"], core(1))
-        )
+        specs.append(NodeSpec("decode-whole", "pdserve.cli", [*decode, "--push", "whole"], core(1)))
     return specs
 
 
