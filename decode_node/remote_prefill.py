@@ -47,10 +47,10 @@ class RemotePrefill:
         receiver: KvReceiver,
         metrics: NodeMetrics,
         layout: generation_pb2.KvLayoutInfo,
-        kv_on_cpu: bool,
+        kv_device_type: str,  # where this node's KV pool is: "cpu", "cuda"
     ):
         self.config = config
-        self.kv_on_cpu = kv_on_cpu
+        self.kv_on_cpu = kv_device_type == "cpu"
         self.pool = pool
         self.receiver = receiver
         self.metrics = metrics

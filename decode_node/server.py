@@ -72,12 +72,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.receiver, self.pool, self.metrics = parts.receiver, parts.pool, parts.metrics
         self.counters = parts.counters
         self.remote = RemotePrefill(
-            config,
-            self.pool,
-            self.receiver,
-            self.metrics,
-            self.layout_info,
-            kv_on_cpu=self.core.kv_pool.device.type == "cpu",
+            config, self.pool, self.receiver, self.metrics, self.layout_info, self.core.device.type
         )
         self.serving: NodeServing | None = None
         self.http: AsgiServer | None = None
