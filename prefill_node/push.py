@@ -25,8 +25,8 @@ from transfer.ucx import KvMessage, KvSender
 @dataclass
 class _Work:
     job: PrefillJob
-    src: list[int]
-    dst: list[int]
+    src: tuple[int, ...]  # tuples: the sender keeps a chunk's spans while messages name them
+    dst: tuple[int, ...]
     final: bool
     upto: int
     table: list[int]
@@ -51,13 +51,15 @@ def plan_push(
         if upto <= start and not final:
             continue
         table = block_table(r.request_id)
-        src = table[start:upto] if upto > start else []
-        dst = job.dest_ids(start, upto) if src else []
+        src = tuple(table[start:upto]) if upto > start else ()
+        dst = tuple(job.dest_ids(start, upto)) if src else ()
         work.append(_Work(job, src, dst, final, upto, table))
     return work
 
 
-def _message(kv_pool: torch.Tensor, layer: int, dst: list[int], src: list[int]) -> KvMessage:
+def _message(
+    kv_pool: torch.Tensor, layer: int, dst: tuple[int, ...], src: tuple[int, ...]
+) -> KvMessage:
     if not kv_pool.is_cuda:
         return KvMessage(layer=layer, blocks=dst, src=src)
     with torch.inference_mode(False):  # the hook runs inside the engine's inference_mode
@@ -68,7 +70,7 @@ def make_layer_hook(
     work: list[_Work],
     kv_pool: torch.Tensor,
     num_layers: int,
-    pin: Callable[[str, list[int]], None],
+    pin: Callable[[str, Sequence[int]], None],
 ) -> Callable[[int], None] | None:
     """`pin(request_id, blocks)` pins blocks for the request until it is released."""
     if not work:
@@ -101,19 +103,23 @@ def make_layer_hook(
 
 
 def _queue_whole_request(
-    w: _Work, kv_pool: torch.Tensor, num_layers: int, pin: Callable[[str, list[int]], None]
+    w: _Work, kv_pool: torch.Tensor, num_layers: int, pin: Callable[[str, Sequence[int]], None]
 ) -> None:
     """Whole-request mode (the baseline layer-wise is measured against): everything is sent
     after the last layer of the last chunk, one message per layer."""
     start = w.job.first_block_index
-    src = w.table[start : w.upto]
-    dst = w.job.dest_ids(start, w.upto)
+    src = tuple(w.table[start : w.upto])
+    dst = tuple(w.job.dest_ids(start, w.upto))
     pin(w.job.request_id, src)
     _queue_all_layers(w.job, kv_pool, num_layers, dst, src)
 
 
 def _queue_all_layers(
-    job: PrefillJob, kv_pool: torch.Tensor, num_layers: int, dst: list[int], src: list[int]
+    job: PrefillJob,
+    kv_pool: torch.Tensor,
+    num_layers: int,
+    dst: tuple[int, ...],
+    src: tuple[int, ...],
 ) -> None:
     """One message per layer, queued together (so the sender coalesces them into one)."""
     for layer in range(num_layers):

@@ -144,6 +144,17 @@ class _Send:
         self.result.set_exception(error)
 
 
+@dataclass(frozen=True)
+class _SameBlocks:
+    """A message's block tuples (compared by identity), their ids and layer 0's pool spans."""
+
+    blocks: Sequence[int]
+    src: Sequence[int]
+    ids: tuple[int, ...]
+    src_ids: tuple[int, ...]
+    spans0: tuple[np.ndarray, np.ndarray]
+
+
 class KvPush:
     """One transfer's sending side (`KvSender.open`): numbers its messages and tracks what UCX
     still reads. Several messages may be in flight; the receiver lands them in any order."""
@@ -156,6 +167,7 @@ class KvPush:
         self.kv_pool = kv_pool
         self.reading: set[asyncio.Future] = set()  # UCX operations still reading our buffers
         self._next_seq = 0
+        self._last: _SameBlocks | None = None  # see _pool_iov
 
     def post(self, message: KvMessage, *, timeout: float | None = None) -> asyncio.Future[int]:
         """Start sending `message`; the future gives its payload bytes once UCX has sent them,
@@ -229,21 +241,25 @@ class KvPush:
                 f"layers {m.layer}..{m.layer + m.n_layers - 1} outside "
                 f"0..{layout.num_layers - 1}"
             )
-        ids = tuple(int(b) for b in m.blocks)
+        last = self._last
+        if last is not None and m.blocks is last.blocks and m.src is last.src:
+            ids, src, spans0 = last.ids, last.src_ids, last.spans0
+        else:
+            ids = tuple(int(b) for b in m.blocks)
+            src = None if m.src is None else tuple(int(b) for b in m.src)
+            spans0 = None
         if not ids:
             raise ValueError("a KV message needs at least one block")
         if (m.src is None) == (m.payload is None):
             raise ValueError("a KV message reads either `src` pool blocks or a packed `payload`")
-        if m.src is not None:
+        if src is not None:
             pool = self.kv_pool
             if pool is None:
                 raise ValueError("`src` blocks need a push opened with a kv_pool")
-            src = tuple(int(b) for b in m.src)
             if len(src) != len(ids):
                 raise ValueError(f"{len(src)} source blocks for {len(ids)} destination blocks")
             if not pool.is_cuda:
-                spans = layout.block_spans(pool.shape[2], m.layer, m.n_layers, src)
-                return ids, ucp.iov(pool.data_ptr(), spans), pool
+                return ids, self._pool_iov(m, ids, src, spans0), pool
             if m.n_layers != 1:
                 raise ValueError("CUDA pools push one layer per message")
             payload = KvSender.pack(pool, m.layer, src)
@@ -256,6 +272,28 @@ class KvPush:
                 f"match {shape} {layout.torch_dtype} for {len(ids)} blocks"
             )
         return ids, None, payload.contiguous()
+
+    def _pool_iov(
+        self,
+        m: KvMessage,
+        ids: tuple[int, ...],
+        src: tuple[int, ...],
+        spans0: tuple[np.ndarray, np.ndarray] | None,
+    ) -> np.ndarray:
+        """The iov of `m` over this push's CPU pool. A one-layer message's spans are layer 0's
+        moved by the layer stride; those and the checked ids are kept while messages name the
+        same block tuples (a layer-wise push sends every layer of one chunk's blocks, and
+        rebuilding them cost a busy prefill core ~0.5 ms a message: docs/performance.md)."""
+        assert self.kv_pool is not None
+        layout, base = self.sender.layout, self.kv_pool.data_ptr()
+        num_blocks = self.kv_pool.shape[2]
+        if m.n_layers != 1:
+            return ucp.iov(base, layout.block_spans(num_blocks, m.layer, m.n_layers, src))
+        if spans0 is None:
+            spans0 = layout.block_spans(num_blocks, 0, 1, src)
+            if isinstance(m.blocks, tuple) and isinstance(m.src, tuple):  # immutable: key by id
+                self._last = _SameBlocks(m.blocks, m.src, ids, src, spans0)
+        return ucp.iov(base + m.layer * layout.layer_stride_bytes(num_blocks), spans0)
 
 
 class KvSender:

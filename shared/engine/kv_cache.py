@@ -89,6 +89,10 @@ class KvLayout:
         """Shape of kv_pool[layer : layer + n_layers][:, :, block_ids] (a KV message's payload)."""
         return (n_layers, 2, n_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    def layer_stride_bytes(self, num_blocks: int) -> int:
+        """Bytes from one layer's K plane to the next layer's, in a pool of `num_blocks`."""
+        return 2 * num_blocks * self.plane_block_bytes
+
     def block_spans(
         self,
         num_blocks: int,
@@ -108,7 +112,7 @@ class KvLayout:
             raise ValueError(f"block ids must be non-empty and inside 0..{num_blocks - 1}")
         block = self.plane_block_bytes
         kv_stride = num_blocks * block
-        layer_stride = 2 * kv_stride
+        layer_stride = self.layer_stride_bytes(num_blocks)
         if merge:
             starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
         else:
