@@ -45,7 +45,7 @@ MODES = {"pd_layerwise": "decode", "pd_whole": "decode-whole", "colocated": "col
 # the push a decode node picks by default (--push auto) for this setup, a prefill node on the
 # same host pushing into CPU pools: the mode the default-push target reads
 DEFAULT_PUSH = (
-    "pd_layerwise" if pushes_layerwise("auto", "127.0.0.1:0", kv_on_cpu=True) else "pd_whole"
+    "pd_layerwise" if pushes_layerwise("auto", "127.0.0.1:50052", kv_on_cpu=True) else "pd_whole"
 )
 FULL_LENGTHS = [16, 64, 256, 1024, 2048, 4096, 8192]
 QUICK_LENGTHS = [128, 256]

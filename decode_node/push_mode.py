@@ -19,13 +19,9 @@ import functools
 import ipaddress
 import socket
 
+from transfer.protocol import split_address
+
 PUSH_MODES = ("auto", "layerwise", "whole")
-
-
-def split_host(target: str) -> str:
-    """'10.0.0.5:7000' -> '10.0.0.5', '[::1]:7000' -> '::1'."""
-    host = target.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 @functools.cache
@@ -56,4 +52,4 @@ def pushes_layerwise(mode: str, prefill_target: str, kv_on_cpu: bool) -> bool:
         return False
     if mode != "auto":
         raise ValueError(f"push mode must be one of {', '.join(PUSH_MODES)}, got {mode!r}")
-    return not (kv_on_cpu and is_local_address(split_host(prefill_target)))
+    return not (kv_on_cpu and is_local_address(split_address(prefill_target)[0]))

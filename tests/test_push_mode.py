@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from decode_node.config import DecodeNodeConfig
-from decode_node.push_mode import is_local_address, pushes_layerwise, split_host
+from decode_node.push_mode import is_local_address, pushes_layerwise
 from pdserve.cli import _push_mode
 from pdserve.cli_args import build_parser
 
@@ -22,12 +22,6 @@ def _an_address_of_this_host() -> str | None:
             return None
         host = s.getsockname()[0]
     return None if host.startswith("127.") or host == "0.0.0.0" else host
-
-
-def test_split_host() -> None:
-    assert split_host("10.0.0.5:7000") == "10.0.0.5"
-    assert split_host("[::1]:7000") == "::1"
-    assert split_host("prefill-0:50052") == "prefill-0"
 
 
 def test_local_addresses() -> None:
@@ -45,6 +39,8 @@ def test_auto_pushes_whole_only_from_this_host_into_a_cpu_pool() -> None:
     assert pushes_layerwise("auto", "127.0.0.1:5000", kv_on_cpu=False)  # GPU pools: layer-wise
     assert pushes_layerwise("auto", "192.0.2.1:5000", kv_on_cpu=True)  # another host
     assert pushes_layerwise("auto", "[2001:db8::1]:5000", kv_on_cpu=True)
+    assert not pushes_layerwise("auto", "[::1]:7000", kv_on_cpu=True)  # bracketed v6 loopback
+    assert pushes_layerwise("auto", "prefill-0:50052", kv_on_cpu=True)  # a name: not known local
     for target in ("127.0.0.1:5000", "192.0.2.1:5000"):
         for on_cpu in (True, False):
             assert pushes_layerwise("layerwise", target, on_cpu)
