@@ -23,12 +23,17 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.transfer_admission import TransferGrant
 from shared.serving.grpc_server import GenerateError, NodeMetrics
+from shared.serving.limits import MAX_REQUEST_ID_CHARS
 from shared.serving.replica_pool import ReplicaPool
 from shared.serving.wire import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferReset, TransferTimeout
 
 log = logging.getLogger(__name__)
+
+# Re-asks, beyond --prefill-retries, after this node's KV receiver reset a transfer (a stalled
+# write ended by force, a listener restart): the prefill node was not at fault.
+_RESET_RETRIES = 2
 
 # the first token of each completion as the engine's complete_transfer_all takes it
 FirstTokens = tuple[
@@ -75,11 +80,13 @@ class RemotePrefill:
         last_error = "every prefill node is marked unhealthy (failing health checks)"
         block = self.layout_info.block_size
         usable = hashes[: (len(prompt) - 1) // block]  # the last token is always computed
-        for _ in range(1 + self.config.prefill_retries):
+        attempts, resets = 1 + self.config.prefill_retries, 0
+        while attempts > 0:
             peer = self.pool.pick(tried, self._cost(prompt, usable, tried))
             if peer is None:
                 break
             tried.add(peer.target)
+            stream.prefill_id = attempt_id(stream.request_id, resets)
             predicted = self._predicted_blocks(peer, usable)
             try:
                 response = await self._prefill_once(
@@ -87,6 +94,11 @@ class RemotePrefill:
                 )
             except PrefillFailed as e:
                 last_error = str(e)
+                if not e.node_at_fault and resets < _RESET_RETRIES:
+                    resets += 1  # not the node's doing: it may be asked again, uncounted
+                    tried.discard(peer.target)
+                else:
+                    attempts -= 1
                 continue
             self.index.correct(peer.target, usable, response.cached_tokens // block)
             self.index.record(peer.target, hashes)
@@ -211,7 +223,7 @@ class RemotePrefill:
         except (TransferTimeout, TransferError) as e:
             await self.forget_transfer(stream)
             call.cancel()
-            self.background(peer.cancel(stream.request_id))
+            self.background(peer.cancel(stream.prefill_id))
             raise self._transfer_failure(e, stream, peer) from None
         finally:
             if not rpc.done():
@@ -230,7 +242,7 @@ class RemotePrefill:
 
     def _transfer_failure(self, e: Exception, stream: Stream, peer: PrefillPeer) -> Exception:
         if isinstance(e, TransferReset):  # this node's doing: the prefill node stays healthy
-            return PrefillFailed(f"{peer.target}: {e}")
+            return PrefillFailed(f"{peer.target}: {e}", node_at_fault=False)
         if not isinstance(e, TransferTimeout):  # TransferTimeout is a TransferError too
             self._mark_unhealthy(peer, f"KV transfer failed: {e}")
             return PrefillFailed(f"{peer.target}: KV transfer failed: {e}")
@@ -261,7 +273,7 @@ class RemotePrefill:
         """The request ended: its transfer cancelled, the prefill node told if still busy."""
         await self.forget_transfer(stream)
         if stream.peer is not None and not stream.prefill_done:
-            self.background(stream.peer.cancel(stream.request_id))
+            self.background(stream.peer.cancel(stream.prefill_id))
 
     def _prefill_request(
         self,
@@ -272,7 +284,7 @@ class RemotePrefill:
         first_block: int,
     ) -> prefill_pb2.PrefillRequest:
         return prefill_pb2.PrefillRequest(
-            request_id=stream.request_id,
+            request_id=stream.prefill_id,
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(params),
             seed=params.seed or 0,
@@ -285,6 +297,15 @@ class RemotePrefill:
                 layout_fingerprint=self.layout_info.fingerprint,
             ),
         )
+
+
+def attempt_id(request_id: str, resets: int) -> str:
+    """The Prefill request id after `resets` re-asks: a prefill node may still hold an abandoned
+    attempt under the plain id (until its push quiesces, up to 5 s), and ids are unique there."""
+    if resets == 0:
+        return request_id
+    suffix = f"#{resets}"
+    return request_id[: MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
 
 
 def first_tokens(response: prefill_pb2.PrefillResponse, params: SamplingParams) -> FirstTokens:

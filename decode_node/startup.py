@@ -106,3 +106,9 @@ def register_decode_metrics(
         "KV endpoints force-closed to end a receive whose sender stalled mid-payload",
         lambda: float(receiver.endpoint_resets),
     )
+    register_scrape_counter(
+        registry,
+        "pdserve_kv_listener_restarts_total",
+        "KV listener restarts: its shared-memory receive queue stuck after a peer died mid-message",
+        lambda: float(receiver.listener_restarts),
+    )

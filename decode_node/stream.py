@@ -17,7 +17,13 @@ if TYPE_CHECKING:
 
 
 class PrefillFailed(Exception):
-    """The prefill node could not serve this attempt; another node (or this one) may."""
+    """The prefill node could not serve this attempt; another node (or this one) may.
+    `node_at_fault` False: this node ended the attempt (its KV listener reset), the same
+    prefill node may be asked again."""
+
+    def __init__(self, message: str, node_at_fault: bool = True) -> None:
+        super().__init__(message)
+        self.node_at_fault = node_at_fault
 
 
 @dataclass
@@ -27,6 +33,7 @@ class Stream:
     queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
     transfer_id: int | None = None
     peer: PrefillPeer | None = None
+    prefill_id: str = ""  # the request id of the current Prefill attempt (remote_prefill)
     prefill_done: bool = False
     admitted_at: float = field(default_factory=time.monotonic)
     # set by the engine thread's admission callback: a grant, None (deadline passed in the

@@ -71,8 +71,10 @@ class Peer:
         self.first = first
 
     @classmethod
-    async def spawn(cls, role: str) -> Peer:
-        """A peer with a pool of SENDER_BLOCKS blocks of LAYOUT (a sender's: `sender_pool`)."""
+    async def spawn(
+        cls, role: str, layout: KvLayout = LAYOUT, num_blocks: int = SENDER_BLOCKS
+    ) -> Peer:
+        """A peer with a pool of `num_blocks` blocks of `layout` (a sender's: `sender_pool`)."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -84,7 +86,7 @@ class Peer:
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         peer = cls(proc, {})
-        setup = {"layout": dataclasses.asdict(LAYOUT), "num_blocks": SENDER_BLOCKS}
+        setup = {"layout": dataclasses.asdict(layout), "num_blocks": num_blocks}
         if role == "sender":
             setup["fill"] = "random"
         peer.first = await peer.call(30, cmd="setup", **setup)

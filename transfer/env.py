@@ -29,6 +29,10 @@ _DEFAULTS: dict[str, str] = {
     # be used with error handling; without this, same-host transfers run over tcp/lo at
     # ~0.4 GB/s instead of sysv shared memory at 5-10 GB/s (see transfer/worker.py).
     "UCX_MM_ERROR_HANDLING": "y",
+    # A KV listener that restarts (transfer.listener) listens again on its port at once, while
+    # the connections it accepted before may linger in TIME_WAIT (SO_REUSEADDR; on Linux it
+    # never lets a second listener onto a port someone listens on).
+    "UCX_TCP_CM_REUSEADDR": "y",
     # Without CUDA, UCX warns about UCX_MEMTYPE_CACHE (which ucxx sets) being unused.
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     # ucxx sets this itself on import; set here too so a context created before that import

@@ -296,6 +296,24 @@ class Landings:
             if transfer_id and not taken:
                 return transfer_id
 
+    def open(
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_layers: int,
+        on_layer: Callable[[int], None] | None,
+        loop: asyncio.AbstractEventLoop,
+        now: float,
+    ) -> Landing:
+        """A new live transfer (fresh id and token) with its first payload tags registered."""
+        token = secrets.token_bytes(proto.TOKEN_BYTES)
+        t = Landing(
+            self.new_transfer_id(now), request_id, token, block_ids, num_layers, now, on_layer,
+            done=loop.create_future(), quiesced=loop.create_future(),
+        )  # fmt: skip
+        self.add(t)
+        return t
+
     def add(self, t: Landing) -> None:
         self.live[t.transfer_id] = t
         self.open_window(t, SEQ_WINDOW)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable, Sequence
 
@@ -82,7 +81,6 @@ class KvReceiver:
         self._bind_host = host if bind_host is None else bind_host
         self._port = port
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine: UcxWorker | None = None
         self._net: KvListener | None = None
         self._landings = Landings(_TOMBSTONE_TTL_S, _TOMBSTONE_MAX)
         self._sink = np.zeros(1, dtype=np.uint8)  # truncating receives of dropped messages
@@ -98,13 +96,16 @@ class KvReceiver:
     async def start(self) -> None:
         """Create the UCX worker on the running loop and listen on `bind_host`:`port` (port 0:
         ephemeral). `host` is the address advertised to peers."""
-        if self._engine is not None:
+        if self._net is not None:
             raise RuntimeError("KvReceiver already started")
         self._writer.start()
         self._loop = asyncio.get_running_loop()
-        self._net = KvListener(self._loop, self._bind_host, self._port)
-        self._engine = engine = self._net.worker
-        engine.add_hook(self._drain_unexpected)
+        self._net = KvListener(self._loop, self._bind_host, self._port, self._reset_live)
+        self._net.add_hook(self._drain_unexpected)
+
+    @property
+    def _engine(self) -> UcxWorker | None:  # the listener's (a restart replaces it)
+        return None if self._net is None else self._net.worker
 
     @property
     def address(self) -> str:
@@ -127,7 +128,7 @@ class KvReceiver:
             return
         for t in list(self._landings.live.values()):
             self._fail(t, TransferCancelled(f"transfer {t.transfer_id:#x}: receiver closed"))
-        self._net = self._engine = None
+        self._net = None
         await net.close(force=bool(self._landings.fenced))
 
     # ---- transfers ----------------------------------------------------------------------------
@@ -144,24 +145,12 @@ class KvReceiver:
             raise RuntimeError("KvReceiver not started")
         ids = tuple(int(b) for b in block_ids)
         check_reservation(ids, self._pool.shape[2])
-        transfer_id = self._landings.new_transfer_id(time.monotonic())
-        token = secrets.token_bytes(proto.TOKEN_BYTES)
-        t = Landing(
-            transfer_id,
-            request_id,
-            token,
-            ids,
-            self._layout.num_layers,
-            time.monotonic(),
-            on_layer,
-            done=self._loop.create_future(),
-            quiesced=self._loop.create_future(),
-        )
-        self._landings.add(t)
+        layers, now = self._layout.num_layers, time.monotonic()
+        t = self._landings.open(request_id, ids, layers, on_layer, self._loop, now)
         return proto.TransferDestination(
             address=self.address,
-            transfer_id=transfer_id,
-            token=token,
+            transfer_id=t.transfer_id,
+            token=t.token,
             block_ids=ids,
             layout_fingerprint=self._layout.fingerprint(),
         )
@@ -212,19 +201,28 @@ class KvReceiver:
             return
         with contextlib.suppress(TimeoutError):
             return await asyncio.wait_for(asyncio.shield(fence), timeout)
-        live = list(self._landings.live.values())
         log.warning(
             "transfer %#x: a payload write still posted %.3gs after it ended (sender stalled "
             "mid-message?): force-closing every KV endpoint, failing the %d transfers in flight",
-            transfer_id, timeout, len(live),
+            transfer_id, timeout, self.live_transfers,
         )  # fmt: skip
         self.endpoint_resets += 1
-        for t in live:  # the reset may discard messages their senders already count as sent
-            why = f"KV endpoints reset to end a stalled write of transfer {transfer_id:#x}"
-            self._fail(t, TransferReset(f"transfer {t.transfer_id:#x}: {why}"))
+        # the reset may discard messages their senders already count as sent
+        self._reset_live(f"KV endpoints reset to end a stalled write of transfer {transfer_id:#x}")
         if self._net is not None:
             await self._net.reset()
         await asyncio.wait_for(asyncio.shield(fence), CLOSE_TIMEOUT_S)
+
+    def _reset_live(self, why: str) -> None:
+        """Fail every live transfer with TransferReset (this node's doing: a retry may go to the
+        same prefill node); also what the listener calls before it restarts."""
+        for t in list(self._landings.live.values()):
+            self._fail(t, TransferReset(f"transfer {t.transfer_id:#x}: {why}"))
+
+    @property
+    def listener_restarts(self) -> int:
+        """Restarts of the KV listener after its receive queue stuck (transfer.queue_check)."""
+        return 0 if self._net is None else self._net.restarts
 
     @property
     def live_transfers(self) -> int:
@@ -245,6 +243,7 @@ class KvReceiver:
         return (
             f"{self.live_transfers} live, {self.fenced_transfers} fenced, {self._writing} "
             f"writes posted, {endpoints} endpoints, {self.endpoint_resets} resets, "
+            f"{self.listener_restarts} listener restarts, "
             f"rejected {self.rejected_by_reason or 'none'}"
         )
 

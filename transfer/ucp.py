@@ -1,11 +1,10 @@
 """The few UCP C calls that ucxx 0.52's Python API lacks, through ctypes on ucxx's own libucp.
 
-Why: ucxx's `UCXListener.create` always listens on every interface, and a KV receiver must bind to
-the address an operator configured; ucxx has no iov datatype, and the KV push gathers from and
-scatters into pool blocks with one UCX operation each. The UCP API is a stable C ABI (parameter
-structs start with a `field_mask`, later versions only append fields), so the layouts below (UCX
-1.21, pinned through ucxx 0.52.*) stay valid; `_Params` structs get spare room anyway. Nothing here
-is thread safe: use it from the thread that progresses the worker, where callbacks run too.
+Why: ucxx's `UCXListener.create` listens on every interface (a KV receiver binds the address an
+operator configured); ucxx has no iov datatype (the KV push gathers from and scatters into pool
+blocks with one UCX operation each). The UCP API is a stable C ABI (structs start with a
+`field_mask`, later versions only append fields): the layouts below (UCX 1.21, pinned through
+ucxx 0.52.*) stay valid, with spare room. Not thread safe: use it on the progressing thread.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import libucx
 import numpy as np
 
 from transfer.env import configure_ucx_env
-from transfer.protocol import pack_sockaddr, parse_sockaddr, resolve_bind_address
+from transfer.protocol import join_address, pack_sockaddr, parse_sockaddr, resolve_bind_address
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +44,7 @@ _EP_FIELD_CONN_REQUEST = 1 << 6
 _ERR_MODE_PEER = 1
 _OP_FIELD_FLAGS = 1 << 4
 _EP_CLOSE_FLAG_FORCE = 1 << 0
+_EP_ATTR_LOCAL_SOCKADDR = 1 << 1
 
 _CONN_CB = ctypes.CFUNCTYPE(None, _vp, _vp)  # (ucp_conn_request_h, void *arg)
 _ERR_CB = ctypes.CFUNCTYPE(None, _vp, _vp, ctypes.c_int8)  # (arg, ucp_ep_h, ucs_status_t)
@@ -74,6 +74,15 @@ class _SockAddrAttr(ctypes.Structure):  # ucp_listener_attr_t and ucp_conn_reque
         ("sockaddr", ctypes.c_uint8 * 128),  # struct sockaddr_storage
         ("client_id", ctypes.c_uint64),
         ("_spare", ctypes.c_uint8 * 64),
+    ]
+
+
+class _EpAttr(ctypes.Structure):  # ucp_ep_attr_t, read up to local_sockaddr
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("name", ctypes.c_char * 32),  # UCP_ENTITY_NAME_MAX
+        ("local_sockaddr", ctypes.c_uint8 * 128),
+        ("_rest", ctypes.c_uint8 * 512),  # remote_sockaddr, transports, user_data, later fields
     ]
 
 
@@ -132,6 +141,7 @@ _declare(_ucp, "ucp_listener_query", _status, _vp, _c.POINTER(_SockAddrAttr))
 _declare(_ucp, "ucp_listener_destroy", None, _vp)
 _declare(_ucp, "ucp_conn_request_query", _status, _vp, _c.POINTER(_SockAddrAttr))
 _declare(_ucp, "ucp_ep_create", _status, _vp, _c.POINTER(_EpParams), _c.POINTER(_vp))
+_declare(_ucp, "ucp_ep_query", _status, _vp, _c.POINTER(_EpAttr))
 _declare(_ucp, "ucp_ep_close_nbx", _vp, _vp, _c.POINTER(_RequestParam))
 _declare(_ucp, "ucp_request_check_status", _status, _vp)
 _declare(
@@ -304,13 +314,21 @@ class BoundListener:
             log.exception("UCX endpoint error callback failed")
 
 
+def local_address(ep_handle: int) -> str | None:
+    """The "ip:port" of a connecting endpoint's socket (its listener's `peer`), or None."""
+    attr = _EpAttr()
+    attr.field_mask = _EP_ATTR_LOCAL_SOCKADDR
+    if _ucp.ucp_ep_query(ep_handle, ctypes.byref(attr)) != UCS_OK:
+        return None
+    return join_address(*parse_sockaddr(bytes(attr.local_sockaddr)))
+
+
 def _client_address(conn_request: int) -> str:
     attr = _SockAddrAttr()
     attr.field_mask = _CONN_REQUEST_ATTR_CLIENT_ADDR
     if _ucp.ucp_conn_request_query(conn_request, attr) != UCS_OK:
         return "?"
-    ip, port = parse_sockaddr(bytes(attr.sockaddr))
-    return f"{ip}:{port}"
+    return join_address(*parse_sockaddr(bytes(attr.sockaddr)))
 
 
 # ---- tagged messages ----------------------------------------------------------------------------
@@ -324,10 +342,11 @@ class Probe:
     length: int
 
 
-def probe(worker_handle: int) -> Probe | None:
-    """The oldest unexpected tagged message (any tag), removed from the unexpected queue."""
+def probe(worker_handle: int, tag: int | None = None) -> Probe | None:
+    """The oldest unexpected tagged message (tag `tag`; None: any), off the unexpected queue."""
     info = _TagRecvInfo()
-    message = _ucp.ucp_tag_probe_nb(worker_handle, 0, 0, 1, ctypes.byref(info))
+    mask = 0 if tag is None else (1 << 64) - 1
+    message = _ucp.ucp_tag_probe_nb(worker_handle, tag or 0, mask, 1, ctypes.byref(info))
     if not message:
         return None
     return Probe(message, info.sender_tag, info.length)

@@ -142,10 +142,10 @@ class UcxWorker:
         `keep` (what the entries point into) stays referenced until UCX is done with it."""
         return self.submit(ucp.tag_send_iov(endpoint.handle, iov, tag), (iov, keep))
 
-    def probe(self) -> ucp.Probe | None:
-        """Take the oldest unexpected tagged message off the worker, or None. The message stays
-        reserved for one `recv_probed`/`recv_probed_iov`."""
-        return ucp.probe(self._worker.handle)
+    def probe(self, tag: int | None = None) -> ucp.Probe | None:
+        """Take the oldest unexpected tagged message (with tag `tag`; None: any) off the worker,
+        or None. The message stays reserved for one `recv_probed`/`recv_probed_iov`."""
+        return ucp.probe(self._worker.handle, tag)
 
     def recv_probed(self, probe: ucp.Probe, buf: torch.Tensor | np.ndarray) -> asyncio.Future:
         address, nbytes = buffer_address(buf)
