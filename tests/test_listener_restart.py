@@ -216,3 +216,27 @@ def test_attempt_ids_are_distinct_and_within_the_request_id_limit() -> None:
     assert len(ids) == 3
     for rid in ids:
         check_request_id(rid)  # what the prefill node checks
+
+
+def test_a_check_that_cannot_reach_its_listener_is_no_evidence() -> None:
+    """A queue check whose send fails (nothing listens there: a configuration the check cannot
+    judge) does not call the queue stuck, so it never restarts a listener for it."""
+    import socket
+
+    from transfer.queue_check import QueueCheck
+    from transfer.worker import UcxWorker
+
+    async def main() -> None:
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        worker = UcxWorker(asyncio.get_running_loop())
+        try:
+            check = QueueCheck(worker, timeout=10.0)
+            started = time.monotonic()
+            assert not await check.stuck("127.0.0.1", port)
+            assert time.monotonic() - started < 5  # the failed send ends it, not the timeout
+        finally:
+            worker.close()
+
+    asyncio.run(main())

@@ -141,7 +141,7 @@ class KvListener:
     async def _check_queue(self) -> None:
         for _ in range(_MAX_RECHECKS):
             self._recheck = False
-            if await self.check.passes(_connect_host(self.ip), self.port):
+            if not await self.check.stuck(_connect_host(self.ip), self.port):
                 if not self._recheck:
                     return
                 continue

@@ -9,14 +9,15 @@ worker waits on it for good and every other same-host peer's messages queue behi
 UCX times out there. Measured: a sender SIGKILLed mid-push stalled another sender's transfers
 until their deadline in about 1 kill of 20 on a loaded 2-core VM (docs/performance.md).
 
-`QueueCheck.passes` sends one small message from a fresh worker of this process, a same-host
+`QueueCheck.stuck` sends one small message from a fresh worker of this process, a same-host
 peer whose message crosses the same FIFO: it arrives within the timeout when, and only when, the
-queue still moves. The listener runs it after each peer loss and restarts itself when it fails.
+queue still moves. The listener runs it after each peer loss and restarts itself when stuck.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 
 import numpy as np
@@ -24,6 +25,8 @@ import numpy as np
 from transfer import ucp
 from transfer.errors import retrieve_exception
 from transfer.worker import UcxWorker
+
+log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 1.0
 
@@ -51,8 +54,10 @@ class QueueCheck:
         if self._arrived is not None and not self._arrived.done():
             self._arrived.set_result(None)
 
-    async def passes(self, host: str, port: int) -> bool:
-        """Whether a message sent to `host`:`port` now arrives within `timeout` seconds."""
+    async def stuck(self, host: str, port: int) -> bool:
+        """Whether a message sent to `host`:`port` now fails to arrive within `timeout` seconds.
+        A send that fails instead (the listener unreachable from this process, a configuration
+        the check cannot judge) is no evidence of a stuck queue: False, logged."""
         loop = asyncio.get_running_loop()
         self.checks += 1
         self._arrived = arrived = loop.create_future()
@@ -64,11 +69,16 @@ class QueueCheck:
                 self.sources.add(source)
             sent = sender.send(endpoint, np.zeros(8, dtype=np.uint8), self.tag)
             sent.add_done_callback(retrieve_exception)
-            done, _ = await asyncio.wait({arrived}, timeout=self.timeout)
+            both = {arrived, sent}
+            await asyncio.wait(both, timeout=self.timeout, return_when=asyncio.FIRST_EXCEPTION)
+            moved = arrived.done()
+            if not moved and sent.done() and sent.exception() is not None:
+                log.warning("KV queue check cannot reach %s:%d: %s", host, port, sent.exception())
+                return False
             closing = sender.close_endpoint(endpoint)
             closing.add_done_callback(retrieve_exception)
             await asyncio.wait({closing}, timeout=_CLOSE_TIMEOUT_S)  # flushes only if it moves
-            return bool(done)
+            return not moved
         finally:
             self._arrived = None
             sender.close()
