@@ -170,10 +170,12 @@ def test_a_listener_restart_asks_the_same_prefill_node_again(
     resets that transfer; the decode node asks the same prefill node again, under a new attempt
     id (the abandoned attempt may still hold the plain one there), with the same tokens."""
     import numpy as np
+    from prometheus_client import generate_latest
 
     from benchmarks.support.inprocess import pd_cluster
     from pdserve.client import generate
     from shared.engine.config import EngineConfig
+    from shared.serving.metrics import parse_prometheus_text
     from tests.engine_helpers import hf_greedy, random_prompts
     from transfer.protocol import split_address
     from transfer.worker import UcxWorker
@@ -199,6 +201,8 @@ def test_a_listener_restart_asks_the_same_prefill_node_again(
             await lose_a_peer(receiver.address)
             got = await answer
             assert receiver.listener_restarts == 1 and receiver.failed_total == 1  # the reset
+            scraped = generate_latest(c.decodes[0].metrics.registry).decode()
+            assert parse_prometheus_text(scraped)["pdserve_kv_listener_restarts_total"] == 1
             assert got.token_ids == hf_greedy(path, prompt, 4)
             await c.assert_idle_and_conserved()
 
