@@ -143,9 +143,7 @@ class HttpForwarder:
                 f"http://{http_address(backend, self.backend_port)}{request.url.path}",
                 query=request.url.query.encode(),
             )
-            upstream = self.client.build_request(
-                request.method, url, headers=headers, content=body
-            )
+            upstream = self.client.build_request(request.method, url, headers=headers, content=body)
             try:
                 sent = self.client.send(upstream, stream=True)
                 response = await until_disconnect(request, sent)

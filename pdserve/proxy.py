@@ -257,9 +257,7 @@ class Proxy:
         be made, the route taken for it is released."""
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return backend.channel.stream_stream(method)(
-                metadata=metadata or None, timeout=timeout
-            )
+            return backend.channel.stream_stream(method)(metadata=metadata or None, timeout=timeout)
         except BaseException:
             self.router.release(backend, key)
             raise

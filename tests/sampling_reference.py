@@ -66,8 +66,6 @@ def hf_log_softmax(path: Path, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-
-
 def assert_logprobs_match(
     lps: list[TokenLogprobs], reference: torch.Tensor, positions: list[int], k: int
 ) -> None:

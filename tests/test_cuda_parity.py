@@ -22,8 +22,6 @@ pytestmark = CUDA_MARKS
 CUDA = torch.device("cuda")
 
 
-
-
 def engine(path: Path, dtype: str, graphs: bool = True) -> LLM:
     config = EngineConfig(
         model=str(path), num_kv_blocks=512, device="cuda", dtype=dtype, cuda_graphs=graphs

@@ -68,7 +68,6 @@ class Nodes:
         wait_ready([node], 120)
         return node
 
-
     def colocated(self, *extra: str) -> NodeProcess:
         """`pdserve colocated`: the same public contract, no prefill nodes."""
         args = ["--model", MODEL, "--port", "0", "--http-port", "0", *extra]

@@ -246,9 +246,7 @@ def test_disconnect_before_first_token_and_timeout(run) -> None:
         await busy
         # the deadline passes mid-stream: a final SSE error event, then [DONE]
         long = _completion(max_tokens=3000, ignore_eos=True, stream=True)
-        resp = await client.post(
-            "/v1/completions", json=long, headers={"x-request-timeout": "0.5"}
-        )
+        resp = await client.post("/v1/completions", json=long, headers={"x-request-timeout": "0.5"})
         events = _events(resp.content)
         assert resp.status_code == 200 and events[-1] == b"[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "timeout"

@@ -211,7 +211,10 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
             # fill the node's 16 admission slots with long streams; the 17th is refused
             streams = [
                 await client.completions.create(
-                    model=SERVED, prompt=[1, 2, 3], max_tokens=1000, stream=True,
+                    model=SERVED,
+                    prompt=[1, 2, 3],
+                    max_tokens=1000,
+                    stream=True,
                     extra_body={"ignore_eos": True},
                 )
                 for _ in range(16)
@@ -275,4 +278,3 @@ def test_greedy_http_equals_grpc_equals_llm(cluster: Cluster, model_dir: Path) -
 
     asyncio.run(body())
     _assert_released(cluster)
-

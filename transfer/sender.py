@@ -238,8 +238,7 @@ class KvPush:
         layout = self.sender.layout
         if not (m.layer >= 0 and m.n_layers >= 1 and m.layer + m.n_layers <= layout.num_layers):
             raise ValueError(
-                f"layers {m.layer}..{m.layer + m.n_layers - 1} outside "
-                f"0..{layout.num_layers - 1}"
+                f"layers {m.layer}..{m.layer + m.n_layers - 1} outside 0..{layout.num_layers - 1}"
             )
         last = self._last
         if last is not None and m.blocks is last.blocks and m.src is last.src:

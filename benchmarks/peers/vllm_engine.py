@@ -67,5 +67,6 @@ def write_result(
     with open(path, "w") as f:
         json.dump(result, f)
 
+
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

@@ -45,5 +45,6 @@ def main(spec_path: str, result_path: str) -> None:
     outputs = [list(o.token_ids) for o in outs]
     write_result(result_path, "pdserve", spec["max_tokens"], outputs, elapsed, startup)
 
+
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
