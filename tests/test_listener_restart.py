@@ -53,6 +53,14 @@ async def push(receiver: object, sender: Peer, dst: list[int], src: list[int]) -
     raise AssertionError("the push never landed")
 
 
+async def lose(peer: Peer, address: str) -> None:
+    """`peer` connects to the receiver at `address` (one noise message), then is SIGKILLed."""
+    reply = await peer.call(cmd="raw", address=address, messages=[[7, "00"]])
+    assert reply["ok"], reply
+    peer.proc.kill()
+    await peer.proc.wait()
+
+
 def assert_clean(receiver: object) -> None:
     assert receiver.describe().startswith("0 live, 0 fenced, 0 writes posted"), receiver.describe()
 
@@ -76,10 +84,7 @@ def test_a_stuck_queue_restarts_the_listener_on_its_address(
             assert await push(receiver, sender, [0, 1], [2, 3]) == 1
             dest = receiver.expect("in flight", [4, 5])
             in_flight = asyncio.ensure_future(receiver.wait(dest.transfer_id, 30))
-            reply = await doomed.call(cmd="raw", address=address, messages=[[12345, "00"]])
-            assert reply["ok"], reply
-            doomed.proc.kill()
-            await doomed.proc.wait()
+            await lose(doomed, address)
             with pytest.raises(TransferReset, match="restarted"):
                 await asyncio.wait_for(in_flight, 10)
             assert receiver.listener_restarts == 1 and receiver.address == address
@@ -105,10 +110,7 @@ def test_a_peer_lost_while_the_queue_moves_restarts_nothing() -> None:
         try:
             dest = receiver.expect("in flight", [4, 5])
             in_flight = asyncio.ensure_future(receiver.wait(dest.transfer_id, 30))
-            reply = await doomed.call(cmd="raw", address=receiver.address, messages=[[7, "00"]])
-            assert reply["ok"], reply
-            doomed.proc.kill()
-            await doomed.proc.wait()
+            await lose(doomed, receiver.address)
             check = receiver._net.check  # the listener's QueueCheck (not public API)
             await _until(lambda: check.checks == 1 and not check.sources, 10)
             await asyncio.sleep(0.5)  # a second check would have started by now

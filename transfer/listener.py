@@ -141,13 +141,12 @@ class KvListener:
     async def _check_queue(self) -> None:
         for _ in range(_MAX_RECHECKS):
             self._recheck = False
-            if not await self.check.stuck(_connect_host(self.ip), self.port):
-                if not self._recheck:
-                    return
-                continue
-            if not self._closed:
-                await self._restart()
-            return
+            if await self.check.stuck(_connect_host(self.ip), self.port):
+                if not self._closed:
+                    await self._restart()
+                return
+            if not self._recheck:
+                return
 
     async def _restart(self) -> None:
         port = self.port

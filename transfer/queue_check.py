@@ -46,12 +46,13 @@ class QueueCheck:
         worker.add_hook(self._take)
 
     def _take(self) -> None:
-        probe = self._worker.probe(self.tag)
-        if probe is None:
+        # Probes only while a check waits (every progress round runs this hook): a check's
+        # message that has not come by then never will, the worker it was sent to is closed.
+        if self._arrived is None or (probe := self._worker.probe(self.tag)) is None:
             return
         received = self._worker.recv_probed(probe, np.zeros(8, dtype=np.uint8))
         received.add_done_callback(retrieve_exception)  # arriving is what counts
-        if self._arrived is not None and not self._arrived.done():
+        if not self._arrived.done():
             self._arrived.set_result(None)
 
     async def stuck(self, host: str, port: int) -> bool:
