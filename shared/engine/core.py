@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shared.engine import malloc_policy
 from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
 from shared.engine.context_role import ContextRole
 from shared.engine.errors import RequestRejected, ResourcesExhausted
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 # Called with the step's scheduled requests (before their counters advance); returns a hook that
 # the model calls after each layer's K/V are written, or None.
 LayerHookFactory = Callable[[Sequence[ScheduledRequest]], Callable[[int], None] | None]
+History = tuple[str, list[tuple[LlmRequestState, int | None]]]  # a request's states, their steps
 
 
 class EngineCore(ContextRole, TransferRole):
@@ -67,6 +69,7 @@ class EngineCore(ContextRole, TransferRole):
         context_only: bool = False,
     ):
         config.validate()
+        malloc_policy.apply()  # once per process: shared/engine/malloc_policy.py
         self.config = config
         # a prefill node: a request ends after its first token, its blocks pinned for the push
         self.context_only = context_only
@@ -98,10 +101,7 @@ class EngineCore(ContextRole, TransferRole):
         self.forks: dict[str, list[str]] = {}
         self.layer_hook_factory: LayerHookFactory | None = None
         self.num_steps = 0
-        # lifecycles of recently ended requests, for tests and debugging
-        self.recent_history: deque[tuple[str, list[tuple[LlmRequestState, int | None]]]] = deque(
-            maxlen=1024
-        )
+        self.recent_history: deque[History] = deque(maxlen=1024)  # ended ones: tests, debugging
 
     @property
     def _uses_cuda_graphs(self) -> bool:
@@ -237,7 +237,9 @@ class EngineCore(ContextRole, TransferRole):
         self.num_steps += 1
         if not sample_rows:
             return [], None
-        pad_rows = list(range(len(batch), logits.shape[0]))
+        if len(sample_rows) == len(batch):  # every row samples (decode steps): no 6 MB copy
+            return batch, logits
+        pad_rows = list(range(len(batch), len(logits)))
         return [batch[i] for i in sample_rows], logits[sample_rows + pad_rows]
 
     def _sample(
