@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shared.engine import huge_pages
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -159,4 +161,7 @@ class KvLayout:
 def allocate_kv_pool(layout: KvLayout, num_blocks: int, device: torch.device | str) -> torch.Tensor:
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    return torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype, device=device)
+    shape = layout.pool_shape(num_blocks)
+    if torch.device(device).type == "cpu":  # 2 MiB pages: shared/engine/huge_pages.py
+        return huge_pages.zeros(shape, layout.torch_dtype)
+    return torch.zeros(shape, dtype=layout.torch_dtype, device=device)

@@ -1,0 +1,51 @@
+"""The CPU KV pool sits on transparent huge pages where the kernel offers them (madvise)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.engine import huge_pages
+from shared.engine.kv_cache import KvLayout, allocate_kv_pool
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def anon_huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings under `t` (/proc/self/smaps)."""
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    inside, total = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo < end and hi > begin
+        elif inside and head[0] == "AnonHugePages:":
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
+def test_kv_pool_on_huge_pages() -> None:
+    layout = KvLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    pool = allocate_kv_pool(layout, 1024, "cpu")  # 64 MiB
+    size_kib = pool.numel() * pool.element_size() // 1024
+    assert anon_huge_kib(pool) >= size_kib // 2, "the pool should be mostly 2 MiB pages"
+    assert not pool.any()  # zeroed, like torch.zeros
+
+
+def test_small_tensors_are_left_alone() -> None:
+    small = torch.empty(1 << 20, dtype=torch.uint8)  # under one huge page: nothing to advise
+    assert huge_pages.advise(small) is False
+    assert huge_pages.zeros((3, 5), torch.float32).eq(0).all()
