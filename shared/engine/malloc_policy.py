@@ -7,15 +7,17 @@ unmaps it on free, and gives the heap's free top back to the kernel past M_TRIM_
 defaults move both with the blocks it sees freed, which on an engine's mix of sizes never settles:
 the next step touches fresh pages, and each is a page fault that zeroes 4 KiB. Measured on
 `bench peer`'s bf16 batch-32 engine run (SmolLM2, Zen 5, 2 threads, docs/performance.md): 378-428k
-faults in one generate with the defaults, 36-38k with the thresholds below, and 5-15% faster.
+faults in one generate with the defaults, 36-39k with the thresholds below; three alternating
+pairs of engine runs, 291 -> 322 tok/s mean (+10%, within a run-to-run spread of +-10%).
 
 So an engine sets, once per process, M_MMAP_THRESHOLD to 32 MiB (the most glibc accepts: blocks
 up to that size come from the heap, and a freed one is reused) and M_TRIM_THRESHOLD to 512 MiB
-(freed heap is kept up to that much). Blocks larger than 32 MiB (the KV pool, the weights) are
-still mapped on their own and given back when freed. The price is resident memory: up to the
-largest step's working set stays mapped after the step. Nothing is changed where the operator set
-glibc's malloc tunables (GLIBC_TUNABLES or MALLOC_*_ variables), where the C library is not glibc,
-or with `PDSERVE_MALLOC_POLICY=0`.
+(freed heap is kept up to that much). Blocks larger than 32 MiB (the KV pool, a large
+embedding) are still mapped on their own and given back when freed; smaller weights now come
+from the heap, where they stay for the process's life anyway. The price is resident memory:
+up to the largest step's working set stays mapped after the step. Nothing is changed where the
+operator set glibc's malloc tunables (GLIBC_TUNABLES or MALLOC_*_ variables), where the C
+library is not glibc, or with `PDSERVE_MALLOC_POLICY=0`.
 """
 
 from __future__ import annotations
