@@ -118,6 +118,14 @@ def wait_released(*live: NodeProcess, timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+async def until_busy(node: NodeProcess, timeout: float = 30.0) -> None:
+    """Returns once `node` has a request in its engine (a seat taken)."""
+    deadline = time.monotonic() + timeout
+    while (await asyncio.to_thread(metrics, node))["pdserve_seats_in_use"] < 1:
+        assert time.monotonic() < deadline, "the prefill node never took a request"
+        await asyncio.sleep(0.005)
+
+
 def check_fresh_batch(decode: NodeProcess, reference: LLM, seed: int) -> None:
     prompts = random_prompts(4, VOCAB, min_len=5, max_len=200, seed=seed)
     want = [o.token_ids for o in reference.generate(prompts, SamplingParams(max_tokens=8))]
@@ -210,7 +218,9 @@ def test_decode_death_releases_prefill_side(nodes: Nodes, reference: LLM) -> Non
             asyncio.ensure_future(generate(target(d), q, max_tokens=50, timeout=60))
             for q in prompts
         ]
-        await asyncio.sleep(0.2)
+        # kill while the prefill node holds a request: a fixed sleep let the first request
+        # finish on a fast machine (prefill + 50 decode steps take ~0.2 s on the tiny model)
+        await until_busy(p)
         d.proc.kill()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, grpc.aio.AioRpcError) for r in results)
