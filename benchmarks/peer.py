@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--batch1-requests", type=int, default=16, help="engine requests at batch limit 1"
     )
     p.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="engine: runs of each system per row, alternating; the row's ratio is the median"
+        " of the pairs' ratios (one pair read 1.08-1.46x for the same code on these VMs)",
+    )
+    p.add_argument(
         "--omp-wait-policy",
         default="",
         help="OMP_WAIT_POLICY of every process of both systems ('': the environment's, i.e."
@@ -73,7 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--decode-output-len", type=int, default=128)
     g.add_argument("--long-prompts", type=int, default=4)
     g.add_argument("--long-input-len", type=int, default=2048)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.pairs < 1:
+        p.error(f"--pairs {a.pairs}: at least one pair of runs per row")
+    return a
 
 
 def model_vocab(model_dir: Path) -> int:
@@ -101,7 +111,7 @@ def quick(a: argparse.Namespace) -> dict[str, Any]:
         )
         rows = vllm_offline.run_phase(
             model, QUICK_MODEL["vocab_size"], vllm_setup.venv_python(), a.cores,
-            ["float32"], {4: 4}, w, a.out / "runs",
+            ["float32"], {4: 4}, w, a.out / "runs", pairs=2,
         )  # fmt: skip
     result["engine"] = {"workload": w.__dict__, "rows": rows}
     vllm_report.write(a.out, result)
@@ -113,7 +123,7 @@ def engine_phase(a: argparse.Namespace, model: Path, python: Path, work: Path) -
                for b in a.batches.split(",")}  # fmt: skip
     w = vllm_offline.EngineWorkload(requests=max(batches.values()))
     rows = vllm_offline.run_phase(
-        model, model_vocab(model), python, a.cores, a.dtypes.split(","), batches, w, work
+        model, model_vocab(model), python, a.cores, a.dtypes.split(","), batches, w, work, a.pairs
     )
     return {"workload": w.__dict__, "rows": rows}
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shared.model import panel_gemm
 from shared.model.config import ModelConfig
 from shared.model.gemm import onednn_linear, pack_onednn
 from shared.model.llama import Model
@@ -141,9 +142,10 @@ def best_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def matmul_ceiling(c: ModelConfig, dtype: torch.dtype, tokens: int, reps: int) -> dict[str, Any]:
-    """Bare GEMM GFLOP/s for each of the model's GEMM shapes at `tokens` rows, the faster of
-    `F.linear` (MKL in fp32) and oneDNN on a pre-packed weight (MKL runs a slow path on AMD), and
-    the aggregate a layer would reach if every GEMM ran at its bare speed."""
+    """Bare GEMM GFLOP/s for each of the model's GEMM shapes at `tokens` rows, the fastest of
+    `F.linear` (MKL in fp32), oneDNN on a pre-packed weight (MKL runs a slow path on AMD) and,
+    where the engine runs it, the panel kernel on its packed weight; and the aggregate a layer
+    would reach if every GEMM ran at its bare speed."""
     gen = torch.Generator().manual_seed(0)
     shapes, flops_total, time_total = [], 0.0, 0.0
     for n_in, n_out in linear_shapes(c):
@@ -153,6 +155,10 @@ def matmul_ceiling(c: ModelConfig, dtype: torch.dtype, tokens: int, reps: int) -
         if torch.backends.mkldnn.is_available():
             packed = pack_onednn(w)
             seconds = min(seconds, best_time(partial(onednn_linear, x, packed), reps))
+        if panel_gemm.usable(w):
+            panel = panel_gemm.pack(w)
+            run = partial(panel_gemm.linear, x, panel, None, n_out)
+            seconds = min(seconds, best_time(run, reps))
         flops = 2.0 * tokens * n_in * n_out
         shapes.append({"in": n_in, "out": n_out, "gflops": flops / seconds / 1e9})
         flops_total += flops

@@ -5,6 +5,7 @@ create the venv — CI never downloads vLLM. No timing assertions (shared, noisy
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,10 @@ def test_peer_quick(tmp_path: Path) -> None:
     (row,) = on_disk["engine"]["rows"]
     assert row["dtype"] == "float32" and row["max_batch_size"] == 4 and row["requests"] == 4
     assert row["pdserve_tokens_per_s"] > 0 and row["vllm_tokens_per_s"] > 0
-    assert row["ratio"] == pytest.approx(row["pdserve_tokens_per_s"] / row["vllm_tokens_per_s"])
+    ours, theirs = row["pair_tokens_per_s"]["pdserve"], row["pair_tokens_per_s"]["vllm"]
+    assert len(ours) == len(theirs) == 2  # two pairs, the ratio the median of theirs
+    assert row["pair_ratios"] == pytest.approx([a / b for a, b in zip(ours, theirs, strict=True)])
+    assert row["ratio"] == pytest.approx(statistics.median(row["pair_ratios"]))
     assert 0 <= row["agreement"]["identical"] <= row["agreement"]["of"] == 4
     assert sorted(row["order"]) == ["pdserve", "vllm"]
 

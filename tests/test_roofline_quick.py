@@ -9,10 +9,11 @@ from pathlib import Path
 
 from benchmarks import roofline
 from benchmarks.roofline_parts import linear_params, linear_shapes
+from shared.model import panel_gemm
 from shared.model.loader import tiny_config
 
 OP_KEYS = {"op", "self_ms", "share", "calls"}
-GEMM_OPS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", panel_gemm.PROFILER_NAME}
 
 
 def test_roofline_quick(tmp_path: Path) -> None:

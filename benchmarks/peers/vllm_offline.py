@@ -2,8 +2,9 @@
 
 Each run is a fresh process under `taskset -c CORES` (the same cores for both systems) that loads
 the model, serves one warm-up request, then times one `generate` of the whole workload; runs of
-the two systems alternate (the order flips from one batch limit to the next) so that the load of
-this shared machine drifts over both alike. Greedy outputs are compared token for token.
+the two systems alternate (the order flips from one pair of runs to the next) so that the load of
+this shared machine drifts over both alike; with `--pairs N` each row is N such pairs and its
+ratio the median of theirs. Greedy outputs are compared token for token.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -107,12 +109,15 @@ def run_phase(
     batches: dict[int, int],
     w: EngineWorkload,
     work: Path,
+    pairs: int = 1,
 ) -> list[dict[str, Any]]:
-    """`batches`: batch limit -> number of requests (a prefix of the same workload)."""
+    """`batches`: batch limit -> number of requests (a prefix of the same workload). `pairs`:
+    runs of each system per row, alternating; the row's ratio is the median of each pair's own
+    ratio (a slow spell of this shared VM then falls on one pair, not on one system)."""
     prompts, outputs = workload(w, vocab)
     rows = []
     plan = [(d, b) for d in dtypes for b in batches]
-    bar = tqdm(total=2 * len(plan), desc="engine runs", unit="run")
+    bar = tqdm(total=2 * pairs * len(plan), desc="engine runs", unit="run")
     for i, (dtype, batch) in enumerate(plan):
         n = batches[batch]
         spec = {
@@ -125,31 +130,47 @@ def run_phase(
             "prompts": prompts[:n],
             "max_tokens": outputs[:n],
         }
-        order = ["pdserve", "vllm"] if i % 2 == 0 else ["vllm", "pdserve"]
-        got: dict[str, dict[str, Any]] = {}
         before = load_average()
-        for system in order:
-            got[system] = run_one(system, spec, cores, vllm_python, work)
-            bar.update(1)
-        ours, theirs = got["pdserve"]["tokens_per_s"], got["vllm"]["tokens_per_s"]
-        row = {
-            "dtype": dtype,
-            "max_batch_size": batch,
-            "requests": n,
-            "order": order,
-            "pdserve_tokens_per_s": ours,
-            "vllm_tokens_per_s": theirs,
-            "ratio": ours / theirs,
-            "startup_s": {s: got[s]["startup_s"] for s in got},
-            "agreement": agreement(got["pdserve"]["outputs"], got["vllm"]["outputs"]),
-            "load_average_before": before,
-            "load_average_after": load_average(),
-        }
+        runs = []
+        for pair in range(pairs):
+            order = ["pdserve", "vllm"] if (i + pair) % 2 == 0 else ["vllm", "pdserve"]
+            got: dict[str, dict[str, Any]] = {}
+            for system in order:
+                got[system] = run_one(system, spec, cores, vllm_python, work)
+                bar.update(1)
+            runs.append((order, got))
+        row = _row(dtype, batch, n, runs)
+        row["load_average_before"], row["load_average_after"] = before, load_average()
         rows.append(row)
+        pair_ratios = " ".join(f"{r:.2f}" for r in row["pair_ratios"])
         tqdm.write(
-            f"{dtype:>8} batch {batch:>2} ({n} req): pdserve {ours:7.1f} tok/s  vllm {theirs:7.1f}"
-            f" tok/s  ratio {ours / theirs:.2f}x  identical {row['agreement']['identical']}/{n}"
+            f"{dtype:>8} batch {batch:>2} ({n} req): pdserve {row['pdserve_tokens_per_s']:7.1f}"
+            f" tok/s  vllm {row['vllm_tokens_per_s']:7.1f} tok/s  ratio {row['ratio']:.2f}x"
+            f" (pairs {pair_ratios})  identical {row['agreement']['identical']}/{n}"
             f"  load {before[0]}"
         )
     bar.close()
     return rows
+
+
+def _row(
+    dtype: str, batch: int, n: int, runs: list[tuple[list[str], dict[str, dict[str, Any]]]]
+) -> dict[str, Any]:
+    """One table row from a row's pairs of runs: medians, and every pair's numbers."""
+    ours = [got["pdserve"]["tokens_per_s"] for _, got in runs]
+    theirs = [got["vllm"]["tokens_per_s"] for _, got in runs]
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    first = runs[0][1]
+    return {
+        "dtype": dtype,
+        "max_batch_size": batch,
+        "requests": n,
+        "order": runs[0][0],
+        "pdserve_tokens_per_s": statistics.median(ours),
+        "vllm_tokens_per_s": statistics.median(theirs),
+        "ratio": statistics.median(ratios),
+        "pair_ratios": ratios,
+        "pair_tokens_per_s": {"pdserve": ours, "vllm": theirs},
+        "startup_s": {s: first[s]["startup_s"] for s in first},
+        "agreement": agreement(first["pdserve"]["outputs"], first["vllm"]["outputs"]),
+    }

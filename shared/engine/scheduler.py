@@ -1,16 +1,16 @@
 """Iteration-level continuous batching with chunked prefill (no torch, no I/O).
 
 Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
-the next chunk), then waiting requests FCFS while a seat, batch room, token budget and blocks
-remain. Waiting requests are QUEUED ones (holding nothing: fresh, or preempted) and, on a decode
-node, requests whose KV arrived (holding their prompt's blocks). Reservation is incremental: a
-QUEUED request is admitted when the blocks for its context plus its first new token
-(`admit_lookahead`) are free, and grows block by block as it decodes. When running requests need
-more blocks than are free, the newest running request is preempted by full release and re-queued
-QUEUED at the front (recompute), never by pausing alone: a paused request keeping its seat would
-be double-seated when it resumes. Preempting the newest means the oldest running request always
-progresses, and every request alone fits the pool (admission refuses those that cannot), so the
-queue drains.
+the next chunk), then waiting requests (those holding blocks first, then FCFS) while a seat, batch
+room, token budget and blocks remain. Waiting requests are QUEUED ones (holding nothing: fresh, or
+preempted) and, on a decode node, requests whose KV arrived (holding their prompt's blocks).
+Reservation is incremental: a QUEUED request is admitted when the blocks for its context plus its
+first new token (`admit_lookahead`) are free, and grows block by block as it decodes. When running
+requests need more blocks than are free, the newest running request is preempted by full release and
+re-queued QUEUED at the front (recompute), never by pausing alone: a paused request keeping its seat
+would be double-seated when it resumes. Preempting the newest means the oldest running request
+always progresses, and every request alone fits the pool (admission refuses those that cannot), so
+the queue drains.
 """
 
 from __future__ import annotations
@@ -137,19 +137,21 @@ class Scheduler:
         return budget, reserved
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, reserved: int) -> None:
-        """FCFS among requests that still need blocks; a request that already holds its blocks
-        (its KV arrived from a prefill node) may pass a fresh one that does not fit, since
-        running it frees blocks and holding it back could leave nothing runnable."""
+        """Requests that already hold their blocks (their KV arrived from a prefill node) first,
+        then FCFS among those that still need blocks. A holder runs toward its end and frees
+        its blocks; behind a fresh request it could wait forever: with one seat, a fresh
+        request that needs a holder's block is preempted at its last block, re-queued at the
+        front and admitted again, while the holder never gets the seat (found by
+        test_properties' PdLifecycle machine: 1-token blocks, 9 of them, batch 1)."""
         seats_left = self.seats.num_free
         fresh_blocked = False
-        i = 0
-        while i < len(self.waiting) and budget > 0 and seats_left > 0:
-            if len(self.running) >= self.config.max_batch_size:
+        tables = self.kv.block_tables
+        holders = [r for r in self.waiting if r.request_id in tables]
+        for request in [*holders, *(r for r in self.waiting if r.request_id not in tables)]:
+            if budget <= 0 or seats_left <= 0 or len(self.running) >= self.config.max_batch_size:
                 return
-            request = self.waiting[i]
             fresh = request.request_id not in self.kv.block_tables
             if fresh and fresh_blocked:
-                i += 1
                 continue
             if fresh:
                 cached = self.kv.acquire_prefix(request)
@@ -168,9 +170,8 @@ class Scheduler:
                     self.kv.free_resources(request)
                     request.num_computed_tokens = 0
                     fresh_blocked = True
-                i += 1
                 continue
-            del self.waiting[i]
+            self.waiting.remove(request)
             if request.state == LlmRequestState.QUEUED:
                 request.transition(LlmRequestState.CONTEXT_INIT)
             self.running.append(request)

@@ -156,7 +156,8 @@ def reserve_transfer_blocks(
     kv = core.kv_manager
     cached = kv.acquire_prefix(request)
     held = len(kv.block_table(request.request_id))
-    need = cdiv(request.prompt_len + 1, kv.block_size) - held
+    # the first decoded token's slot only where one comes (max_tokens 1 ends at the transfer)
+    need = cdiv(min(request.prompt_len + 1, request.max_total_tokens()), kv.block_size) - held
     if need + owed > kv.num_free_blocks:
         kv.free_resources(request)  # the prefix goes back; it is matched again next time
         return None

@@ -5,13 +5,17 @@
   is a pass over its weight, and the libraries' small-row paths read it well below the memory
   bandwidth; the kernel streams the plain [out, in] weight row by row (docs/performance.md,
   sections 6 and 8). `PDSERVE_SKINNY_GEMM=0` turns it off.
+- **More rows, bf16 or fp32, where the libraries leave speed behind** (AVX-512 BF16 without AMX;
+  fp32 on AVX-512 CPUs not Intel's): kernels/panel_gemm.c on a weight packed once into its panel
+  layout, ahead of oneDNN at every row count there (shared/model/panel_gemm.py,
+  `PDSERVE_PANEL_GEMM=auto|1|0`). The paths below are what runs elsewhere.
 - **bf16, more rows**: oneDNN on a weight pre-packed once. bf16 `F.linear` on CPU already runs
-  oneDNN but reorders the plain weight into oneDNN's blocked layout on every call; packing once
-  and calling `mkldnn._linear_pointwise` gives the same bits, faster. Row counts above EXACT_ROWS
-  are padded up to one of 8 sizes per octave (`padded_rows`, at most 12.5% extra rows): oneDNN
-  builds a primitive per shape (1-5 ms each at SmolLM2's projections) and caches 1,024, and
-  every prefill chunk has its own row count; unpadded, random-length traffic missed that cache
-  on every request (235-244 vs 205-207 ms mean per prefill of random lengths 40-700).
+  oneDNN but reorders the plain weight into oneDNN's blocked layout on every call; packing once and
+  calling `mkldnn._linear_pointwise` gives the same bits, faster. Row counts above EXACT_ROWS are
+  padded up to one of 8 sizes per octave (`padded_rows`, at most 12.5% extra rows): oneDNN builds a
+  primitive per shape (1-5 ms each at SmolLM2's projections) and caches 1,024, and every prefill
+  chunk has its own row count; unpadded, random-length traffic missed that cache on every request
+  (235-244 vs 205-207 ms mean per prefill of random lengths 40-700).
 - **fp32, up to EXACT_ROWS rows** (decode batches): oneDNN on a packed copy too. MKL's sgemm at
   these row counts ran at a third to a half of oneDNN's speed on AMD Zen 4 (where vLLM's oneDNN
   GEMMs outran pdserve 2x in fp32). Costs a second copy of the fp32 weights.
@@ -44,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine.utils import cdiv
-from shared.model import native
+from shared.model import native, panel_gemm
 from shared.model.native import cpu_vendor
 
 log = logging.getLogger(__name__)
@@ -118,14 +122,15 @@ def _version(t: torch.Tensor) -> int:
 class PackedGemm:
     """y = x @ weight.T + bias: the kernel, oneDNN on a packed weight, or `F.linear`."""
 
-    __slots__ = ("_packed", "_plain", "_version", "bias", "weight")
+    __slots__ = ("_kind", "_packed", "_plain", "_version", "bias", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
         # the kernel reads the weight (and bias) as stored: contiguous rows of `in` elements
         self._plain = weight.is_contiguous() and (bias is None or bias.is_contiguous())
-        self._packed: torch.Tensor | None = None
+        self._packed: torch.Tensor | None = None  # a packed copy of the weight, of `_kind`
+        self._kind = ""
         self._version = -1
 
     def _gemv_ok(self, x: torch.Tensor) -> bool:
@@ -135,6 +140,14 @@ class PackedGemm:
             and x.stride(-1) == 1
             and self._plain
             and _gemv(x.dtype) is not None
+        )
+
+    def _panel_ok(self, x: torch.Tensor) -> bool:
+        return (
+            x.dtype == self.weight.dtype
+            and (self.bias is None or self.bias.dtype == x.dtype)
+            and self._plain
+            and panel_gemm.usable(self.weight)
         )
 
     def _onednn_ok(self, x: torch.Tensor) -> bool:
@@ -152,19 +165,29 @@ class PackedGemm:
             return F.linear(x, self.weight, self.bias)
         if self._gemv_ok(x):
             return _gemv_rows(x, self.weight, self.bias)
+        if self._panel_ok(x):
+            packed = self._packed_as("panel")
+            return panel_gemm.linear(x, packed, self._bias(), self.weight.shape[0])
         if self._onednn_ok(x):
             return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        version = _version(self.weight)
-        if self._packed is None or version != self._version:
-            self._packed = pack_onednn(self.weight.detach())
-            self._version = version
-        bias = None if self.bias is None else self.bias.detach()
         rows = x.shape[0]
-        out = onednn_linear(pad_rows(x).contiguous(), self._packed, bias)
+        out = onednn_linear(pad_rows(x).contiguous(), self._packed_as("onednn"), self._bias())
         return out if out.shape[0] == rows else out[:rows]
+
+    def _packed_as(self, kind: str) -> torch.Tensor:
+        """The weight packed for `kind`, rebuilt when the weight was written in place."""
+        version = _version(self.weight)
+        if self._packed is None or version != self._version or kind != self._kind:
+            weight = self.weight.detach()
+            self._packed = panel_gemm.pack(weight) if kind == "panel" else pack_onednn(weight)
+            self._version, self._kind = version, kind
+        return self._packed
+
+    def _bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.detach()
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:

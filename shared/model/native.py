@@ -59,6 +59,12 @@ def cpu_vendor() -> str:
     return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
+def cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's CPU flags (empty where there is none)."""
+    line = _cpuinfo_field("flags")
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
 def _cpu_key() -> str:
     return platform.machine() + _cpuinfo_field("flags")
 
