@@ -110,7 +110,10 @@ def test_kv_transfer_timeout_fails_with_clear_status(checkpoint: Callable[..., P
 
     async def body() -> None:
         overrides = {"kv_transfer_timeout": 0.05, "prefill_retries": 0}
-        async with pd_cluster(path, prefill_engine=slow(path), decode_overrides=overrides) as c:
+        # 4-token steps: ~225 prefill steps, far past 50 ms; at 32-token steps a fast run of
+        # the tiny model finished the whole prefill inside the timeout
+        prefill = slow(path, step_tokens=4)
+        async with pd_cluster(path, prefill_engine=prefill, decode_overrides=overrides) as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(c.targets[0], prompt, max_tokens=4, timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
