@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model.native import cpu_flags
+
 log = logging.getLogger(__name__)
 
 # Overrides what `--dtype auto` picks (float32, bfloat16 or float16); the test suite sets it to
@@ -21,13 +23,11 @@ def cpu_has_fast_bf16() -> bool:
     """AMX (amx_bf16) or AVX-512 BF16 (avx512_bf16) in the CPU's flags: bf16 GEMMs then run on
     native units (about 4x fp32's prefill here). /proc/cpuinfo first; torch's own probe where
     there is no /proc (macOS)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    flags = cpu_flags()
+    if flags:
         return "amx_bf16" in flags or "avx512_bf16" in flags
-    except (OSError, StopIteration):
-        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-        return bool(probe and probe())
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe())
 
 
 @functools.cache

@@ -150,7 +150,7 @@ class Scheduler:
         for request in [*holders, *(r for r in self.waiting if r.request_id not in tables)]:
             if budget <= 0 or seats_left <= 0 or len(self.running) >= self.config.max_batch_size:
                 return
-            fresh = request.request_id not in self.kv.block_tables
+            fresh = request.request_id not in tables
             if fresh and fresh_blocked:
                 continue
             if fresh:
