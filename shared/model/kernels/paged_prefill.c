@@ -157,6 +157,30 @@ static inline void add_values(const Layout *L, int n, __m512 alpha, Work *w) {
     }
 }
 
+/* Each row's output (lane r of ot[0..D-1], times 1 / its softmax sum in `inv`), rounded to bf16
+ * and stored as one contiguous run: gathered 16 dimensions at a time from the lanes. (A scalar
+ * store per row and dimension, with the row's place found by division each time, took a third
+ * of the kernel's time at 512-token prompts.) */
+static inline void store_rows(const Layout *L, int64_t start, int64_t kvh, int64_t r0, int nrows,
+                              __m512 inv, const Work *w) {
+    const float *ot = (const float *)w->ot; /* ot[d] lane r at ot[d * LANES + r] */
+    const __m512i dims = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(LANES));
+    float invs[LANES];
+    _mm512_storeu_ps(invs, inv);
+    for (int r = 0; r < nrows; r++) {
+        const int64_t i = (r0 + r) / L->G, h = kvh * L->G + (r0 + r) % L->G;
+        uint16_t *dst = L->out + (start + i) * L->H * L->D + h * L->D;
+        const __m512 scale = _mm512_set1_ps(invs[r]);
+        for (int64_t d0 = 0; d0 < L->D; d0 += 16) {
+            const __m512i at = _mm512_add_epi32(dims, _mm512_set1_epi32((int)(d0 * LANES + r)));
+            const __m512 o = _mm512_mul_ps(_mm512_i32gather_ps(at, ot, 4), scale);
+            _mm256_storeu_si256((void *)(dst + d0), (__m256i)_mm512_cvtneps_pbh(o));
+        }
+    }
+}
+
 /* Rows r0..r0+nrows-1 (nrows <= LANES) of one (sequence, KV head): row r is query r / G, head
  * kvh * G + r % G. */
 static void work_item(const Layout *L, const int64_t *table, int64_t start, int64_t computed,
@@ -201,15 +225,7 @@ static void work_item(const Layout *L, const int64_t *table, int64_t start, int6
         l = _mm512_fmadd_ps(l, alpha, sum);
         add_values(L, n, alpha, w);
     }
-    float inv[LANES], o[LANES];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    for (int64_t d = 0; d < D; d++) {
-        _mm512_storeu_ps(o, w->ot[d]);
-        for (int r = 0; r < nrows; r++) {
-            const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
-            L->out[(start + i) * L->H * D + h * D + d] = f32_to_bf16(o[r] * inv[r]);
-        }
-    }
+    store_rows(L, start, kvh, r0, nrows, _mm512_div_ps(_mm512_set1_ps(1.0f), l), w);
 }
 
 int paged_prefill(const uint16_t *q, const uint16_t *pool, uint16_t *out, const int64_t *tables,
