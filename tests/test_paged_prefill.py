@@ -8,14 +8,26 @@ import random
 import pytest
 import torch
 
-from shared.model import attention, paged_prefill
+from shared.model import attention, gemm, paged_prefill
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 
 needs_kernel = pytest.mark.skipif(
-    paged_prefill.library() is None,
+    not paged_prefill.covers(torch.bfloat16),
     reason="no C compiler or no AVX-512 BF16 here: the kernel cannot be used",
 )
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
+# per element type: where the kernel runs here, and how close to float64 it must come (bf16: the
+# output's own rounding and the probabilities' (as SDPA's bf16 kernel rounds them); fp32: sums)
+DTYPES = [
+    pytest.param(BF16, 2e-2, marks=needs_kernel, id="bf16"),
+    pytest.param(
+        F32, 1e-5, id="fp32",
+        marks=pytest.mark.skipif(
+            not paged_prefill.covers(F32),
+            reason="fp32 keeps SDPA here (no AVX-512, or fp32 prefill pinned to MKL's bits)",
+        ),
+    ),
+]  # fmt: skip
 
 
 def _entries(specs: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[SeqEntry]:
@@ -68,19 +80,21 @@ SHAPES = [  # heads, kv_heads, head_dim, block_size, (cached, new) per sequence,
 ]
 
 
-@needs_kernel
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_the_definition(shape: tuple, threads: int) -> None:
+def test_kernel_matches_the_definition(
+    dtype: torch.dtype, tolerance: float, shape: tuple, threads: int
+) -> None:
     heads, kv_heads, head_dim, bs, specs, window = shape
     torch.manual_seed(0)
     entries = _entries(specs, bs, 64)
     batch = ForwardBatch.build(entries, bs, "cpu")
-    pool = torch.randn(2, 64, bs, kv_heads, head_dim).to(BF16)
+    pool = torch.randn(2, 64, bs, kv_heads, head_dim).to(dtype)
     # q as the model has it: a strided view of the fused qkv output
-    fused = torch.randn(batch.num_tokens, heads + 2 * kv_heads, head_dim).to(BF16)
+    fused = torch.randn(batch.num_tokens, heads + 2 * kv_heads, head_dim).to(dtype)
     q = fused[:, :heads]
-    out = torch.full((batch.num_tokens, heads * head_dim), float("nan"), dtype=BF16)
+    out = torch.full((batch.num_tokens, heads * head_dim), float("nan"), dtype=dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -90,14 +104,13 @@ def test_kernel_matches_the_definition(shape: tuple, threads: int) -> None:
     finally:
         torch.set_num_threads(before)
     want = _reference(q, pool, batch, 0.3, window, [e.block_table for e in entries])
-    # bf16: the output's own rounding and the probabilities' (as SDPA's bf16 kernel rounds them)
-    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), want, atol=tolerance, rtol=tolerance)
 
 
 @needs_kernel
 def test_prefill_groups_use_the_kernel_and_leave_decode_rows_to_theirs() -> None:
     """A step mixing decodes, a fresh prompt and a continued one: every row equals what its own
-    path computes; fp32 keeps SDPA."""
+    path computes; fp32 takes the kernel exactly where it covers fp32."""
     torch.manual_seed(1)
     batch = _batch([(30, 1), (0, 24), (40, 9), (17, 1)], 16, 32)
     assert len(batch.groups) >= 2
@@ -110,7 +123,7 @@ def test_prefill_groups_use_the_kernel_and_leave_decode_rows_to_theirs() -> None
         )
         for group in batch.groups:
             used = paged_prefill.usable(q, pool, group)
-            assert used == (dtype == BF16 and group.query_len > 1)
+            assert used == (paged_prefill.covers(dtype) and group.query_len > 1)
             if used:
                 want = torch.full_like(got, float("nan"))
                 assert paged_prefill.prefill_attention(q, pool, group, 0.125, None, want)
@@ -118,20 +131,23 @@ def test_prefill_groups_use_the_kernel_and_leave_decode_rows_to_theirs() -> None
                 assert rows is not None and torch.equal(got[rows], want[rows])
 
 
-@needs_kernel
-def test_bf16_model_prefills_through_the_kernel_like_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny model in bf16: a fresh prompt, then a prompt continuing its cached prefix in two
-    chunks; logits through the kernel and through SDPA differ by bf16 noise, the same tokens."""
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+def test_model_prefills_through_the_kernel_like_sdpa(
+    dtype: torch.dtype, tolerance: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model: a fresh prompt, then a prompt continuing its cached prefix in two chunks;
+    logits through the kernel and through SDPA differ by rounding noise (bf16: most argmaxes
+    equal; fp32: every one)."""
     from shared.engine.kv_cache import allocate_kv_pool
     from shared.model.loader import load_model
 
-    loaded = load_model("tiny", torch.device("cpu"), BF16)
+    loaded = load_model("tiny", torch.device("cpu"), dtype)
     prompt = [random.Random(3).randrange(3, 250) for _ in range(200)]
 
     def logits(kernel: bool) -> torch.Tensor:
         if not kernel:
             monkeypatch.setattr(paged_prefill, "usable", lambda *a: False)
-        pool = allocate_kv_pool(loaded.config.kv_layout(16, BF16), 16, "cpu")
+        pool = allocate_kv_pool(loaded.config.kv_layout(16, dtype), 16, "cpu")
         table = list(range(13))
         rows = []
         for start, end in ((0, 120), (120, 170), (170, 200)):
@@ -142,12 +158,24 @@ def test_bf16_model_prefills_through_the_kernel_like_sdpa(monkeypatch: pytest.Mo
 
     with_kernel, with_sdpa = logits(True), logits(False)
     assert torch.isfinite(with_kernel).all()
-    assert (with_kernel - with_sdpa).abs().max() <= 0.02 * with_sdpa.abs().max()
-    assert (with_kernel.argmax(-1) == with_sdpa.argmax(-1)).float().mean() >= 0.9
+    assert (with_kernel - with_sdpa).abs().max() <= tolerance * with_sdpa.abs().max()
+    agree = (with_kernel.argmax(-1) == with_sdpa.argmax(-1)).float().mean()
+    assert agree >= (0.9 if dtype == BF16 else 1.0)
+
+
+def test_fp32_follows_the_prefill_gemms_bit_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fp32 prefill GEMMs keep MKL's (transformers') bits, fp32 attention keeps SDPA."""
+    paged_prefill.covers.cache_clear()
+    try:
+        monkeypatch.setattr(gemm, "fp32_rows_onednn", lambda: False)
+        assert not paged_prefill.covers(F32)
+    finally:
+        paged_prefill.covers.cache_clear()
 
 
 def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     paged_prefill.library.cache_clear()
+    paged_prefill.covers.cache_clear()
     try:
         monkeypatch.setenv("PDSERVE_PAGED_PREFILL", "0")
         assert paged_prefill.library() is None
@@ -158,3 +186,4 @@ def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
         )
     finally:
         paged_prefill.library.cache_clear()
+        paged_prefill.covers.cache_clear()

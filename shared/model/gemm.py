@@ -8,7 +8,8 @@
 - **More rows, bf16 or fp32, where the libraries leave speed behind** (AVX-512 BF16 without AMX;
   fp32 on AVX-512 CPUs not Intel's): kernels/panel_gemm.c on a weight packed once into its panel
   layout, ahead of oneDNN at every row count there (shared/model/panel_gemm.py,
-  `PDSERVE_PANEL_GEMM=auto|1|0`). The paths below are what runs elsewhere.
+  `PDSERVE_PANEL_GEMM=auto|1|0`); fp32 prefill rows only where they have left MKL's bits
+  anyway (`fp32_rows_onednn`, below). The paths below are what runs elsewhere.
 - **bf16, more rows**: oneDNN on a weight pre-packed once. bf16 `F.linear` on CPU already runs
   oneDNN but reorders the plain weight into oneDNN's blocked layout on every call; packing once and
   calling `mkldnn._linear_pointwise` gives the same bits, faster. Row counts above EXACT_ROWS are
@@ -148,6 +149,8 @@ class PackedGemm:
             and (self.bias is None or self.bias.dtype == x.dtype)
             and self._plain
             and panel_gemm.usable(self.weight)
+            # fp32 prefill rows pinned to MKL (transformers' bits) stay there
+            and (x.dtype != torch.float32 or x.shape[0] <= EXACT_ROWS or fp32_rows_onednn())
         )
 
     def _onednn_ok(self, x: torch.Tensor) -> bool:
