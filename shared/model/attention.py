@@ -8,9 +8,9 @@
   encodes causality (key position <= query position), which also hides the padding;
   sliding-window layers add `key position > query position - window`.
 * A decode group on CPU reads its keys and values where they lie in the pool instead
-  (shared/model/paged_decode.py), when this machine could build that kernel; so does a bf16
-  prefill group, fresh or continued (shared/model/paged_prefill.py), writing its rows of the
-  output in place.
+  (shared/model/paged_decode.py), when this machine could build that kernel; so does a prefill
+  group, fresh or continued, in bf16 (and in fp32 where fp32 prefill has left MKL's bits anyway;
+  shared/model/paged_prefill.py), writing its rows of the output in place.
 * Otherwise a fresh-prefill group (nothing cached) attends over this step's K/V directly with
   SDPA's causal mode, skipping the pool round trip and the masked half of the work.
 """
