@@ -187,3 +187,15 @@ def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         paged_prefill.library.cache_clear()
         paged_prefill.covers.cache_clear()
+
+
+@needs_kernel
+def test_a_profile_names_the_kernel() -> None:
+    """Under torch's profiler the kernel's time is a row of its own (a ctypes call is no aten
+    op: the roofline's op table would otherwise leave it out)."""
+    batch = _batch([(0, 20)], 16, 4)
+    q = torch.randn(20, 2, 32).to(BF16)
+    pool, out = torch.randn(2, 4, 16, 1, 32).to(BF16), torch.empty(20, 64, dtype=BF16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert paged_prefill.prefill_attention(q, pool, batch.groups[0], 0.2, None, out)
+    assert "pdserve::paged_prefill" in {e.key for e in prof.key_averages()}

@@ -171,9 +171,10 @@ class DecodeStack:
         ref = ctypes.byref(step)
         work = x.new_empty(lib.decode_stack_work(ref))
         out = torch.empty_like(x)
-        code = getattr(lib, _ENTRY[x.dtype])(
-            self._table, len(self._layers), ref, x.data_ptr(), kv_pool.data_ptr(),
-            work.data_ptr(), out.data_ptr(),
+        code = native.call(
+            "pdserve::decode_stack", getattr(lib, _ENTRY[x.dtype]), self._table,
+            len(self._layers), ref, x.data_ptr(), kv_pool.data_ptr(), work.data_ptr(),
+            out.data_ptr(),
         )  # fmt: skip
         if code == -2:  # attention's per-thread scratch: the step is lost, as on any OOM
             raise MemoryError("decode stack: no memory for attention's scratch")

@@ -67,10 +67,10 @@ def add_rms_norm(
     out = x.new_empty(rows, dim)
     if delta is not None:
         assert delta.shape == x.shape and delta.stride(-1) == 1 and delta.dtype == x.dtype
-    lib.add_rms_norm(
-        x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-        out.data_ptr(), rows, dim, x.stride(0), 0 if delta is None else delta.stride(0), eps,
-        _threads(rows * dim),
+    native.call(
+        "pdserve::add_rms_norm", lib.add_rms_norm, x.data_ptr(),
+        None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim,
+        x.stride(0), 0 if delta is None else delta.stride(0), eps, _threads(rows * dim),
     )  # fmt: skip
     return out
 
@@ -81,9 +81,10 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     assert lib is not None and gate_up.dim() == 2 and gate_up.shape[1] == 2 * inter
     rows = gate_up.shape[0]
     out = gate_up.new_empty(rows, inter)
-    lib.silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), rows, inter, gate_up.stride(0), _threads(rows * inter)
-    )
+    native.call(
+        "pdserve::silu_mul", lib.silu_mul, gate_up.data_ptr(), out.data_ptr(), rows, inter,
+        gate_up.stride(0), _threads(rows * inter),
+    )  # fmt: skip
     return out
 
 
@@ -107,10 +108,10 @@ def rope_store(
     qk = qkv.new_empty(num_tokens, num_heads + kv_heads, head_dim)
     plane = num_blocks * block_size * kv_heads * head_dim * layer_pool.element_size()
     k_plane = layer_pool.data_ptr()
-    code = lib.rope_store(
-        qkv.data_ptr(), cos.data_ptr(), ssin.data_ptr(), qk.data_ptr(), k_plane,
-        k_plane + plane, slots.data_ptr(), num_tokens, num_heads, kv_heads, head_dim,
-        qkv.stride(0), num_blocks * block_size,
+    code = native.call(
+        "pdserve::rope_store", lib.rope_store, qkv.data_ptr(), cos.data_ptr(), ssin.data_ptr(),
+        qk.data_ptr(), k_plane, k_plane + plane, slots.data_ptr(), num_tokens, num_heads,
+        kv_heads, head_dim, qkv.stride(0), num_blocks * block_size,
         _threads(num_tokens * (num_heads + 2 * kv_heads) * head_dim),
     )  # fmt: skip
     if code != 0:

@@ -106,9 +106,10 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     assert kernel is not None
     rows, (out_features, in_features) = x.shape[0], weight.shape
     out = x.new_empty(rows, out_features)
-    kernel(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads(),
+    native.call(
+        "pdserve::skinny_gemm", kernel, x.data_ptr(), x.stride(0), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, out_features,
+        in_features, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

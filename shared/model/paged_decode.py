@@ -75,10 +75,10 @@ def decode_attention(
     blocks = group.kv_blocks.view(n_seqs, -1)
     pos = group.query_pos[:, 0].contiguous()
     out = rows.new_empty(n_seqs, num_heads * head_dim)
-    code = lib.paged_decode(
-        rows.data_ptr(), layer_pool.data_ptr(), out.data_ptr(), blocks.data_ptr(),
-        pos.data_ptr(), n_seqs, blocks.shape[1], num_heads, kv_heads, head_dim, num_blocks,
-        block_size, rows.stride(0), rows.stride(1), scale, window or 0, _BF16[q.dtype],
-        torch.get_num_threads(),
+    code = native.call(
+        "pdserve::paged_decode", lib.paged_decode, rows.data_ptr(), layer_pool.data_ptr(),
+        out.data_ptr(), blocks.data_ptr(), pos.data_ptr(), n_seqs, blocks.shape[1], num_heads,
+        kv_heads, head_dim, num_blocks, block_size, rows.stride(0), rows.stride(1), scale,
+        window or 0, _BF16[q.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return out if code == 0 else None

@@ -95,10 +95,11 @@ def prefill_attention(
     _, num_heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, _ = layer_pool.shape
     tables = group.block_tables
-    code = getattr(lib, _ENTRY[q.dtype])(
-        q.data_ptr(), layer_pool.data_ptr(), out.data_ptr(), tables.data_ptr(),
-        group.seq_starts.data_ptr(), group.seq_qlens.data_ptr(), group.seq_computed.data_ptr(),
-        tables.shape[0], tables.shape[1], num_heads, kv_heads, head_dim, num_blocks, block_size,
-        q.stride(0), q.stride(1), scale, window or 0, torch.get_num_threads(),
+    code = native.call(
+        "pdserve::paged_prefill", getattr(lib, _ENTRY[q.dtype]), q.data_ptr(),
+        layer_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), group.seq_starts.data_ptr(),
+        group.seq_qlens.data_ptr(), group.seq_computed.data_ptr(), tables.shape[0],
+        tables.shape[1], num_heads, kv_heads, head_dim, num_blocks, block_size, q.stride(0),
+        q.stride(1), scale, window or 0, torch.get_num_threads(),
     )  # fmt: skip
     return code == 0
