@@ -150,8 +150,7 @@ class PackedGemm:
             and (self.bias is None or self.bias.dtype == x.dtype)
             and self._plain
             and panel_gemm.usable(self.weight)
-            # fp32 prefill rows pinned to MKL (transformers' bits) stay there
-            and (x.dtype != torch.float32 or x.shape[0] <= EXACT_ROWS or fp32_rows_onednn())
+            and (x.dtype != torch.float32 or fp32_off_mkl(x.shape[0]))
         )
 
     def _onednn_ok(self, x: torch.Tensor) -> bool:
@@ -160,7 +159,7 @@ class PackedGemm:
             return onednn_bf16_available()
         return (
             dtype == torch.float32
-            and (x.shape[0] <= EXACT_ROWS or fp32_rows_onednn())
+            and fp32_off_mkl(x.shape[0])
             and torch.backends.mkldnn.is_available()
         )
 
@@ -224,6 +223,13 @@ def fp32_rows_onednn() -> bool:
         "oneDNN" if onednn else "MKL, transformers' bits", choice, vendor or "unknown",
     )  # fmt: skip
     return onednn
+
+
+def fp32_off_mkl(rows: int) -> bool:
+    """Whether an fp32 GEMM of `rows` rows may leave MKL (for oneDNN or the panel kernel):
+    decode batches always (MKL is not batch-invariant there either), prefill rows only where they
+    are not pinned to transformers' bits (`fp32_rows_onednn`)."""
+    return rows <= EXACT_ROWS or fp32_rows_onednn()
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:

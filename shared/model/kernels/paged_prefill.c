@@ -207,6 +207,14 @@ static inline __attribute__((always_inline)) void add_values(const Layout *L, in
     add_values_f32(L, n, alpha, w);
 }
 
+/* Row `row` of KV head kvh's work items: query row / G of the sequence's chunk, head
+ * kvh * G + row % G (grouped-query attention: a KV head's G query heads are consecutive rows). */
+static inline void place(const Layout *L, int64_t kvh, int64_t row, int64_t *query,
+                         int64_t *head) {
+    *query = row / L->G;
+    *head = kvh * L->G + row % L->G;
+}
+
 /* Each row's output (lane r of ot[0..D-1], times 1 / its softmax sum in `inv`) stored as one
  * contiguous run, gathered 16 dimensions at a time from the lanes (bf16: rounded to nearest
  * even). A scalar store per row and dimension, with the row's place found by division each
@@ -223,7 +231,8 @@ static inline __attribute__((always_inline)) void store_rows(const Layout *L, in
     float invs[LANES];
     _mm512_storeu_ps(invs, inv);
     for (int r = 0; r < nrows; r++) {
-        const int64_t i = (r0 + r) / L->G, h = kvh * L->G + (r0 + r) % L->G;
+        int64_t i, h;
+        place(L, kvh, r0 + r, &i, &h);
         char *dst = L->out + ((start + i) * L->H * L->D + h * L->D) * L->esize;
         const __m512 scale = _mm512_set1_ps(invs[r]);
         for (int64_t d0 = 0; d0 < L->D; d0 += 16) {
@@ -240,8 +249,7 @@ static inline __attribute__((always_inline)) void store_rows(const Layout *L, in
     }
 }
 
-/* Rows r0..r0+nrows-1 (nrows <= LANES) of one (sequence, KV head): row r is query r / G, head
- * kvh * G + r % G. */
+/* Rows r0..r0+nrows-1 (nrows <= LANES) of one (sequence, KV head), placed by `place`. */
 static inline __attribute__((always_inline)) void work_item(const Layout *L,
                                                             const int64_t *table, int64_t start,
                                                             int64_t computed, int64_t kvh,
@@ -252,7 +260,8 @@ static inline __attribute__((always_inline)) void work_item(const Layout *L,
     int32_t pos[LANES];
     for (int r = 0; r < LANES; r++) {
         if (r < nrows) {
-            const int64_t i = (r0 + r) / G, h = kvh * G + (r0 + r) % G;
+            int64_t i, h;
+            place(L, kvh, r0 + r, &i, &h);
             memcpy(rows[r], L->q + ((start + i) * L->q_row + h * L->q_head) * L->esize,
                    (size_t)(D * L->esize));
             pos[r] = (int32_t)(computed + i);
