@@ -7,20 +7,24 @@
  * and a prompt continuing a cached prefix also paid a gather of its whole context per layer. In
  * fp32 SDPA was 59% of a 4k-token SmolLM2 prefill on Zen 5 (~69 GFLOP/s, one thread).
  *
- * Work item: one sequence, one KV head, 16 query rows (query x head of that KV head's group:
- * grouped-query attention shares every key and value across a group's rows). The 16 rows live
- * in the 16 lanes of every vector, so nothing is ever reduced across lanes:
+ * Work item: one sequence, one KV head, up to 32 query rows (query x head of that KV head's
+ * group: grouped-query attention shares every key and value across a group's rows). The rows
+ * live in the 16 lanes of one or two vectors, so nothing is ever reduced across lanes:
  *   - the rows' queries are transposed once (bf16: into pairs of head dimensions, the operand
- *     layout of AVX-512 BF16 dot products; fp32: per dimension), and a key's 16 scores are D/2
+ *     layout of AVX-512 BF16 dot products; fp32: per dimension), and a key's scores are D/2
  *     dot-product steps (fp32: D FMAs) against that key's pairs (dimensions) broadcast from the
  *     pool, where the key lies (fp32 sums);
  *   - the online softmax (running max and sum, in log2 units so that exp is exp2) is
  *     element-wise across rows;
  *   - probabilities times values: bf16, the probabilities rounded to bf16 for this product (as
  *     torch's bf16 flash kernel does; the normaliser keeps them in fp32), per head dimension
- *     dot-product steps over pairs of keys, each value pair broadcast; fp32, an FMA per key and
- *     dimension with the value broadcast from the pool; into the rows' transposed output.
- * Keys go 32 at a time. Causality and the sliding window are per-lane masks.
+ *     dot-product steps over pairs of keys, each value pair broadcast from a copy of the values
+ *     paired once per call; fp32, an FMA per key and dimension with the value broadcast from the
+ *     pool; into the rows' transposed output.
+ * Two vectors of rows let every broadcast word feed two products and keep sixteen sums in flight:
+ * one vector (16 rows) ran the products at about half the GEMMs' rate, on broadcasts and on the
+ * latency of eight chained sums. Keys go 32 at a time. Causality and the sliding window are
+ * per-lane masks.
  *
  * Layouts (element strides; elements bf16 for paged_prefill, fp32 for paged_prefill_f32):
  *   q       [T, H, D], row stride q_row, head stride q_head (D contiguous)
@@ -38,174 +42,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_D 256 /* head_dim: even, up to this; a multiple of 16 */
-#define LANES 16  /* query rows per work item */
-#define KEYS 32   /* keys per step of the online softmax */
-#define GROUP 8   /* keys whose scores are accumulated together */
+#include "prefill_step.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-#include "exp2.h"
-
-typedef struct {
-    const char *q, *pool;
-    char *out;
-    int64_t q_row, q_head, H, KVH, G, D, NB, BS, window, esize; /* esize: 2 bf16, 4 fp32 */
-    float scale2; /* softmax scale x log2(e) */
-} Layout;
-
-/* One work item's state: the rows' queries transposed, and the running softmax. */
-typedef struct {
-    __m512i qt[MAX_D];         /* lane r: bf16 (q[r][2p], q[r][2p+1]) at p; fp32 q[r][d] at d */
-    __m512 ot[MAX_D];          /* lane r: running sum of probability x value, dimension d */
-    __m512 s[KEYS];            /* lane r: this step's scores (log2 units), then probabilities */
-    __m512i p2[KEYS / 2];      /* bf16: probabilities of keys 2j and 2j + 1 */
-    uint32_t v2[KEYS / 2][MAX_D]; /* bf16: values of keys 2j and 2j + 1, dimension d */
-    __mmask16 valid[KEYS];     /* rows that may see key k of this step */
-    const char *k[KEYS], *v[KEYS]; /* where key k of this step and its value lie */
-} Work;
-
-/* Where keys k0..k0+n-1 and their values lie (one division per step, not per key). */
-static inline void locate(const Layout *L, const int64_t *table, int64_t kvh, int64_t k0, int n,
-                          Work *w) {
-    const int64_t row = L->KVH * L->D, plane = L->NB * L->BS * row * L->esize;
-    int64_t b = k0 / L->BS, off = k0 % L->BS;
-    for (int k = 0; k < n; k++) {
-        w->k[k] = L->pool + ((table[b] * L->BS + off) * row + kvh * L->D) * L->esize;
-        w->v[k] = w->k[k] + plane;
-        if (++off == L->BS) off = 0, b++;
-    }
-}
-
-/* Scores of keys k0..k0+n-1 for every lane, GROUP keys at a time (a missing key repeats the
- * last one; it is masked later). `words`: 32-bit words of a key (bf16: dimension pairs, taken
- * as dot products; fp32: dimensions, as FMAs). */
-static inline __attribute__((always_inline)) void score_keys(const Layout *L, int n, Work *w,
-                                                             const int f32) {
-    const int64_t words = f32 ? L->D : L->D / 2;
-    const __m512 scale = _mm512_set1_ps(L->scale2);
-    for (int g0 = 0; g0 < n; g0 += GROUP) {
-        const uint32_t *kp[GROUP];
-        for (int j = 0; j < GROUP; j++)
-            kp[j] = (const uint32_t *)w->k[g0 + j < n ? g0 + j : n - 1];
-        __m512 acc[GROUP];
-        for (int j = 0; j < GROUP; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < words; p++) {
-            for (int j = 0; j < GROUP; j++) {
-                const __m512i kb = _mm512_set1_epi32((int)kp[j][p]);
-#if defined(__AVX512BF16__)
-                if (!f32) {
-                    acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)w->qt[p], (__m512bh)kb);
-                    continue;
-                }
-#endif
-                acc[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(w->qt[p]), _mm512_castsi512_ps(kb),
-                                         acc[j]);
-            }
-        }
-        for (int j = 0; j < GROUP && g0 + j < n; j++) w->s[g0 + j] = _mm512_mul_ps(acc[j], scale);
-    }
-}
-
-/* One step of the online softmax over keys k0..k0+n-1: new max, rescale, probabilities (in
- * w->s); returns the sum of this step's probabilities per lane. */
-static inline __m512 softmax_step(Work *w, int n, __m512 *m, __m512 *alpha) {
-    __m512 mx = *m;
-    for (int k = 0; k < n; k++) {
-        w->s[k] = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), w->valid[k], w->s[k]);
-        mx = _mm512_max_ps(mx, w->s[k]);
-    }
-    *alpha = exp2_neg(_mm512_sub_ps(*m, mx));
-    *m = mx;
-    __m512 sum = _mm512_setzero_ps();
-    for (int k = 0; k < n; k++) {
-        w->s[k] = _mm512_maskz_mov_ps(w->valid[k], exp2_neg(_mm512_sub_ps(w->s[k], mx)));
-        sum = _mm512_add_ps(sum, w->s[k]);
-    }
-    return sum;
-}
-
-/* fp32: ot = ot x alpha + probabilities x values, 16 dimensions at a time in registers, each
- * value broadcast from the pool where it lies. */
-static inline void add_values_f32(const Layout *L, int n, __m512 alpha, Work *w) {
-    for (int64_t d0 = 0; d0 < L->D; d0 += 16) {
-        __m512 acc[16];
-        for (int dd = 0; dd < 16; dd++) acc[dd] = _mm512_mul_ps(w->ot[d0 + dd], alpha);
-        for (int k = 0; k < n; k++) {
-            const float *v = (const float *)w->v[k] + d0;
-            for (int dd = 0; dd < 16; dd++)
-                acc[dd] = _mm512_fmadd_ps(w->s[k], _mm512_set1_ps(v[dd]), acc[dd]);
-        }
-        for (int dd = 0; dd < 16; dd++) w->ot[d0 + dd] = acc[dd];
-    }
-}
-
-#if defined(__AVX512BF16__)
-/* bf16: the step's values as key pairs per dimension (a missing odd key as zeros). */
-static inline void pair_values(const Layout *L, int n, Work *w) {
-    const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                         32, 0);
-    for (int j = 0; 2 * j < n; j++) {
-        const uint16_t *a = (const uint16_t *)w->v[2 * j];
-        const uint16_t *b = 2 * j + 1 < n ? (const uint16_t *)w->v[2 * j + 1] : NULL;
-        for (int64_t d = 0; d < L->D; d += 16) {
-            const __m512i av = _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(a + d)));
-            const __m512i bv =
-                b ? _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(b + d)))
-                  : _mm512_setzero_si512();
-            _mm512_storeu_si512(w->v2[j] + d, _mm512_permutex2var_epi16(av, idx, bv));
-        }
-    }
-}
-
-/* bf16: the step's probabilities as key pairs (rounded to bf16 for this product, as torch's bf16
- * flash kernel does; the normaliser keeps them in fp32). */
-static inline void pair_probabilities(Work *w, int n) {
-    /* lanes of cvtne2ps: key 2j in elements 0-15, key 2j+1 in 16-31; interleave per row */
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
-    for (int j = 0; 2 * j < n; j++) {
-        const __m512 odd = 2 * j + 1 < n ? w->s[2 * j + 1] : _mm512_setzero_ps();
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, w->s[2 * j]);
-        w->p2[j] = _mm512_permutexvar_epi16(idx, both);
-    }
-}
-
-/* bf16: ot = ot x alpha + probabilities x values, 16 dimensions at a time in registers. */
-static inline void add_values_bf16(const Layout *L, int n, __m512 alpha, Work *w) {
-    const int pairs = (n + 1) / 2;
-    for (int64_t d0 = 0; d0 < L->D; d0 += 16) {
-        __m512 acc[16];
-        for (int dd = 0; dd < 16; dd++) acc[dd] = _mm512_mul_ps(w->ot[d0 + dd], alpha);
-        for (int j = 0; j < pairs; j++) {
-            const __m512bh pj = (__m512bh)w->p2[j];
-            const uint32_t *v = w->v2[j] + d0;
-            for (int dd = 0; dd < 16; dd++)
-                acc[dd] = _mm512_dpbf16_ps(acc[dd], pj, (__m512bh)_mm512_set1_epi32((int)v[dd]));
-        }
-        for (int dd = 0; dd < 16; dd++) w->ot[d0 + dd] = acc[dd];
-    }
-}
-#endif
-
-/* probabilities x values into ot, in the element type's way */
-static inline __attribute__((always_inline)) void add_values(const Layout *L, int n,
-                                                             __m512 alpha, Work *w,
-                                                             const int f32) {
-    (void)f32; /* only read where bf16 is built */
-#if defined(__AVX512BF16__)
-    if (!f32) {
-        pair_values(L, n, w);
-        pair_probabilities(w, n);
-        add_values_bf16(L, n, alpha, w);
-        return;
-    }
-#endif
-    add_values_f32(L, n, alpha, w);
-}
 
 /* Row `row` of KV head kvh's work items: query row / G of the sequence's chunk, head
  * kvh * G + row % G (grouped-query attention: a KV head's G query heads are consecutive rows). */
@@ -215,28 +54,27 @@ static inline void place(const Layout *L, int64_t kvh, int64_t row, int64_t *que
     *head = kvh * L->G + row % L->G;
 }
 
-/* Each row's output (lane r of ot[0..D-1], times 1 / its softmax sum in `inv`) stored as one
+/* Each row's output (its lane of ot[0..D-1], times 1 / its softmax sum in `inv`) stored as one
  * contiguous run, gathered 16 dimensions at a time from the lanes (bf16: rounded to nearest
  * even). A scalar store per row and dimension, with the row's place found by division each
  * time, took a third of the bf16 kernel's time at 512-token prompts. */
-static inline __attribute__((always_inline)) void store_rows(const Layout *L, int64_t start,
-                                                             int64_t kvh, int64_t r0, int nrows,
-                                                             __m512 inv, const Work *w,
-                                                             const int f32) {
+static inline AI void store_rows(const Layout *L, int64_t start, int64_t kvh, int64_t r0,
+                                 int nrows, const __m512 *inv, const Work *w, const int f32) {
     (void)f32; /* only read where bf16 is built */
-    const float *ot = (const float *)w->ot; /* ot[d] lane r at ot[d * LANES + r] */
+    const float *ot = (const float *)w->ot; /* dimension d, row r at ot[d * NV * LANES + r] */
     const __m512i dims = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(LANES));
-    float invs[LANES];
-    _mm512_storeu_ps(invs, inv);
+        _mm512_set1_epi32(NV * LANES));
+    float invs[NV * LANES];
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(invs + v * LANES, inv[v]);
     for (int r = 0; r < nrows; r++) {
         int64_t i, h;
         place(L, kvh, r0 + r, &i, &h);
         char *dst = L->out + ((start + i) * L->H * L->D + h * L->D) * L->esize;
         const __m512 scale = _mm512_set1_ps(invs[r]);
         for (int64_t d0 = 0; d0 < L->D; d0 += 16) {
-            const __m512i at = _mm512_add_epi32(dims, _mm512_set1_epi32((int)(d0 * LANES + r)));
+            const __m512i at =
+                _mm512_add_epi32(dims, _mm512_set1_epi32((int)(d0 * NV * LANES + r)));
             const __m512 o = _mm512_mul_ps(_mm512_i32gather_ps(at, ot, 4), scale);
 #if defined(__AVX512BF16__)
             if (!f32) {
@@ -249,100 +87,146 @@ static inline __attribute__((always_inline)) void store_rows(const Layout *L, in
     }
 }
 
-/* Rows r0..r0+nrows-1 (nrows <= LANES) of one (sequence, KV head), placed by `place`. */
-static inline __attribute__((always_inline)) void work_item(const Layout *L,
-                                                            const int64_t *table, int64_t start,
-                                                            int64_t computed, int64_t kvh,
-                                                            int64_t r0, int nrows, Work *w,
-                                                            const int f32) {
-    const int64_t G = L->G, D = L->D, words = f32 ? D : D / 2;
-    uint32_t rows[LANES][MAX_D];
-    int32_t pos[LANES];
-    for (int r = 0; r < LANES; r++) {
+/* The rows' queries transposed into w->qt (rows past nrows zero), their positions in pos (-1:
+ * sees no key). */
+static inline void load_queries(const Layout *L, int64_t start, int64_t computed, int64_t kvh,
+                                int64_t r0, int nrows, int nv, Work *w, int32_t *pos) {
+    const int64_t words = L->esize == 4 ? L->D : L->D / 2;
+    uint32_t rows[NV * LANES][MAX_D];
+    for (int r = 0; r < nv * LANES; r++) {
         if (r < nrows) {
             int64_t i, h;
             place(L, kvh, r0 + r, &i, &h);
             memcpy(rows[r], L->q + ((start + i) * L->q_row + h * L->q_head) * L->esize,
-                   (size_t)(D * L->esize));
+                   (size_t)(L->D * L->esize));
             pos[r] = (int32_t)(computed + i);
         } else {
-            memset(rows[r], 0, (size_t)(D * L->esize));
-            pos[r] = -1; /* sees no key */
+            memset(rows[r], 0, (size_t)(L->D * L->esize));
+            pos[r] = -1;
         }
     }
     for (int64_t p = 0; p < words; p++) {
-        uint32_t col[LANES];
-        for (int r = 0; r < LANES; r++) col[r] = rows[r][p];
-        w->qt[p] = _mm512_loadu_si512(col);
+        for (int v = 0; v < nv; v++) {
+            uint32_t col[LANES];
+            for (int r = 0; r < LANES; r++) col[r] = rows[v * LANES + r][p];
+            w->qt[p][v] = _mm512_loadu_si512(col);
+        }
     }
-    for (int64_t d = 0; d < D; d++) w->ot[d] = _mm512_setzero_ps();
-    const __m512i posv = _mm512_loadu_si512(pos);
-    const int64_t first = computed + r0 / G, last = computed + (r0 + nrows - 1) / G;
-    const int64_t lo = L->window > 0 && first - L->window + 1 > 0 ? first - L->window + 1 : 0;
-    __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps(), alpha;
+}
+
+/* Rows r0..r0+nrows-1 (nrows <= nv x LANES) of one (sequence, KV head), placed by `place`;
+ * bf16 reads values from that (sequence, KV head)'s `pairs` (fp32: NULL). */
+static inline AI void work_item(const Layout *L, const int64_t *table, const uint32_t *pairs,
+                                int64_t start, int64_t computed, int64_t kvh, int64_t r0,
+                                int nrows, Work *w, const int f32, const int nv) {
+    int32_t pos[NV * LANES];
+    load_queries(L, start, computed, kvh, r0, nrows, nv, w, pos);
+    __m512i posv[NV];
+    __m512 m[NV], l[NV], alpha[NV];
+    for (int v = 0; v < nv; v++) {
+        posv[v] = _mm512_loadu_si512(pos + v * LANES);
+        m[v] = _mm512_set1_ps(-1e30f), l[v] = _mm512_setzero_ps();
+    }
+    for (int64_t d = 0; d < L->D; d++)
+        for (int v = 0; v < nv; v++) w->ot[d][v] = _mm512_setzero_ps();
+    const int64_t first = computed + r0 / L->G, last = computed + (r0 + nrows - 1) / L->G;
+    const __m512i zero = _mm512_setzero_si512();
+    int64_t lo = L->window > 0 && first - L->window + 1 > 0 ? first - L->window + 1 : 0;
+    lo &= ~(int64_t)1; /* steps start at a key pair (the extra key is masked) */
     for (int64_t k0 = lo; k0 <= last; k0 += KEYS) {
         const int n = (int)(last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS);
+        /* a step every row sees whole (before the diagonal, inside the window) needs no masks */
+        const int whole = k0 + n - 1 <= first && (L->window <= 0 || k0 > last - L->window);
         for (int k = 0; k < n; k++) {
             const __m512i key = _mm512_set1_epi32((int)(k0 + k));
-            __mmask16 v = _mm512_cmple_epi32_mask(key, posv);
-            if (L->window > 0)
-                v &= _mm512_cmpgt_epi32_mask(
-                    key, _mm512_sub_epi32(posv, _mm512_set1_epi32((int)L->window)));
-            w->valid[k] = v;
+            for (int v = 0; v < nv; v++) {
+                __mmask16 ok = _mm512_cmple_epi32_mask(whole ? zero : key, posv[v]);
+                if (L->window > 0 && !whole)
+                    ok &= _mm512_cmpgt_epi32_mask(
+                        key, _mm512_sub_epi32(posv[v], _mm512_set1_epi32((int)L->window)));
+                w->valid[k][v] = ok;
+            }
         }
         locate(L, table, kvh, k0, n, w);
-        score_keys(L, n, w, f32);
-        const __m512 sum = softmax_step(w, n, &m, &alpha);
-        l = _mm512_fmadd_ps(l, alpha, sum);
-        add_values(L, n, alpha, w, f32);
+        score_keys(L, n, w, f32, nv);
+        for (int v = 0; v < nv; v++)
+            l[v] = _mm512_fmadd_ps(l[v], alpha[v], softmax_step(w, n, v, &m[v], &alpha[v]));
+        add_values(L, n, alpha, pairs + k0 / 2 * L->D, w, f32, nv);
     }
-    store_rows(L, start, kvh, r0, nrows, _mm512_div_ps(_mm512_set1_ps(1.0f), l), w, f32);
+    __m512 inv[NV] = {_mm512_setzero_ps()};
+    for (int v = 0; v < nv; v++) inv[v] = _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]);
+    store_rows(L, start, kvh, r0, nrows, inv, w, f32);
 }
 
-static void work_item_bf16(const Layout *L, const int64_t *table, int64_t start,
-                           int64_t computed, int64_t kvh, int64_t r0, int nrows, Work *w) {
-    work_item(L, table, start, computed, kvh, r0, nrows, w, 0);
-}
+/* The four instances: element type x vectors of rows (an item of at most 16 rows, a short
+ * chunk's, keeps one vector's registers and work). */
+typedef void (*Item)(const Layout *, const int64_t *, const uint32_t *, int64_t, int64_t,
+                     int64_t, int64_t, int, Work *);
+#define INSTANCE(NAME, F32, VECTORS)                                                              \
+    static void NAME(const Layout *L, const int64_t *table, const uint32_t *pairs, int64_t start, \
+                     int64_t computed, int64_t kvh, int64_t r0, int nrows, Work *w) {             \
+        work_item(L, table, pairs, start, computed, kvh, r0, nrows, w, F32, VECTORS);             \
+    }
+INSTANCE(item_bf16_1, 0, 1)
+INSTANCE(item_bf16_2, 0, 2)
+INSTANCE(item_f32_1, 1, 1)
+INSTANCE(item_f32_2, 1, 2)
+static const Item ITEMS[2][NV] = {{item_bf16_1, item_bf16_2}, {item_f32_1, item_f32_2}};
 
-static void work_item_f32(const Layout *L, const int64_t *table, int64_t start, int64_t computed,
-                          int64_t kvh, int64_t r0, int nrows, Work *w) {
-    work_item(L, table, start, computed, kvh, r0, nrows, w, 1);
+/* The call's plan: first[s], the number of the sequence's first work item (per sequence, KVH x
+ * ceil(qlen * G / ROWS), in sequence order; first[S] all of them), and paired[s], where the
+ * sequence's value pairs start in the bf16 pairs buffer (KVH x ceil(keys / 2) x D words, keys
+ * its context plus its chunk; paired[S] the buffer's size). */
+static void plan(const Layout *L, const int64_t *qlens, const int64_t *computed, int64_t S,
+                 int64_t *first, int64_t *paired) {
+    const int64_t ROWS = NV * LANES;
+    first[0] = paired[0] = 0;
+    for (int64_t s = 0; s < S; s++) {
+        first[s + 1] = first[s] + L->KVH * ((qlens[s] * L->G + ROWS - 1) / ROWS);
+        paired[s + 1] = paired[s] + L->KVH * ((computed[s] + qlens[s] + 1) / 2) * L->D;
+    }
 }
 
 static int run(const Layout *L, const int64_t *tables, const int64_t *starts,
                const int64_t *qlens, const int64_t *computed, int64_t S, int64_t width,
                int nthreads) {
-    const int64_t G = L->G, KVH = L->KVH;
-    /* work items: per sequence, KVH x ceil(qlen * G / LANES), numbered in sequence order */
-    int64_t *first = malloc((size_t)(S + 1) * sizeof *first);
+    const int64_t KVH = L->KVH, ROWS = NV * LANES, f32 = L->esize == 4;
+    int64_t *first = malloc((size_t)(2 * S + 2) * sizeof *first), *paired = first + S + 1;
     if (first == NULL) return -1;
-    first[0] = 0;
-    for (int64_t s = 0; s < S; s++)
-        first[s + 1] = first[s] + KVH * ((qlens[s] * G + LANES - 1) / LANES);
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && first[S] > 1)
+    plan(L, qlens, computed, S, first, paired);
+    uint32_t *pairs = f32 ? NULL : malloc((size_t)paired[S] * sizeof *pairs);
+    int failed = !f32 && pairs == NULL;
+#pragma omp parallel num_threads(nthreads) if (!failed && nthreads > 1 && first[S] > 1)
     {
-        Work *w = aligned_alloc(64, sizeof(Work));
+        Work *w = failed ? NULL : aligned_alloc(64, sizeof(Work));
         if (w == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+#if defined(__AVX512BF16__)
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < (f32 || w == NULL ? 0 : S * KVH); task++) {
+            const int64_t s = task / KVH, kvh = task % KVH, keys = computed[s] + qlens[s];
+            pair_values(L, tables + s * width, kvh, keys,
+                        pairs + paired[s] + kvh * ((keys + 1) / 2) * L->D);
+        }
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < first[S]; item++) {
             if (w == NULL) continue;
             int64_t s = 0;
             while (first[s + 1] <= item) s++;
             const int64_t local = item - first[s], tiles = (first[s + 1] - first[s]) / KVH;
-            const int64_t kvh = local / tiles, r0 = (local % tiles) * LANES;
-            const int64_t left = qlens[s] * G - r0;
-            const int nrows = (int)(left < LANES ? left : LANES);
-            if (L->esize == 4)
-                work_item_f32(L, tables + s * width, starts[s], computed[s], kvh, r0, nrows, w);
-            else
-                work_item_bf16(L, tables + s * width, starts[s], computed[s], kvh, r0, nrows, w);
+            const int64_t kvh = local / tiles, r0 = (local % tiles) * ROWS;
+            const int64_t left = qlens[s] * L->G - r0, keys = computed[s] + qlens[s];
+            const int nrows = (int)(left < ROWS ? left : ROWS);
+            const uint32_t *own = f32 ? NULL : pairs + paired[s] + kvh * ((keys + 1) / 2) * L->D;
+            ITEMS[f32][(nrows - 1) / LANES](L, tables + s * width, own, starts[s], computed[s],
+                                             kvh, r0, nrows, w);
         }
         free(w);
     }
+    free(pairs);
     free(first);
     return failed ? -1 : 0;
 }
