@@ -1,7 +1,8 @@
-"""The fused bf16 kernels (shared/model/fused_ops.py) against the torch formulas they replace:
+"""The fused kernels (shared/model/fused_ops.py) against the torch formulas they replace. bf16:
 RoPE + KV store bit for bit; RMSNorm and SwiGLU within two bf16 steps of torch's (their sum / exp
 run in another order, and a one-step difference can grow by one through the rounding after
-it), in a tiny share of elements."""
+it), in a tiny share of elements. fp32: within rounding, and only where fp32 has already left
+transformers' bits."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.model import fused_ops
+from shared.model import fused_ops, gemm
 from shared.model.config import ModelConfig
 from shared.model.llama import RMSNorm, RotaryEmbedding, apply_rotary, write_kv
 
 needs_kernel = pytest.mark.skipif(
     fused_ops.library() is None, reason="no C compiler: the fused kernels cannot be built"
 )
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -117,34 +118,94 @@ def test_threads_do_not_change_results() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
-def test_fp32_and_the_switch_keep_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not fused_ops.usable(torch.zeros(2, 8))  # fp32 bits are pinned to transformers'
+def test_fp32_runs_fused_only_where_it_left_transformers_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32 takes the kernels where its prefill GEMMs already left MKL's bits (CPUs not
+    Intel's); with `PDSERVE_FP32_GEMM=mkl` (transformers' bits asked for) it keeps torch's ops."""
+    x = torch.zeros(2, 8)
+    gemm.fp32_rows_onednn.cache_clear()
+    try:
+        assert fused_ops.usable(x) == (fused_ops.library() is not None and gemm.fp32_rows_onednn())
+        monkeypatch.setenv("PDSERVE_FP32_GEMM", "mkl")
+        gemm.fp32_rows_onednn.cache_clear()
+        assert not fused_ops.usable(x)
+    finally:
+        monkeypatch.delenv("PDSERVE_FP32_GEMM")
+        gemm.fp32_rows_onednn.cache_clear()
+
+
+def test_the_switch_keeps_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     fused_ops.library.cache_clear()
     monkeypatch.setenv("PDSERVE_FUSED_OPS", "0")
     try:
         assert fused_ops.library() is None
         assert not fused_ops.usable(torch.zeros(2, 8, dtype=BF16))
+        assert not fused_ops.usable(torch.zeros(2, 8))
     finally:
         fused_ops.library.cache_clear()
 
 
 @needs_kernel
-def test_bf16_model_through_the_fused_kernels_matches_the_torch_ops(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("rows", [1, 33, 700])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp32_kernels_match_the_torch_formulas(rows: int, threads: int) -> None:
+    """fp32: the same formulas, only sums and exp evaluated in another order."""
+    gen = torch.Generator().manual_seed(rows)
+    dim, inter, heads, kv_heads, head_dim = 576, 1536, 9, 3, 64
+    x, delta = 3 * torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    norm = RMSNorm(dim, 1e-5, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen))
+    gate_up = 4 * torch.randn(rows, 2 * inter, generator=gen)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    rope = tuple(t.float() for t in _rope(torch.randint(0, 5000, (rows,), generator=gen), 64))
+    pool = torch.randn(2, 50, 16, kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(800, generator=gen)[:rows]
+    theirs_pool, theirs_x = pool.clone(), x + delta
+    split = qkv.view(rows, heads + 2 * kv_heads, head_dim)
+    rotated = apply_rotary(split[:, : heads + kv_heads], *rope)
+    write_kv(theirs_pool, slots, rotated[:, heads:], split[:, heads + kv_heads :])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        normed = fused_ops.add_rms_norm(x, delta, norm.weight, 1e-5)
+        product = fused_ops.silu_mul(gate_up, inter)
+        qk = fused_ops.rope_store(qkv, heads, rope, pool, slots)
+    finally:
+        torch.set_num_threads(before)
+    gate, up = gate_up.split(inter, dim=-1)
+    assert torch.equal(x, theirs_x)
+    torch.testing.assert_close(normed, norm(theirs_x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(product, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(qk, rotated, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pool, theirs_pool, rtol=1e-6, atol=1e-6)
+    untouched = torch.ones(pool.view(2, -1, kv_heads, head_dim).shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(pool.view(2, -1, kv_heads, head_dim)[:, untouched],
+                       theirs_pool.view(2, -1, kv_heads, head_dim)[:, untouched])  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "tolerance", "agreement"), [(BF16, 0.02, 0.9), (F32, 1e-5, 1.0)])
+def test_model_through_the_fused_kernels_matches_the_torch_ops(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tolerance: float, agreement: float
 ) -> None:
-    """The tiny model in bf16: a prefill and decode steps through the kernels and through the
-    torch ops give logits that differ by bf16 noise only and pick the same tokens."""
+    """The tiny model: a prefill and decode steps through the kernels and through the torch ops
+    give logits that differ by rounding noise only and pick the same tokens (fp32: every one)."""
     from shared.engine.kv_cache import allocate_kv_pool
     from shared.model.forward_batch import ForwardBatch, SeqEntry
     from shared.model.loader import load_model
 
-    loaded = load_model("tiny", torch.device("cpu"), BF16)
+    monkeypatch.setenv("PDSERVE_FP32_GEMM", "onednn")  # fp32: where its kernels run
+    gemm.fp32_rows_onednn.cache_clear()
+    loaded = load_model("tiny", torch.device("cpu"), dtype)
     prompts = [list(range(3, 43)), list(range(50, 71))]
     tables = [[0, 1, 2], [3, 4]]
 
     def run(fused: bool) -> torch.Tensor:
-        monkeypatch.setattr(fused_ops, "KERNEL_DTYPES", (BF16,) if fused else ())
-        pool = allocate_kv_pool(loaded.config.kv_layout(16, BF16), 8, "cpu")
+        monkeypatch.setattr(fused_ops, "KERNEL_DTYPES", (dtype,) if fused else ())
+        pool = allocate_kv_pool(loaded.config.kv_layout(16, dtype), 8, "cpu")
         entries = [SeqEntry(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
         steps = [loaded.model(ForwardBatch.build(entries, 16, "cpu"), pool)]
         for i in range(4):
@@ -153,7 +214,13 @@ def test_bf16_model_through_the_fused_kernels_matches_the_torch_ops(
             steps.append(loaded.model(ForwardBatch.build(entries, 16, "cpu"), pool))
         return torch.stack(steps).float()
 
-    fused, torch_ops = run(True), run(False)
+    try:
+        fused, torch_ops = run(True), run(False)
+    finally:
+        monkeypatch.delenv("PDSERVE_FP32_GEMM")
+        gemm.fp32_rows_onednn.cache_clear()
     assert torch.isfinite(fused).all()
-    assert (fused - torch_ops).abs().max() <= 0.02 * torch_ops.abs().max()
-    assert (fused.argmax(-1) == torch_ops.argmax(-1)).float().mean() >= 0.9
+    if dtype == F32:  # the kernels ran: their sums in another order (bf16 rounds that away)
+        assert not torch.equal(fused, torch_ops)
+    assert (fused - torch_ops).abs().max() <= tolerance * torch_ops.abs().max()
+    assert (fused.argmax(-1) == torch_ops.argmax(-1)).float().mean() >= agreement

@@ -87,7 +87,8 @@ def _kernels_on(dtype: torch.dtype) -> bool:
     """Whether the layer loop itself would run the kernels the native loop runs in `dtype` (read
     per step: each kernel's dtypes and availability are its own module's say)."""
     # bf16: the loop's element-wise ops are the fused kernels the stack runs (bit-identical
-    # steps); fp32: the loop runs torch's, the stack its own
+    # steps); fp32: the stack runs fused_ops.c's fp32 loops, the layer loop those or (where fp32
+    # keeps transformers' bits) torch's ops
     fused = dtype in fused_ops.KERNEL_DTYPES and fused_ops.library() is not None
     return (
         not _paused

@@ -5,10 +5,10 @@
  * shape checks, tensor allocations, nine ctypes calls) another ~100: a quarter of the step went
  * to dispatch (docs/performance.md, section 8). In bf16 this file runs the same kernels, in the
  * same order on the same buffers as shared/model/llama.py's layer loop, so its outputs equal that
- * path's bit for bit; it only removes the interpreter between them. In fp32 the loop runs torch's
- * element-wise ops (their bits pinned to transformers' for prefill); here RMSNorm, RoPE and
- * SwiGLU's product are plain C loops with the same formulas and roundings, whose sums and exp
- * may differ from torch's in the last bit, as the decode GEMMs already do (shared/model/gemm.py).
+ * path's bit for bit; it only removes the interpreter between them. In fp32 RMSNorm, RoPE and
+ * SwiGLU's product are fused_ops.c's fp32 loops (where prefill keeps torch's ops, their bits
+ * pinned to transformers', they may differ from it in the last bit, as the decode GEMMs already
+ * do: shared/model/gemm.py).
  * It is a unity build: the kernels' sources are included, not linked (each kernel is its own
  * library for the layer loop).
  *
@@ -27,58 +27,6 @@
 #include "fused_ops.c"
 #include "paged_decode.c"
 #include "skinny_gemm.c"
-
-/* ---- fp32 element-wise ops: fused_ops.c's signatures, llama.py's formulas ------------------ */
-
-static void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
-                             int64_t rows, int64_t dim, int64_t x_row, int64_t delta_row,
-                             float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * x_row, *o = out + r * dim, sq = 0.0f;
-        const float *d = delta ? delta + r * delta_row : NULL;
-        for (int64_t i = 0; i < dim; i++) {
-            if (d) xr[i] += d[i];
-            sq += xr[i] * xr[i];
-        }
-        volatile float root = sqrtf(sq / (float)dim + eps); /* torch: 1 / sqrt, not rsqrt */
-        const float inv = 1.0f / root;
-        for (int64_t i = 0; i < dim; i++) {
-            volatile float scaled = xr[i] * inv; /* rounded before the weight, as torch */
-            o[i] = scaled * weight[i];
-        }
-    }
-}
-
-static void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
-                         int64_t row_stride, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * row_stride, *u = g + inter;
-        for (int64_t i = 0; i < inter; i++) out[r * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
-
-static int rope_store_f32(const float *qkv, const float *cos, const float *ssin, float *qk,
-                          float *k_plane, float *v_plane, const int64_t *slots, int64_t T,
-                          int64_t Hq, int64_t Hk, int64_t D, int64_t row, int64_t num_slots,
-                          int nthreads) {
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    const int64_t H = Hq + Hk, h2 = D / 2;
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * D, *s = ssin + t * D;
-        for (int64_t h = 0; h < H; h++) {
-            const float *x = qkv + t * row + h * D;
-            float *o = qk + (t * H + h) * D;
-            for (int64_t i = 0; i < D; i++) o[i] = x[i] * c[i] + x[i < h2 ? i + h2 : i - h2] * s[i];
-        }
-        memcpy(k_plane + slots[t] * Hk * D, qk + (t * H + Hq) * D, (size_t)(Hk * D) * 4);
-        memcpy(v_plane + slots[t] * Hk * D, qkv + t * row + H * D, (size_t)(Hk * D) * 4);
-    }
-    return 0;
-}
 
 /* One decoder layer's weights (bf16 or fp32, torch's [out, in] layout, contiguous); biases may
  * be NULL. */

@@ -1,4 +1,4 @@
-/* The element-wise ops of a bf16 decoder layer, each fused into one pass over memory.
+/* The element-wise ops of a decoder layer, each fused into one pass over memory, bf16 and fp32.
  *
  * torch runs RMSNorm as seven ops, SwiGLU's product as two and RoPE as five, each converting
  * bf16 <-> fp32 in its own pass over a fresh tensor; at prefill sizes that was as long as the
@@ -7,11 +7,16 @@
  * except where a sum or expf is computed in another order (RMSNorm's variance, SiLU): there an
  * output may differ in its last bf16 bit.
  *
- * All tensors are bf16 (uint16_t), rows of `dim` contiguous elements at the given row stride.
- * `nthreads` > 1 splits rows over torch's OpenMP threads.
+ * fp32 (the _f32 functions, same arguments): the same formulas with nothing to round; their
+ * sums and exp may differ from torch's in the last bit, so they run only where fp32 has already
+ * left transformers' bits (shared/model/fused_ops.py) and in the one-call decode stack.
+ *
+ * Tensors are bf16 (uint16_t) or fp32, rows of `dim` contiguous elements at the given row
+ * stride. `nthreads` > 1 splits rows over torch's OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -100,6 +105,57 @@ int rope_store(const uint16_t *qkv, const uint16_t *cos, const uint16_t *ssin, u
             rotate_head(qkv + t * row + h * D, c, s, qk + (t * H + h) * D, D);
         memcpy(k_plane + slots[t] * Hk * D, qk + (t * H + Hq) * D, (size_t)(Hk * D) * 2);
         memcpy(v_plane + slots[t] * Hk * D, qkv + t * row + H * D, (size_t)(Hk * D) * 2);
+    }
+    return 0;
+}
+
+/* ---- fp32: the same signatures and llama.py's formulas, in fp32 throughout ---------------- */
+
+void add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out,
+                      int64_t rows, int64_t dim, int64_t x_row, int64_t delta_row, float eps,
+                      int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * x_row, *o = out + r * dim, sq = 0.0f;
+        const float *d = delta ? delta + r * delta_row : NULL;
+        if (d)
+            for (int64_t i = 0; i < dim; i++) xr[i] += d[i];
+        for (int64_t i = 0; i < dim; i++) sq += xr[i] * xr[i];
+        volatile float root = sqrtf(sq / (float)dim + eps); /* torch: 1 / sqrt, not rsqrt */
+        const float inv = 1.0f / root;
+        /* rounded before the weight, as torch: two loops, which -ffast-math cannot merge into
+         * x * (inv * weight) */
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv;
+        for (int64_t i = 0; i < dim; i++) o[i] *= weight[i];
+    }
+}
+
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                  int64_t row_stride, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * row_stride, *u = g + inter;
+        for (int64_t i = 0; i < inter; i++) out[r * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+int rope_store_f32(const float *qkv, const float *cos, const float *ssin, float *qk,
+                   float *k_plane, float *v_plane, const int64_t *slots, int64_t T, int64_t Hq,
+                   int64_t Hk, int64_t D, int64_t row, int64_t num_slots, int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    const int64_t H = Hq + Hk, h2 = D / 2;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = ssin + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = qkv + t * row + h * D;
+            float *o = qk + (t * H + h) * D;
+            for (int64_t i = 0; i < h2; i++) o[i] = x[i] * c[i] + x[i + h2] * s[i];
+            for (int64_t i = h2; i < D; i++) o[i] = x[i] * c[i] + x[i - h2] * s[i];
+        }
+        memcpy(k_plane + slots[t] * Hk * D, qk + (t * H + Hq) * D, (size_t)(Hk * D) * 4);
+        memcpy(v_plane + slots[t] * Hk * D, qkv + t * row + H * D, (size_t)(Hk * D) * 4);
     }
     return 0;
 }
