@@ -203,6 +203,19 @@ static inline const char *next_block(const Layout *L, const int64_t *table, int6
     return (const char *)L->pool + (plane + table[b + 1] * L->BS * row) * L->esize;
 }
 
+/* Rows t0..t1-1 of block b of this sequence's keys (plane 0) or values (plane = the plane's
+ * offset) as fp32 rows `row` apart: where they lie for fp32 on the vector path (the caller
+ * prefetches the next block), else converted or copied into `rows` (the next block prefetched on
+ * the way). Copying fp32 rows out first cost a pass over every key and value. */
+static inline __attribute__((always_inline)) const float *block_rows(
+    const Layout *L, int vec, const int64_t *table, int64_t b, int64_t t0, int64_t t1,
+    int64_t last, int64_t plane, float *rows) {
+    const int64_t row = L->KVH * L->D, at = plane + (table[b] * L->BS + t0) * row;
+    if (vec == 1 && !L->bf16) return (const float *)L->pool + at;
+    load_rows(L->pool, at, L->bf16, (t1 - t0) * row, rows, next_block(L, table, b, last, plane));
+    return rows;
+}
+
 /* One sequence: all its query heads over keys lo..pos, block by block; scores [H, n]. Inlined
  * into callers that pass D as a constant (head_dim 64, 128), so its loops are fully unrolled. */
 static inline __attribute__((always_inline)) void attend_seq(
@@ -212,6 +225,7 @@ static inline __attribute__((always_inline)) void attend_seq(
     const int64_t H = L->H, BS = L->BS, gq = H / L->KVH, row = L->KVH * D;
     const int64_t n = pos - lo + 1, plane = L->NB * BS * row;
     const int64_t first = lo / BS, last = pos / BS;
+    const int direct = vec == 1 && !L->bf16; /* block_rows reads fp32 rows in place */
     float mx[MAX_HEADS], sum[MAX_HEADS];
     for (int64_t h = 0; h < H; h++) mx[h] = -FLT_MAX, sum[h] = 0.0f;
     for (int64_t b = first; b <= last; b++) {
@@ -227,13 +241,15 @@ static inline __attribute__((always_inline)) void attend_seq(
             }
             continue;
         }
-        load_rows(L->pool, (table[b] * BS + t0) * row, L->bf16, (t1 - t0) * row, rows,
-                  next_block(L, table, b, last, 0));
-        for (int64_t h = 0; h < H; h++)
-            mx[h] = vec ? score_rows(qf + h * D, rows + (h / gq) * D, scores + h * n + j0,
+        const float *keys = block_rows(L, vec, table, b, t0, t1, last, 0, rows);
+        const char *ahead = direct ? next_block(L, table, b, last, 0) : NULL;
+        for (int64_t h = 0; h < H; h++) {
+            prefetch_part(ahead, BS * row * 4, h, H);
+            mx[h] = vec ? score_rows(qf + h * D, keys + (h / gq) * D, scores + h * n + j0,
                                      t1 - t0, row, D, mx[h])
-                        : score_rows_scalar(qf + h * D, rows + (h / gq) * D, scores + h * n + j0,
+                        : score_rows_scalar(qf + h * D, keys + (h / gq) * D, scores + h * n + j0,
                                             t1 - t0, row, D, mx[h]);
+        }
     }
     for (int64_t h = 0; h < H; h++) {
         float *sh = scores + h * n;
@@ -243,15 +259,18 @@ static inline __attribute__((always_inline)) void attend_seq(
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t b = first; b <= last; b++) {
         const int64_t t0 = b == first ? lo % BS : 0, t1 = b == last ? pos % BS + 1 : BS;
-        load_rows(L->pool, plane + (table[b] * BS + t0) * row, L->bf16, (t1 - t0) * row, rows,
-                  next_block(L, table, b, last, plane));
+        const float *values = block_rows(L, vec, table, b, t0, t1, last, plane, rows);
+        const char *ahead = direct ? next_block(L, table, b, last, plane) : NULL;
         const int64_t j0 = b * BS + t0 - lo;
-        for (int64_t h = 0; h < H; h++)
+        for (int64_t h = 0; h < H; h++) {
+            prefetch_part(ahead, BS * row * 4, h, H);
             if (vec)
-                weigh_rows(acc + h * D, scores + h * n + j0, rows + (h / gq) * D, t1 - t0, row, D);
+                weigh_rows(acc + h * D, scores + h * n + j0, values + (h / gq) * D, t1 - t0, row,
+                           D);
             else
-                weigh_rows_scalar(acc + h * D, scores + h * n + j0, rows + (h / gq) * D, t1 - t0,
-                                  row, D);
+                weigh_rows_scalar(acc + h * D, scores + h * n + j0, values + (h / gq) * D,
+                                  t1 - t0, row, D);
+        }
     }
     for (int64_t h = 0; h < H; h++) {
         const float inv = 1.0f / sum[h];
