@@ -64,16 +64,21 @@ def hf_greedy_with(
 
 
 @contextlib.contextmanager
-def single_torch_thread() -> Iterator[None]:
-    """One intra-op thread for the block: the tiny test models run one op per microsecond, and on
-    a shared few-core machine several processes' OpenMP pools spinning against each other made
-    each op ~30x slower. Restores the previous setting."""
+def torch_threads(threads: int) -> Iterator[None]:
+    """`threads` intra-op threads for the block; restores the previous setting."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def single_torch_thread() -> contextlib.AbstractContextManager[None]:
+    """One intra-op thread for the block: the tiny test models run one op per microsecond, and on
+    a shared few-core machine several processes' OpenMP pools spinning against each other made
+    each op ~30x slower."""
+    return torch_threads(1)
 
 
 # a ChatML template, for tiny test checkpoints that have none of their own

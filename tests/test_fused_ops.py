@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from shared.model import fused_ops, gemm
 from shared.model.config import ModelConfig
 from shared.model.llama import RMSNorm, RotaryEmbedding, apply_rotary, write_kv
+from tests.engine_helpers import torch_threads
 
 needs_kernel = pytest.mark.skipif(
     fused_ops.library() is None, reason="no C compiler: the fused kernels cannot be built"
@@ -50,12 +51,8 @@ def test_rope_store_equals_apply_rotary_and_write_kv_bitwise(
     split = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
     expected = apply_rotary(split[:, : heads + kv_heads], *rope)
     write_kv(theirs, slots, expected[:, heads:], split[:, heads + kv_heads :])
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = fused_ops.rope_store(qkv, heads, rope, pool, slots)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, expected)
     assert torch.equal(pool, theirs)  # the new tokens' slots, and nothing else
 
@@ -108,13 +105,11 @@ def test_threads_do_not_change_results() -> None:
     x = torch.randn(900, 576, generator=gen).to(BF16)
     weight = torch.rand(576, generator=gen).to(BF16)
     gate_up = torch.randn(900, 3072, generator=gen).to(BF16)
-    before = torch.get_num_threads()
     outs = []
     for threads in (1, 2):
-        torch.set_num_threads(threads)
-        outs.append((fused_ops.add_rms_norm(x.clone(), x, weight, 1e-6),
-                     fused_ops.silu_mul(gate_up, 1536)))  # fmt: skip
-    torch.set_num_threads(before)
+        with torch_threads(threads):
+            outs.append((fused_ops.add_rms_norm(x.clone(), x, weight, 1e-6),
+                         fused_ops.silu_mul(gate_up, 1536)))  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
@@ -166,14 +161,10 @@ def test_fp32_kernels_match_the_torch_formulas(rows: int, threads: int) -> None:
     split = qkv.view(rows, heads + 2 * kv_heads, head_dim)
     rotated = apply_rotary(split[:, : heads + kv_heads], *rope)
     write_kv(theirs_pool, slots, rotated[:, heads:], split[:, heads + kv_heads :])
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         normed = fused_ops.add_rms_norm(x, delta, norm.weight, 1e-5)
         product = fused_ops.silu_mul(gate_up, inter)
         qk = fused_ops.rope_store(qkv, heads, rope, pool, slots)
-    finally:
-        torch.set_num_threads(before)
     gate, up = gate_up.split(inter, dim=-1)
     assert torch.equal(x, theirs_x)
     torch.testing.assert_close(normed, norm(theirs_x), rtol=1e-6, atol=1e-6)

@@ -3,11 +3,11 @@ bf16 and fp32.
 
 Why hand-written: torch's CPU flash attention (SDPA) runs at 35-65 GFLOP/s in bf16 on AMD Zen 4,
 a fifth to a third of the same core's bf16 GEMMs, and a chunk continuing a cached context first
-gathered that whole context from the pool per layer. The kernel keeps a work item's 16 query
-rows in the 16 lanes of its vectors (no reduction across lanes), takes scores and values as
+gathered that whole context from the pool per layer. The kernel keeps a work item's up to 32
+query rows in the lanes of two vectors (no reduction across lanes), takes scores and values as
 AVX-512 BF16 dot products (fp32: FMAs) straight from the pool, and runs the online softmax in
-fp32: SmolLM2's shapes, one thread, 2-3x SDPA (docs/performance.md, section 8), its error
-against a float64 reference equal to SDPA's.
+fp32 (docs/performance.md, section 8, for its rates against SDPA), its error against a float64
+reference equal to SDPA's.
 
 fp32 runs here only where fp32 prefill has already left transformers' bits
 (`gemm.fp32_rows_onednn`: CPUs not Intel's, `PDSERVE_FP32_GEMM`): elsewhere SDPA, which is what
