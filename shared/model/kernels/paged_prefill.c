@@ -114,6 +114,18 @@ static inline void load_queries(const Layout *L, int64_t start, int64_t computed
     }
 }
 
+/* The first key a query at `position` may see (window), rounded down to a key pair: where a work
+ * item's steps start, and (for the sequence's first query) where its value pairs start. */
+static inline int64_t first_pair_key(const Layout *L, int64_t position) {
+    const int64_t lo = L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
+    return lo & ~(int64_t)1;
+}
+
+/* Value pairs of one (sequence, KV head): its keys from first_pair_key(its first query) on. */
+static inline int64_t pair_count(const Layout *L, int64_t computed, int64_t qlen) {
+    return (computed + qlen - first_pair_key(L, computed) + 1) / 2;
+}
+
 /* Rows r0..r0+nrows-1 (nrows <= nv x LANES) of one (sequence, KV head), placed by `place`;
  * bf16 reads values from that (sequence, KV head)'s `pairs` (fp32: NULL). */
 static inline AI void work_item(const Layout *L, const int64_t *table, const uint32_t *pairs,
@@ -131,8 +143,8 @@ static inline AI void work_item(const Layout *L, const int64_t *table, const uin
         for (int v = 0; v < nv; v++) w->ot[d][v] = _mm512_setzero_ps();
     const int64_t first = computed + r0 / L->G, last = computed + (r0 + nrows - 1) / L->G;
     const __m512i zero = _mm512_setzero_si512();
-    int64_t lo = L->window > 0 && first - L->window + 1 > 0 ? first - L->window + 1 : 0;
-    lo &= ~(int64_t)1; /* steps start at a key pair (the extra key is masked) */
+    /* steps start at a key pair (a key before the window is masked) */
+    const int64_t lo = first_pair_key(L, first), paired_from = first_pair_key(L, computed);
     for (int64_t k0 = lo; k0 <= last; k0 += KEYS) {
         const int n = (int)(last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS);
         /* a step every row sees whole (before the diagonal, inside the window) needs no masks */
@@ -151,7 +163,7 @@ static inline AI void work_item(const Layout *L, const int64_t *table, const uin
         score_keys(L, n, w, f32, nv);
         for (int v = 0; v < nv; v++)
             l[v] = _mm512_fmadd_ps(l[v], alpha[v], softmax_step(w, n, v, &m[v], &alpha[v]));
-        add_values(L, n, alpha, pairs + k0 / 2 * L->D, w, f32, nv);
+        add_values(L, n, alpha, pairs + (k0 - paired_from) / 2 * L->D, w, f32, nv);
     }
     __m512 inv[NV] = {_mm512_setzero_ps()};
     for (int v = 0; v < nv; v++) inv[v] = _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]);
@@ -175,15 +187,15 @@ static const Item ITEMS[2][NV] = {{item_bf16_1, item_bf16_2}, {item_f32_1, item_
 
 /* The call's plan: first[s], the number of the sequence's first work item (per sequence, KVH x
  * ceil(qlen * G / ROWS), in sequence order; first[S] all of them), and paired[s], where the
- * sequence's value pairs start in the bf16 pairs buffer (KVH x ceil(keys / 2) x D words, keys
- * its context plus its chunk; paired[S] the buffer's size). */
+ * sequence's value pairs start in the bf16 pairs buffer (KVH x pair_count x D words: the keys
+ * its queries may see; paired[S] the buffer's size). */
 static void plan(const Layout *L, const int64_t *qlens, const int64_t *computed, int64_t S,
                  int64_t *first, int64_t *paired) {
     const int64_t ROWS = NV * LANES;
     first[0] = paired[0] = 0;
     for (int64_t s = 0; s < S; s++) {
         first[s + 1] = first[s] + L->KVH * ((qlens[s] * L->G + ROWS - 1) / ROWS);
-        paired[s + 1] = paired[s] + L->KVH * ((computed[s] + qlens[s] + 1) / 2) * L->D;
+        paired[s + 1] = paired[s] + L->KVH * pair_count(L, computed[s], qlens[s]) * L->D;
     }
 }
 
@@ -206,9 +218,10 @@ static int run(const Layout *L, const int64_t *tables, const int64_t *starts,
 #if defined(__AVX512BF16__)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < (f32 || w == NULL ? 0 : S * KVH); task++) {
-            const int64_t s = task / KVH, kvh = task % KVH, keys = computed[s] + qlens[s];
-            pair_values(L, tables + s * width, kvh, keys,
-                        pairs + paired[s] + kvh * ((keys + 1) / 2) * L->D);
+            const int64_t s = task / KVH, kvh = task % KVH;
+            const int64_t count = pair_count(L, computed[s], qlens[s]);
+            pair_values(L, tables + s * width, kvh, first_pair_key(L, computed[s]),
+                        computed[s] + qlens[s], pairs + paired[s] + kvh * count * L->D);
         }
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -218,9 +231,10 @@ static int run(const Layout *L, const int64_t *tables, const int64_t *starts,
             while (first[s + 1] <= item) s++;
             const int64_t local = item - first[s], tiles = (first[s + 1] - first[s]) / KVH;
             const int64_t kvh = local / tiles, r0 = (local % tiles) * ROWS;
-            const int64_t left = qlens[s] * L->G - r0, keys = computed[s] + qlens[s];
+            const int64_t left = qlens[s] * L->G - r0;
+            const int64_t count = pair_count(L, computed[s], qlens[s]);
             const int nrows = (int)(left < ROWS ? left : ROWS);
-            const uint32_t *own = f32 ? NULL : pairs + paired[s] + kvh * ((keys + 1) / 2) * L->D;
+            const uint32_t *own = f32 ? NULL : pairs + paired[s] + kvh * count * L->D;
             ITEMS[f32][(nrows - 1) / LANES](L, tables + s * width, own, starts[s], computed[s],
                                              kvh, r0, nrows, w);
         }

@@ -104,20 +104,20 @@ static inline __m512 softmax_step(Work *w, int n, int v, __m512 *m, __m512 *alph
 }
 
 #if defined(__AVX512BF16__)
-/* bf16: a sequence's values of one KV head as key pairs per dimension, keys 0..N-1 (a missing
- * odd key as zeros): pairs[j][d] = (v[2j][d], v[2j+1][d]), the operand layout of the dot
- * products. Done once per call, not per work item: pairing each step's values in every item
- * took an eighth of the kernel's time. */
-static void pair_values(const Layout *L, const int64_t *table, int64_t kvh, int64_t N,
-                        uint32_t *pairs) {
+/* bf16: a sequence's values of one KV head as key pairs per dimension, keys from..N-1 (`from`
+ * even; a missing last key as zeros): pairs[j][d] = (v[from + 2j][d], v[from + 2j + 1][d]), the
+ * operand layout of the dot products. Done once per call, not per work item: pairing each step's
+ * values in every item took an eighth of the kernel's time. */
+static void pair_values(const Layout *L, const int64_t *table, int64_t kvh, int64_t from,
+                        int64_t N, uint32_t *pairs) {
     const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                          32, 0);
     const int64_t row = L->KVH * L->D, plane = L->NB * L->BS * row * L->esize;
-    for (int64_t j = 0; 2 * j < N; j++) {
+    for (int64_t j = 0; from + 2 * j < N; j++) {
         const uint16_t *v[2] = {NULL, NULL};
-        for (int i = 0; i < 2 && 2 * j + i < N; i++) {
-            const int64_t key = 2 * j + i, b = table[key / L->BS], off = key % L->BS;
+        for (int i = 0; i < 2 && from + 2 * j + i < N; i++) {
+            const int64_t key = from + 2 * j + i, b = table[key / L->BS], off = key % L->BS;
             v[i] = (const uint16_t *)(L->pool + plane + ((b * L->BS + off) * row + kvh * L->D) * 2);
         }
         for (int64_t d = 0; d < L->D; d += 16) {
