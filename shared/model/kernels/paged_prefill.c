@@ -147,13 +147,14 @@ static inline AI void work_item(const Layout *L, const int64_t *table, const uin
     const int64_t lo = first_pair_key(L, first), paired_from = first_pair_key(L, computed);
     for (int64_t k0 = lo; k0 <= last; k0 += KEYS) {
         const int n = (int)(last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS);
-        /* a step every row sees whole (before the diagonal, inside the window) needs no masks */
+        /* a step every row sees whole (before the diagonal, inside the window) needs no masks
+         * per key: one for the rows that exist */
         const int whole = k0 + n - 1 <= first && (L->window <= 0 || k0 > last - L->window);
-        for (int k = 0; k < n; k++) {
+        for (int k = 0; k < n && !whole; k++) {
             const __m512i key = _mm512_set1_epi32((int)(k0 + k));
             for (int v = 0; v < nv; v++) {
-                __mmask16 ok = _mm512_cmple_epi32_mask(whole ? zero : key, posv[v]);
-                if (L->window > 0 && !whole)
+                __mmask16 ok = _mm512_cmple_epi32_mask(key, posv[v]);
+                if (L->window > 0)
                     ok &= _mm512_cmpgt_epi32_mask(
                         key, _mm512_sub_epi32(posv[v], _mm512_set1_epi32((int)L->window)));
                 w->valid[k][v] = ok;
@@ -161,8 +162,11 @@ static inline AI void work_item(const Layout *L, const int64_t *table, const uin
         }
         locate(L, table, kvh, k0, n, w);
         score_keys(L, n, w, f32, nv);
-        for (int v = 0; v < nv; v++)
-            l[v] = _mm512_fmadd_ps(l[v], alpha[v], softmax_step(w, n, v, &m[v], &alpha[v]));
+        for (int v = 0; v < nv; v++) {
+            const __mmask16 rows = whole ? _mm512_cmple_epi32_mask(zero, posv[v]) : 0;
+            const __m512 sum = softmax_step(w, n, v, whole, rows, &m[v], &alpha[v]);
+            l[v] = _mm512_fmadd_ps(l[v], alpha[v], sum);
+        }
         add_values(L, n, alpha, pairs + (k0 - paired_from) / 2 * L->D, w, f32, nv);
     }
     __m512 inv[NV] = {_mm512_setzero_ps()};

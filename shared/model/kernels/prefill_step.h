@@ -86,18 +86,22 @@ static inline AI void score_keys(const Layout *L, int n, Work *w, const int f32,
 }
 
 /* One step of the online softmax over keys k0..k0+n-1 for vector v: new max, rescale,
- * probabilities (in w->s); returns the sum of this step's probabilities per lane. */
-static inline __m512 softmax_step(Work *w, int n, int v, __m512 *m, __m512 *alpha) {
+ * probabilities (in w->s); returns the sum of this step's probabilities per lane. The rows that
+ * may see key k: w->valid[k][v], or `rows` for every key of a `whole` step. */
+static inline __m512 softmax_step(Work *w, int n, int v, int whole, __mmask16 rows, __m512 *m,
+                                  __m512 *alpha) {
     __m512 mx = *m;
     for (int k = 0; k < n; k++) {
-        w->s[k][v] = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), w->valid[k][v], w->s[k][v]);
+        const __mmask16 ok = whole ? rows : w->valid[k][v];
+        w->s[k][v] = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), ok, w->s[k][v]);
         mx = _mm512_max_ps(mx, w->s[k][v]);
     }
     *alpha = exp2_neg(_mm512_sub_ps(*m, mx));
     *m = mx;
     __m512 sum = _mm512_setzero_ps();
     for (int k = 0; k < n; k++) {
-        w->s[k][v] = _mm512_maskz_mov_ps(w->valid[k][v], exp2_neg(_mm512_sub_ps(w->s[k][v], mx)));
+        const __mmask16 ok = whole ? rows : w->valid[k][v];
+        w->s[k][v] = _mm512_maskz_mov_ps(ok, exp2_neg(_mm512_sub_ps(w->s[k][v], mx)));
         sum = _mm512_add_ps(sum, w->s[k][v]);
     }
     return sum;
