@@ -18,7 +18,9 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _batch(contexts: list[int], block_size: int, num_blocks: int, seed: int) -> ForwardBatch:
+def _batch(
+    contexts: list[int], block_size: int, num_blocks: int, seed: int, ragged: bool = False
+) -> ForwardBatch:
     """One decode token per sequence, blocks taken from a shuffled pool (not in id order)."""
     ids = list(range(num_blocks))
     random.Random(seed).shuffle(ids)
@@ -27,7 +29,7 @@ def _batch(contexts: list[int], block_size: int, num_blocks: int, seed: int) -> 
         count = -(-n // block_size)
         entries.append(SeqEntry([1], n - 1, ids[used : used + count]))
         used += count
-    return ForwardBatch.build(entries, block_size, "cpu")
+    return ForwardBatch.build(entries, block_size, "cpu", ragged_decode=ragged)
 
 
 def _reference(
@@ -102,6 +104,26 @@ def test_paged_attention_uses_the_kernel_for_decode_groups() -> None:
         got = attention.paged_attention(q, k, v, pool, batch, 0.125, None, scratch)
         want = paged_decode.decode_attention(q, pool, group, 0.125, None)
         assert want is not None and torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ragged_decode_rows_are_one_group_with_the_same_outputs(dtype: torch.dtype) -> None:
+    """Where the kernel runs decode (the engine asks `reads_ragged`), decode rows of any lengths
+    form one group: one call instead of one per length band, the same bits per sequence."""
+    contexts = [300, 6, 40, 17, 129]
+    banded, ragged = (_batch(contexts, 16, 64, seed=5, ragged=r) for r in (False, True))
+    assert len(banded.groups) > 1 and len(ragged.groups) == 1
+    assert paged_decode.reads_ragged(torch.device("cpu"), dtype)
+    torch.manual_seed(2)
+    pool = torch.randn(2, 64, 16, 3, 64).to(dtype)
+    q = torch.randn(len(contexts), 9, 64).to(dtype)
+    k = v = torch.zeros(len(contexts), 3, 64, dtype=dtype)  # unused by a pool group
+    outs = [
+        attention.paged_attention(q, k, v, pool, b, 0.125, None, attention.GatherScratch())
+        for b in (banded, ragged)
+    ]
+    assert torch.equal(*outs)
 
 
 def test_prefill_groups_never_use_the_kernel() -> None:

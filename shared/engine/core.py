@@ -46,6 +46,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from shared.engine.transfer_admission import TransferAdmission
 from shared.engine.transfer_role import TransferRole
+from shared.model import paged_decode
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
@@ -80,6 +81,7 @@ class EngineCore(ContextRole, TransferRole):
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.layout: KvLayout = self.model_config.kv_layout(config.block_size, self.dtype)
+        self.ragged = paged_decode.reads_ragged(self.device, self.dtype)  # decode rows: one group
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
         num_blocks = config.num_kv_blocks or max(
@@ -279,9 +281,9 @@ class EngineCore(ContextRole, TransferRole):
                 logits = self.decode_runner.run([s.request for s in scheduled], entries)
                 if logits is not None:
                     return logits
-            forward = ForwardBatch.build(entries, self.config.block_size, self.device)
+            forward = ForwardBatch.build(entries, self.config.block_size, self.device, self.ragged)
             return self.model.forward(forward, self.kv_pool, layer_hook=hook)
-        forward = ForwardBatch.build(entries, self.config.block_size, self.device)
+        forward = ForwardBatch.build(entries, self.config.block_size, self.device, self.ragged)
         every = self.model.forward(forward, self.kv_pool, all_logits=True, layer_hook=hook)
         fill_prompt_logprobs(scheduled, every)
         return every[forward.last_token_index]

@@ -100,8 +100,15 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, entries: Sequence[SeqEntry], block_size: int, device: torch.device | str
+        cls,
+        entries: Sequence[SeqEntry],
+        block_size: int,
+        device: torch.device | str,
+        ragged_decode: bool = False,
     ) -> ForwardBatch:
+        """The step's tensors and attention groups. `ragged_decode`: decode attention reads each
+        sequence's own context (the paged decode kernel), so decode rows form one group whatever
+        their lengths (see `_split_groups`)."""
         if not entries:
             raise ValueError("ForwardBatch needs at least one sequence")
         if block_size <= 0:
@@ -113,7 +120,7 @@ class ForwardBatch:
         seqs = _SeqTensors.of(entries, context_lens, block_size)
 
         tensors = _token_tensors(entries, seqs, block_size)
-        group_ids = _split_groups(query_lens, context_lens)
+        group_ids = _split_groups(query_lens, context_lens, ragged_decode)
         fresh = [all(entries[i].num_computed == 0 for i in ids) for ids in group_ids]
         group_shapes = []
         for g, ids in enumerate(group_ids):
@@ -219,7 +226,9 @@ def _token_tensors(
 MAX_PADDING_FACTOR = 1.3
 
 
-def _split_groups(query_lens: list[int], context_lens: list[int]) -> list[list[int]]:
+def _split_groups(
+    query_lens: list[int], context_lens: list[int], ragged_decode: bool = False
+) -> list[list[int]]:
     """Partition sequences into padded attention groups.
 
     Three kinds never share a group: decode steps (padding their single query to a chunk's
@@ -228,6 +237,8 @@ def _split_groups(query_lens: list[int], context_lens: list[int]) -> list[list[i
     kind, sequences are taken in decreasing order of work (queries x keys) and a new group starts
     when adding the next one would push the group's padded work, `G * Qmax * Kmax`, past
     `MAX_PADDING_FACTOR` times its real work. Each group lists its sequences in batch order.
+    With `ragged_decode` the decode steps are one group: nothing pads them (a group per length
+    band cost a kernel call, a gather of its query rows and a scatter of its output each).
     """
 
     def kind(i: int) -> int:
@@ -238,6 +249,9 @@ def _split_groups(query_lens: list[int], context_lens: list[int]) -> list[list[i
     groups: list[list[int]] = []
     for k in range(3):
         ids = [i for i in range(len(query_lens)) if kind(i) == k]
+        if k == 0 and ragged_decode:
+            groups += [ids] if ids else []
+            continue
         ids.sort(key=lambda i: query_lens[i] * context_lens[i], reverse=True)
         current: list[int] = []
         q_max = k_max = work = 0

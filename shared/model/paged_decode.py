@@ -48,16 +48,20 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def reads_ragged(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention in `dtype` on `device` runs in this kernel, which reads each
+    sequence's own context: decode rows then need no grouping by length (ForwardBatch.build)."""
+    return device.type == "cpu" and dtype in KERNEL_DTYPES and library() is not None
+
+
 def usable(q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup) -> bool:
     return (
         group.query_len == 1
         and not group.fresh
-        and q.device.type == "cpu"
-        and q.dtype in KERNEL_DTYPES
+        and reads_ragged(q.device, q.dtype)
         and layer_pool.dtype == q.dtype
         and layer_pool.is_contiguous()
         and q.stride(-1) == 1
-        and library() is not None
     )
 
 
