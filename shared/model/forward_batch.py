@@ -6,8 +6,9 @@ so each layer does a fixed number of tensor ops however many sequences are batch
 * `slot_mapping[t]`: where new token t's K/V goes in one layer's flat K (or V) plane.
 * Sequences are split into a few *groups* (see `_split_groups`): decode steps, fresh prefills and
   continued prefill chunks apart, and sequences of very different lengths apart, so padding
-  stays bounded. A uniform decode batch is one group. Each group runs ONE
-  `scaled_dot_product_attention` call per layer (shared/model/attention.py).
+  stays bounded. A uniform decode batch is one group, and every decode batch is where the paged
+  decode kernel reads each sequence's own context (`ragged_decode`). Each group runs one
+  attention call per layer (shared/model/attention.py).
 """
 
 from __future__ import annotations
