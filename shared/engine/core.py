@@ -84,9 +84,8 @@ class EngineCore(ContextRole, TransferRole):
         self.ragged = paged_decode.reads_ragged(self.device, self.dtype)  # decode rows: one group
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_mb * 2**20 // self._bytes_per_block()
-        )
+        block = self.layout.payload_bytes(self.layout.num_layers, 1)  # one block, every layer
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mb * 2**20 // block)
         self._build_pools(num_blocks)
         self.sampler = Sampler(self.max_num_sequences, self.device, self.loaded.eos_token_ids)
         self.decode_runner = self._build_decode_runner(num_blocks)
@@ -142,9 +141,6 @@ class EngineCore(ContextRole, TransferRole):
             dummy_slot_row=self.sampler.dummy_slot_row,
             scratch_block=num_blocks,
         )
-
-    def _bytes_per_block(self) -> int:
-        return self.layout.num_layers * self.layout.block_bytes_per_layer
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_config.max_context_len

@@ -107,15 +107,9 @@ class ForwardBatch:
         device: torch.device | str,
         ragged_decode: bool = False,
     ) -> ForwardBatch:
-        """The step's tensors and attention groups. `ragged_decode`: decode attention reads each
-        sequence's own context (the paged decode kernel), so decode rows form one group whatever
-        their lengths (see `_split_groups`)."""
-        if not entries:
-            raise ValueError("ForwardBatch needs at least one sequence")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        for i, entry in enumerate(entries):
-            _validate_entry(i, entry, block_size)
+        """`ragged_decode`: decode attention reads each sequence's own context (the paged decode
+        kernel), so decode rows form one group whatever their lengths (`_split_groups`)."""
+        _validate_entries(entries, block_size)
         query_lens = [len(e.token_ids) for e in entries]
         context_lens = [e.context_len for e in entries]
         seqs = _SeqTensors.of(entries, context_lens, block_size)
@@ -161,6 +155,15 @@ class ForwardBatch:
             groups=groups,
             block_size=block_size,
         )
+
+
+def _validate_entries(entries: Sequence[SeqEntry], block_size: int) -> None:
+    if not entries:
+        raise ValueError("ForwardBatch needs at least one sequence")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    for i, entry in enumerate(entries):
+        _validate_entry(i, entry, block_size)
 
 
 def _validate_entry(i: int, entry: SeqEntry, block_size: int) -> None:

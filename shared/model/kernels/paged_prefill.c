@@ -192,7 +192,8 @@ static const Item ITEMS[2][NV] = {{item_bf16_1, item_bf16_2}, {item_f32_1, item_
 /* The call's plan: first[s], the number of the sequence's first work item (per sequence, KVH x
  * ceil(qlen * G / ROWS), in sequence order; first[S] all of them), and paired[s], where the
  * sequence's value pairs start in the bf16 pairs buffer (KVH x pair_count x D words: the keys
- * its queries may see; paired[S] the buffer's size). */
+ * its queries may see; paired[S] the buffer's size, that of those values in the pool, allocated
+ * and freed by each call; a failed allocation returns -1 and the caller runs SDPA). */
 static void plan(const Layout *L, const int64_t *qlens, const int64_t *computed, int64_t S,
                  int64_t *first, int64_t *paired) {
     const int64_t ROWS = NV * LANES;
