@@ -198,6 +198,18 @@ def test_a_listener_restart_asks_the_same_prefill_node_again(
     async def body() -> None:
         async with pd_cluster(path, prefill_engine=slow) as c:
             receiver = c.decodes[0].receiver
+            core = c.prefills[0].thread.core
+            step = core.step
+
+            def step_after_the_restart() -> list:
+                # the prompt's prefill waits for the restart, so that its transfer is in flight
+                # when the restart comes: with fast enough kernels 125 chunks could finish first
+                deadline = time.monotonic() + 30
+                while receiver.listener_restarts == 0 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                return step()
+
+            core.step = step_after_the_restart
             answer = asyncio.ensure_future(generate(c.targets[0], prompt, max_tokens=4, timeout=60))
             await _until(lambda: receiver.live_transfers == 1, 30)
             await lose_a_peer(receiver.address)
