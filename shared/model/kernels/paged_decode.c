@@ -225,7 +225,6 @@ static inline __attribute__((always_inline)) void attend_seq(
     const int64_t H = L->H, BS = L->BS, gq = H / L->KVH, row = L->KVH * D;
     const int64_t n = pos - lo + 1, plane = L->NB * BS * row;
     const int64_t first = lo / BS, last = pos / BS;
-    const int direct = vec == 1 && !L->bf16; /* block_rows reads fp32 rows in place */
     float mx[MAX_HEADS], sum[MAX_HEADS];
     for (int64_t h = 0; h < H; h++) mx[h] = -FLT_MAX, sum[h] = 0.0f;
     for (int64_t b = first; b <= last; b++) {
@@ -242,7 +241,8 @@ static inline __attribute__((always_inline)) void attend_seq(
             continue;
         }
         const float *keys = block_rows(L, vec, table, b, t0, t1, last, 0, rows);
-        const char *ahead = direct ? next_block(L, table, b, last, 0) : NULL;
+        /* rows read in place: this loop prefetches the next block (block_rows did otherwise) */
+        const char *ahead = keys == rows ? NULL : next_block(L, table, b, last, 0);
         for (int64_t h = 0; h < H; h++) {
             prefetch_part(ahead, BS * row * 4, h, H);
             mx[h] = vec ? score_rows(qf + h * D, keys + (h / gq) * D, scores + h * n + j0,
@@ -260,7 +260,7 @@ static inline __attribute__((always_inline)) void attend_seq(
     for (int64_t b = first; b <= last; b++) {
         const int64_t t0 = b == first ? lo % BS : 0, t1 = b == last ? pos % BS + 1 : BS;
         const float *values = block_rows(L, vec, table, b, t0, t1, last, plane, rows);
-        const char *ahead = direct ? next_block(L, table, b, last, plane) : NULL;
+        const char *ahead = values == rows ? NULL : next_block(L, table, b, last, plane);
         const int64_t j0 = b * BS + t0 - lo;
         for (int64_t h = 0; h < H; h++) {
             prefetch_part(ahead, BS * row * 4, h, H);

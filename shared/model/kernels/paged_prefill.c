@@ -126,6 +126,13 @@ static inline int64_t pair_count(const Layout *L, int64_t computed, int64_t qlen
     return (computed + qlen - first_pair_key(L, computed) + 1) / 2;
 }
 
+/* Where sequence s's value pairs for KV head kvh start in the call's pairs buffer (`paired`:
+ * plan's offsets, each sequence's KVH equal shares). */
+static inline uint32_t *pairs_of(const Layout *L, uint32_t *pairs, const int64_t *paired,
+                                 int64_t s, int64_t kvh) {
+    return pairs + paired[s] + kvh * ((paired[s + 1] - paired[s]) / L->KVH);
+}
+
 /* Rows r0..r0+nrows-1 (nrows <= nv x LANES) of one (sequence, KV head), placed by `place`;
  * bf16 reads values from that (sequence, KV head)'s `pairs` (fp32: NULL). */
 static inline AI void work_item(const Layout *L, const int64_t *table, const uint32_t *pairs,
@@ -135,14 +142,15 @@ static inline AI void work_item(const Layout *L, const int64_t *table, const uin
     load_queries(L, start, computed, kvh, r0, nrows, nv, w, pos);
     __m512i posv[NV];
     __m512 m[NV], l[NV], alpha[NV];
+    __mmask16 exists[NV]; /* the rows of each vector that hold a query */
     for (int v = 0; v < nv; v++) {
         posv[v] = _mm512_loadu_si512(pos + v * LANES);
+        exists[v] = _mm512_cmpge_epi32_mask(posv[v], _mm512_setzero_si512());
         m[v] = _mm512_set1_ps(-1e30f), l[v] = _mm512_setzero_ps();
     }
     for (int64_t d = 0; d < L->D; d++)
         for (int v = 0; v < nv; v++) w->ot[d][v] = _mm512_setzero_ps();
     const int64_t first = computed + r0 / L->G, last = computed + (r0 + nrows - 1) / L->G;
-    const __m512i zero = _mm512_setzero_si512();
     /* steps start at a key pair (a key before the window is masked) */
     const int64_t lo = first_pair_key(L, first), paired_from = first_pair_key(L, computed);
     for (int64_t k0 = lo; k0 <= last; k0 += KEYS) {
@@ -163,11 +171,11 @@ static inline AI void work_item(const Layout *L, const int64_t *table, const uin
         locate(L, table, kvh, k0, n, w);
         score_keys(L, n, w, f32, nv);
         for (int v = 0; v < nv; v++) {
-            const __mmask16 rows = whole ? _mm512_cmple_epi32_mask(zero, posv[v]) : 0;
-            const __m512 sum = softmax_step(w, n, v, whole, rows, &m[v], &alpha[v]);
+            const __m512 sum = softmax_step(w, n, v, whole, exists[v], &m[v], &alpha[v]);
             l[v] = _mm512_fmadd_ps(l[v], alpha[v], sum);
         }
-        add_values(L, n, alpha, pairs + (k0 - paired_from) / 2 * L->D, w, f32, nv);
+        const uint32_t *step_pairs = f32 ? NULL : pairs + (k0 - paired_from) / 2 * L->D;
+        add_values(L, n, alpha, step_pairs, w, f32, nv);
     }
     __m512 inv[NV] = {_mm512_setzero_ps()};
     for (int v = 0; v < nv; v++) inv[v] = _mm512_div_ps(_mm512_set1_ps(1.0f), l[v]);
@@ -224,9 +232,8 @@ static int run(const Layout *L, const int64_t *tables, const int64_t *starts,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < (f32 || w == NULL ? 0 : S * KVH); task++) {
             const int64_t s = task / KVH, kvh = task % KVH;
-            const int64_t count = pair_count(L, computed[s], qlens[s]);
             pair_values(L, tables + s * width, kvh, first_pair_key(L, computed[s]),
-                        computed[s] + qlens[s], pairs + paired[s] + kvh * count * L->D);
+                        computed[s] + qlens[s], pairs_of(L, pairs, paired, s, kvh));
         }
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -237,9 +244,8 @@ static int run(const Layout *L, const int64_t *tables, const int64_t *starts,
             const int64_t local = item - first[s], tiles = (first[s + 1] - first[s]) / KVH;
             const int64_t kvh = local / tiles, r0 = (local % tiles) * ROWS;
             const int64_t left = qlens[s] * L->G - r0;
-            const int64_t count = pair_count(L, computed[s], qlens[s]);
             const int nrows = (int)(left < ROWS ? left : ROWS);
-            const uint32_t *own = f32 ? NULL : pairs + paired[s] + kvh * count * L->D;
+            const uint32_t *own = f32 ? NULL : pairs_of(L, pairs, paired, s, kvh);
             ITEMS[f32][(nrows - 1) / LANES](L, tables + s * width, own, starts[s], computed[s],
                                              kvh, r0, nrows, w);
         }
