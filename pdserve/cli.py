@@ -11,7 +11,7 @@ import time
 from typing import Any, TypeVar
 
 from decode_node.config import DecodeNodeConfig
-from pdserve.cli_args import _engine_args as _engine_args  # re-export: benchmarks/peers
+from pdserve.cli_args import _engine_args as _engine_args  # re-export: pdserve/bench/peers
 from pdserve.cli_args import build_parser
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
@@ -171,12 +171,12 @@ def _stream_to_stdout(
 
 
 BENCHMARKS = {
-    "transfer": "benchmarks.transfer",
-    "serve": "benchmarks.serve",
-    "ttft": "benchmarks.ttft",
-    "engine": "benchmarks.engine",
-    "roofline": "benchmarks.roofline",
-    "peer": "benchmarks.peer",
+    "transfer": "pdserve.bench.transfer",
+    "serve": "pdserve.bench.serve",
+    "ttft": "pdserve.bench.ttft",
+    "engine": "pdserve.bench.engine",
+    "roofline": "pdserve.bench.roofline",
+    "peer": "pdserve.bench.peer",
 }
 
 

@@ -107,7 +107,7 @@ def write_checkpoint(name: str, root: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from benchmarks.support.checkpoints import build_tokenizer
+    from pdserve.bench.support.checkpoints import build_tokenizer
 
     out = root / name
     out.mkdir(parents=True, exist_ok=True)

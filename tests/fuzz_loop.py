@@ -9,7 +9,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from tests.engine_helpers import hf_greedy
 

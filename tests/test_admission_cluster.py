@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 import pytest
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import create_channel, generate, generate_stream
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore

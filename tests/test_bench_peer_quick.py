@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import peer
-from benchmarks.peers import vllm_setup
+from pdserve.bench import peer
+from pdserve.bench.peers import vllm_setup
 
 
 def test_peer_quick(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import serve
-from benchmarks.serve_prefix import PREFILLS, ROUTINGS
-from benchmarks.support.workloads import SharedPrefixConfig
+from pdserve.bench import serve
+from pdserve.bench.serve_prefix import PREFILLS, ROUTINGS
+from pdserve.bench.support.workloads import SharedPrefixConfig
 
 SERVING_KEYS = {"mean_ms", "median_ms", "p99_ms", "n"}
 

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from benchmarks.support.prefix_cache_sim import replay_shared_cache
-from benchmarks.support.workloads import SharedPrefixConfig, shared_prefix_requests
+from pdserve.bench.support.prefix_cache_sim import replay_shared_cache
+from pdserve.bench.support.workloads import SharedPrefixConfig, shared_prefix_requests
 
 CONFIG = SharedPrefixConfig(
     num_requests=30,

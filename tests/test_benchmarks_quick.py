@@ -20,8 +20,8 @@ def _written(out: Path, name: str, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_transfer_quick(tmp_path: Path) -> None:
-    from benchmarks import transfer
-    from benchmarks.support.transfer_methods import PDSERVE_PARTS
+    from pdserve.bench import transfer
+    from pdserve.bench.support.transfer_methods import PDSERVE_PARTS
 
     result = _written(
         tmp_path, "transfer_loopback", transfer.main(["--quick", "--out", str(tmp_path)])
@@ -54,7 +54,7 @@ def test_transfer_quick(tmp_path: Path) -> None:
 
 
 def test_ttft_quick(tmp_path: Path) -> None:
-    from benchmarks import ttft
+    from pdserve.bench import ttft
 
     result = _written(tmp_path, "ttft", ttft.main(["--quick", "--out", str(tmp_path)]))
     assert [r["tokens"] for r in result["rows"]] == ttft.QUICK_LENGTHS
@@ -86,7 +86,7 @@ def test_ttft_quick(tmp_path: Path) -> None:
 
 
 def test_serve_quick(tmp_path: Path) -> None:
-    from benchmarks import serve
+    from pdserve.bench import serve
 
     # the shared-prefix mode: every prompt starts with the same 32 tokens
     argv = ["--quick", "--out", str(tmp_path), "--prefix-len", "32", "--interference-rounds", "2"]

@@ -56,7 +56,8 @@ def _run(
 
 def test_the_shipped_packages_do_not_include_tests() -> None:
     assert "tests" not in _shipped_packages()
-    assert {"pdserve", "benchmarks", "shared"} <= set(_shipped_packages())
+    assert {"pdserve", "shared"} <= set(_shipped_packages())
+    assert "benchmarks" not in _shipped_packages()
 
 
 @pytest.mark.parametrize("command", [None, *_subcommands()])

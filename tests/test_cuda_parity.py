@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.support.checkpoints import load_hf_model
+from pdserve.bench.support.checkpoints import load_hf_model
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import allocate_kv_pool

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from shared.serving.tls import ServerTls
 
 MODEL = "tiny"

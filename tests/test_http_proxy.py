@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.proxy import Proxy
 
 MODEL = "tiny"

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.support.inprocess import pd_cluster
 from decode_node.config import DecodeNodeConfig
 from decode_node.kv_router import PrefixIndex, prefill_cost, prompt_hashes
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from tests.engine_helpers import hf_greedy, random_prompts, single_torch_thread
 

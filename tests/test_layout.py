@@ -44,7 +44,7 @@ def violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
 def test_engine_and_model_import_no_serving_layer(package: str) -> None:
     forbidden = ("grpc", "grpc_health", "grpc_reflection", "proto", "transfer", "shared.serving")
     assert violations(package, forbidden) == []
-    for layer in ("decode_node", "prefill_node", "pdserve", "benchmarks", "tests"):
+    for layer in ("decode_node", "prefill_node", "pdserve", "tests"):
         assert violations(package, (layer,)) == []
 
 
@@ -65,7 +65,7 @@ def test_node_packages_meet_only_through_proto_and_transfer(package: str, other:
     assert violations(package, (other,)) == []
 
 
-@pytest.mark.parametrize("package", ["pdserve", "benchmarks", "decode_node", "prefill_node"])
+@pytest.mark.parametrize("package", ["pdserve", "decode_node", "prefill_node"])
 def test_nothing_shipped_imports_the_tests(package: str) -> None:
     assert violations(package, ("tests",)) == []
 

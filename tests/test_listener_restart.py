@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers.transfer_peer import dest_to_json
+from pdserve.bench.peers.transfer_peer import dest_to_json
 from shared.engine.kv_cache import KvLayout, allocate_kv_pool
 from tests.test_transfer import LAYOUT, Peer
 from transfer import listener
@@ -174,7 +174,7 @@ def test_a_listener_restart_asks_the_same_prefill_node_again(
     import numpy as np
     from prometheus_client import generate_latest
 
-    from benchmarks.support.inprocess import pd_cluster
+    from pdserve.bench.support.inprocess import pd_cluster
     from pdserve.client import generate
     from shared.engine.config import EngineConfig
     from shared.serving.metrics import parse_prometheus_text

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
+from pdserve.bench.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
 from shared.engine.kv_cache import allocate_kv_pool
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import ForwardBatch, SeqEntry

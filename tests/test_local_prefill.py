@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from shared.engine.block_manager import compute_block_hashes
 from shared.engine.request import LlmRequest, LlmRequestState

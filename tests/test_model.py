@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.support.checkpoints import load_hf_model
+from pdserve.bench.support.checkpoints import load_hf_model
 from shared.engine.kv_cache import allocate_kv_pool
 from shared.engine.utils import cdiv
 from shared.model.config import ModelConfig, RopeScaling

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import create_channel, generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from pdserve.proxy import Proxy
 from tests.engine_helpers import single_torch_thread

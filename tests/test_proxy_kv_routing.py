@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import httpx
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from pdserve.proxy import Proxy
 from shared.serving.metrics import parse_prometheus_text

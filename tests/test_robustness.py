@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.support.inprocess import PdCluster, pd_cluster
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate, generate_stream
 from shared.engine.config import EngineConfig
 from shared.engine.request import LlmRequestState

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def test_sampler_benchmark_quick(tmp_path: Path) -> None:
-    from benchmarks import sampler
+    from pdserve.bench import sampler
 
     result = sampler.main(["--quick", "--out", str(tmp_path)])
     on_disk = json.loads((tmp_path / "sampler.json").read_text())

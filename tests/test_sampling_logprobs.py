@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestRejected
 from shared.engine.llm import LLM

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc import aio
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig

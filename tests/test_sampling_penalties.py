@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
-from benchmarks.support.checkpoints import EOS_TOKEN, special_ids
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.checkpoints import EOS_TOKEN, special_ids
+from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.request import FinishReason

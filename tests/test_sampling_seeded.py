@@ -8,8 +8,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.support.checkpoints import EOS_TOKEN, special_ids
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.checkpoints import EOS_TOKEN, special_ids
+from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM

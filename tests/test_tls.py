@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.serving.tls import ClientTls, ServerTls
 from tests.engine_helpers import hf_greedy

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.support.checkpoints import (
+from pdserve.bench.support.checkpoints import (
     BOS_TOKEN,
     EOS_TOKEN,
     EOT_TOKEN,

@@ -1,6 +1,6 @@
 """KV transfer plane over real UCX, two processes: the receiver (decode side) lives in this process
 on its own event loop; senders run in fresh interpreters (the transfer peer the benchmarks use,
-benchmarks/peers/transfer_peer.py), because a process that forks after UCX is initialised breaks
+pdserve/bench/peers/transfer_peer.py), because a process that forks after UCX is initialised breaks
 its children."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from benchmarks.peers.transfer_peer import dest_from_json, dest_to_json, sender_pool
-from benchmarks.support.util import REPLY_PREFIX
+from pdserve.bench.peers.transfer_peer import dest_from_json, dest_to_json, sender_pool
+from pdserve.bench.support.util import REPLY_PREFIX
 from shared.engine.kv_cache import KvLayout, allocate_kv_pool
 from transfer import protocol as proto
 from transfer.errors import TransferCancelled, TransferError, TransferTimeout
@@ -78,7 +78,7 @@ class Peer:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "benchmarks.peers.transfer_peer",
+            "pdserve.bench.peers.transfer_peer",
             "--role",
             role,
             stdin=asyncio.subprocess.PIPE,

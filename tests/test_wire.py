@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.support.inprocess import pd_cluster
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import build_generate_request, generate
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.sampling_params import SamplingParams
