@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from shared.model import panel_gemm
 from shared.model.config import ModelConfig
-from shared.model.gemm import onednn_linear, pack_onednn
+from shared.model.gemm import onednn_bf16_available, onednn_linear, pack_onednn
 from shared.model.llama import Model
 from shared.model.loader import LoadedModel, init_dummy_weights, load_model
 from shared.model.tokenizer import ByteTokenizer
@@ -141,6 +141,13 @@ def best_time(fn: Callable[[], object], reps: int) -> float:
     return min(times)
 
 
+def onednn_usable(dtype: torch.dtype) -> bool:
+    """oneDNN's packed GEMM takes bf16 only where the CPU has AVX-512 (or AVX-NE-CONVERT)."""
+    if dtype == torch.bfloat16:
+        return onednn_bf16_available()
+    return torch.backends.mkldnn.is_available()
+
+
 def matmul_ceiling(c: ModelConfig, dtype: torch.dtype, tokens: int, reps: int) -> dict[str, Any]:
     """Bare GEMM GFLOP/s for each of the model's GEMM shapes at `tokens` rows, the fastest of
     `F.linear` (MKL in fp32), oneDNN on a pre-packed weight (MKL runs a slow path on AMD) and,
@@ -152,7 +159,7 @@ def matmul_ceiling(c: ModelConfig, dtype: torch.dtype, tokens: int, reps: int) -
         x = torch.randn(tokens, n_in, generator=gen).to(dtype)
         w = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
         seconds = best_time(lambda x=x, w=w: F.linear(x, w), reps)
-        if torch.backends.mkldnn.is_available():
+        if onednn_usable(dtype):
             packed = pack_onednn(w)
             seconds = min(seconds, best_time(partial(onednn_linear, x, packed), reps))
         if panel_gemm.usable(w):
