@@ -21,19 +21,22 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1 : text.index("]")]
 
 
-def anon_huge_kib(t: torch.Tensor) -> int:
-    """AnonHugePages of the mappings under `t` (/proc/self/smaps)."""
+def smaps_fields(t: torch.Tensor) -> dict[str, int]:
+    """Over the mappings under `t` (/proc/self/smaps): `huge_kib`, their AnonHugePages, and
+    `eligible_kib`, how much of `t` lies in mappings marked THPeligible."""
     begin = t.data_ptr()
     end = begin + t.numel() * t.element_size()
-    inside, total = False, 0
+    overlap, huge, eligible = 0, 0, 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
         if "-" in head[0] and len(head) >= 5:
             lo, hi = (int(x, 16) for x in head[0].split("-"))
-            inside = lo < end and hi > begin
-        elif inside and head[0] == "AnonHugePages:":
-            total += int(head[1])
-    return total
+            overlap = max(0, min(hi, end) - max(lo, begin)) // 1024
+        elif overlap and head[0] == "AnonHugePages:":
+            huge += int(head[1])
+        elif overlap and head[0] == "THPeligible:" and int(head[1]):
+            eligible += overlap
+    return {"huge_kib": huge, "eligible_kib": eligible}
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
@@ -41,7 +44,14 @@ def test_kv_pool_on_huge_pages() -> None:
     layout = KvLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
     pool = allocate_kv_pool(layout, 1024, "cpu")  # 64 MiB
     size_kib = pool.numel() * pool.element_size() // 1024
-    assert anon_huge_kib(pool) >= size_kib // 2, "the pool should be mostly 2 MiB pages"
+    fields = smaps_fields(pool)
+    # what pdserve controls is the advice: in `madvise` mode a mapping is THP-eligible only
+    # once advised. Whether the kernel then finds free 2 MiB pages depends on the machine's
+    # fragmentation (a loaded host may grant none), so the backing is checked only when the
+    # kernel granted any.
+    assert fields["eligible_kib"] >= size_kib // 2, "the pool should be advised for huge pages"
+    if fields["huge_kib"]:
+        assert fields["huge_kib"] >= size_kib // 2, "the pool should be mostly 2 MiB pages"
     assert not pool.any()  # zeroed, like torch.zeros
 
 
