@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--lengths", default="64,256,1024")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default="docs/preempt_recompute.json")
+    p.add_argument("--out", default="bench_out/preempt_recompute.json")
     a = p.parse_args(argv)
     torch.set_num_threads(1)  # one core per role, as the nodes run
     lengths = [int(x) for x in a.lengths.split(",")]

@@ -252,7 +252,7 @@ def agreement(fp32: list[list[int]], bf16: list[list[int]]) -> dict[str, Any]:
 
 
 def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each issue target per model and dtype: the worst ratio it covers, and whether it is met."""
+    """Each target per model and dtype: the worst ratio it covers, and whether it is met."""
     out: dict[str, Any] = {}
     for run in runs:
         key = f"{run['model']}/{run['dtype']}"

@@ -2,7 +2,7 @@
 bandwidth measured beside it, and, where the one-call decode stack covers the step
 (shared/model/decode_stack.py), the layer loop it replaces in the same rounds.
 
-These VMs' memory bandwidth moves by +-15% within minutes (docs/performance.md, "Noise"), so a
+These VMs' memory bandwidth moves by +-15% within minutes (docs/performance.md, "Method"), so a
 bandwidth measured once at the start and a handful of steps minutes later gave ratios 0.45-0.64x
 for one code. Each batch size therefore runs `ROUNDS` rounds, each a `sum()` bandwidth read right
 before its steps; the ratio is the median step against the median of those reads.

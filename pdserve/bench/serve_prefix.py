@@ -9,7 +9,7 @@ the same arrival model each time. Per mode: TTFT, throughput, and the prefill pr
 cached / (cached + computed) prompt tokens summed over both prefill nodes, from each node's
 `pdserve_prompt_tokens_total{source}` scraped before and after the run. Beside them, the hit
 rate one shared cache of both nodes' blocks would reach on the same requests in the same order
-(pdserve/bench/support/prefix_cache_sim.py), and the issue's ratios: kv hit / shared-cache hit
+(pdserve/bench/support/prefix_cache_sim.py), and the benchmark's ratios: kv hit / shared-cache hit
 (target >= 0.9) and least-loaded TTFT p50 / kv TTFT p50 (target >= 2).
 """
 

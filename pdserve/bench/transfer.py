@@ -144,7 +144,7 @@ def headline_ratios(methods: dict[str, Any], headline: str = HEADLINE) -> dict[s
 def targets(
     rows: list[dict[str, Any]], idle: dict[str, float], ratios_key: str = "ratios"
 ) -> dict[str, Any]:
-    """The issue's targets for the layer-wise push (`ratios`), or for the whole-request push
+    """The benchmark's targets for the layer-wise push (`ratios`), or for the whole-request push
     (`ratios_whole`, nested under "whole_request")."""
     big = [r for r in rows if r["bytes"] >= TARGET_BYTES and "methods" in r]
 

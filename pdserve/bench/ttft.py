@@ -61,7 +61,7 @@ CONDITIONAL_TARGET = 1.05  # ... and <= 1.05x at every length with conditional p
 FULL_REPS = 15
 SHORT_PROMPT = 4096  # prompts below this get SHORT_PROMPT // tokens x the repeats (capped)
 # At 16-64 tokens one request's TTFT (5-11 ms) has an interquartile range of ~3 ms on these VMs
-# (2026-12-02, sixth session): the median of 60 moved +-0.4 ms between identical processes,
+# (measured 2026-12-02): the median of 60 moved +-0.4 ms between identical processes,
 # i.e. +-5% of the ratio, so rows of identical computation read 0.96-1.08 (and 1.08 at 2k
 # tokens from 15 repeats). Up to 16x (240 repeats, ~10 s a short row) halves that.
 MAX_REPEAT_FACTOR = 16

@@ -3,7 +3,7 @@
 A CUDA graph replays fixed shapes, so decode steps are captured for a few batch sizes and a
 few context widths (KV blocks per sequence), and a batch is padded up to the next captured
 size. Padding rows are *dummy requests* (`DUMMY_REQUEST_ID`) that belong to nobody
-(seat-system.md §6): each sits on the sampler's scratch row `dummy_slot_row`
+(docs/seat-system.md §6): each sits on the sampler's scratch row `dummy_slot_row`
 (= max_num_sequences, outside the seat pool), computes token 0 at position 0, and writes its
 K/V into one scratch block that lies past the BlockManager's blocks. No seat, no block, no
 request object is ever registered for it, so it cannot show in outputs, metrics or block

@@ -1,6 +1,6 @@
 """Per-seat penalty state: logit_bias, min_tokens, repetition / presence / frequency penalties.
 
-Rows are indexed by seat (seat-system.md §6), like every sampler pool. A request's row is built
+Rows are indexed by seat (docs/seat-system.md §6), like every sampler pool. A request's row is built
 when it is first sampled in its seat, from its prompt and the tokens it already produced (the
 prefill node's first token, or those before a preemption), updated with each sampled token, and
 cleared before the seat goes back. Applying them is one batched pass over the rows that use them:

@@ -1,4 +1,4 @@
-"""Batched sampling with per-seat state (seat-system.md §6).
+"""Batched sampling with per-seat state (docs/seat-system.md §6).
 
 Randomness is a pure function of (request seed, output index): each sampled token draws one
 uniform from a splitmix64 counter stream, then inverts the CDF of the filtered distribution.

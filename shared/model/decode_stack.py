@@ -3,7 +3,7 @@ on CPU, bf16 or fp32.
 
 Why: at batch 1 a decode step is a pass over the weights, and on SmolLM2 the Python between the
 kernels (module calls, shape checks, allocations, nine ctypes calls per layer) took ~3 ms of a
-~13 ms bf16 step (docs/performance.md, section 8). In bf16 the native loop calls the very kernels
+~13 ms bf16 step (docs/performance.md, "Kernels"). In bf16 the native loop calls the very kernels
 the layer loop of shared/model/llama.py calls, in the same order on the same kinds of buffers, so
 a step's logits are bit-identical either way (tested). In fp32 the layer loop's element-wise ops
 are torch's (their bits pinned to transformers' for prefill); the native loop's RMSNorm, RoPE and

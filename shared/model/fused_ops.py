@@ -3,7 +3,7 @@ over memory (kernels/fused_ops.c), on CPU, bf16 and fp32.
 
 Why hand-written: in bf16 torch runs each of these as several element-wise ops that convert
 bf16 <-> fp32 in their own pass over a fresh tensor. At 512 prompt tokens on SmolLM2's shapes
-they took as long as the layer's AMX GEMMs (docs/performance.md, section 6), and at decode each
+they took as long as the layer's AMX GEMMs (docs/performance.md, "Kernels"), and at decode each
 op is also a dispatch (~25 per layer). The kernels round to bf16 where the torch formulas do;
 RMSNorm's variance and SiLU's exp are summed / evaluated in another order, so an output may
 differ from torch's in its last bf16 bit. fp32 runs the same formulas where fp32 prefill has

@@ -4,7 +4,7 @@
   kernels/skinny_gemm.c where this CPU has AVX-512 (BF16 for bf16). At these row counts a GEMM
   is a pass over its weight, and the libraries' small-row paths read it well below the memory
   bandwidth; the kernel streams the plain [out, in] weight row by row (docs/performance.md,
-  sections 6 and 8). `PDSERVE_SKINNY_GEMM=0` turns it off.
+  "Kernels"). `PDSERVE_SKINNY_GEMM=0` turns it off.
 - **More rows, bf16 or fp32, where the libraries leave speed behind** (AVX-512 BF16 without AMX;
   fp32 on AVX-512 CPUs not Intel's): kernels/panel_gemm.c on a weight packed once into its panel
   layout, ahead of oneDNN at every row count there (shared/model/panel_gemm.py,

@@ -6,7 +6,7 @@ a fifth to a third of the same core's bf16 GEMMs, and a chunk continuing a cache
 gathered that whole context from the pool per layer. The kernel keeps a work item's up to 32
 query rows in the lanes of two vectors (no reduction across lanes), takes scores and values as
 AVX-512 BF16 dot products (fp32: FMAs) straight from the pool, and runs the online softmax in
-fp32 (docs/performance.md, section 8, for its rates against SDPA), its error against a float64
+fp32 (docs/performance.md, "Kernels", for its rates against SDPA), its error against a float64
 reference equal to SDPA's.
 
 fp32 runs here only where fp32 prefill has already left transformers' bits

@@ -3,7 +3,7 @@ packed once, bf16 and fp32, every row count past the GEMV kernel's.
 
 Measured on AMD Zen 5 (AVX-512 BF16, no AMX), SmolLM2's projections on two cores: bf16 ahead of
 oneDNN's packed GEMMs at every row count (32 rows: 600-660 against ~480 GFLOP/s), fp32 1.6x
-oneDNN at 8 rows, 1.17x at 32, 1.09x at 1,024 (docs/performance.md, section 8). `auto` runs it
+oneDNN at 8 rows, 1.17x at 32, 1.09x at 1,024 (docs/performance.md, "Kernels"). `auto` runs it
 there: bf16 where the CPU has AVX-512 BF16 and no AMX (AMX's tile kernels in oneDNN are several
 times faster than any AVX-512 loop); fp32 where it has AVX-512 and is not Intel's (Intel's
 libraries are tuned for Intel's cores; not measured here). `PDSERVE_PANEL_GEMM=1` runs it

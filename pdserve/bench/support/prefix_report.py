@@ -1,5 +1,5 @@
 """Targets, plot and summary of `pdserve bench serve --workload shared-prefix`
-(pdserve/bench/serve_prefix.py): the issue's ratios computed from one run's modes."""
+(pdserve/bench/serve_prefix.py): the benchmark's ratios computed from one run's modes."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _ttft_p50(result: dict[str, Any], mode: str) -> float | None:
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:
     """kv hit / shared-cache hit and other TTFT p50 / kv TTFT p50, for every mode run (the
-    issue's two targets are kv's hit ratio and least-loaded's TTFT ratio)."""
+    benchmark's two targets are kv's hit ratio and least-loaded's TTFT ratio)."""
     shared = result["shared_cache"]["hit_rate"]
     modes = result["modes"]
     out: dict[str, Any] = {

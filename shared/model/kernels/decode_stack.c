@@ -3,7 +3,7 @@
  *
  * At batch 1 a layer's kernels take ~300 us on SmolLM2 and the Python around them (module calls,
  * shape checks, tensor allocations, nine ctypes calls) another ~100: a quarter of the step went
- * to dispatch (docs/performance.md, section 8). In bf16 this file runs the same kernels, in the
+ * to dispatch (docs/performance.md, "Kernels"). In bf16 this file runs the same kernels, in the
  * same order on the same buffers as shared/model/llama.py's layer loop, so its outputs equal that
  * path's bit for bit; it only removes the interpreter between them. In fp32 RMSNorm, RoPE and
  * SwiGLU's product are fused_ops.c's fp32 loops (where prefill keeps torch's ops, their bits

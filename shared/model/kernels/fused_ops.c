@@ -2,7 +2,7 @@
  *
  * torch runs RMSNorm as seven ops, SwiGLU's product as two and RoPE as five, each converting
  * bf16 <-> fp32 in its own pass over a fresh tensor; at prefill sizes that was as long as the
- * layer's GEMMs (docs/performance.md, section 6). Every function here rounds to bf16 at the same
+ * layer's GEMMs (docs/performance.md, "Kernels"). Every function here rounds to bf16 at the same
  * points as the torch formula it replaces (shared/model/llama.py), so results equal torch's
  * except where a sum or expf is computed in another order (RMSNorm's variance, SiLU): there an
  * output may differ in its last bf16 bit.

@@ -3,7 +3,7 @@
  * (online softmax, nothing T x T materialised).
  *
  * Why hand-written: torch's CPU flash attention runs at 35-65 GFLOP/s in bf16 on AMD Zen 4
- * (docs/performance.md, section 8), a fifth to a third of what the same core's bf16 GEMMs reach,
+ * (docs/performance.md, "Kernels"), a fifth to a third of what the same core's bf16 GEMMs reach,
  * and a prompt continuing a cached prefix also paid a gather of its whole context per layer. In
  * fp32 SDPA was 59% of a 4k-token SmolLM2 prefill on Zen 5 (~69 GFLOP/s, one thread).
  *

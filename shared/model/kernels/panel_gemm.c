@@ -3,7 +3,7 @@
  *
  * Why by hand: on AMD Zen 5 (AVX-512 BF16, no AMX) oneDNN's packed bf16 GEMMs run SmolLM2's
  * decode projections at 32 rows at ~480 GFLOP/s on two cores, 62% of what the same library
- * reaches at 1,024 rows (docs/performance.md, section 8). This register-tiled loop runs the same
+ * reaches at 1,024 rows (docs/performance.md, "Kernels"). This register-tiled loop runs the same
  * shapes at 600-660 GFLOP/s at 32 rows and ahead of oneDNN at every row count measured (8 to
  * 2,048). fp32 likewise: 1.6x oneDNN at 8 rows, 1.17x at 32, 1.09x at 1,024. On CPUs with AMX,
  * oneDNN's tile kernels are far faster in bf16, and Intel's libraries are tuned for Intel's

@@ -3,7 +3,7 @@
  *
  * At a few rows a GEMM is a pass over its weight plus a little arithmetic per weight element,
  * and the libraries read the weight well below the memory bandwidth there (docs/performance.md,
- * sections 6 and 8): on AMD Zen 4 MKL's fp32 sgemv at 11.5 GB/s and oneDNN's one-row bf16 primitives
+ * "Kernels"): on AMD Zen 4 MKL's fp32 sgemv at 11.5 GB/s and oneDNN's one-row bf16 primitives
  * at 8.4 where a sum() of the same bytes reads 25-28. Here each thread takes bands of 16
  * contiguous weight rows and reads every row start to end before the next: one sequential
  * stream, which hardware prefetchers follow best (reading a band's rows interleaved, chunk by
