@@ -19,17 +19,14 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from shared.model.causal_lm import Model
 from shared.model.config import ModelConfig
 from shared.model.gguf_tokenizer import byte_alphabet
-from shared.model.llama import rope_inv_freq
 from shared.model.loader import LoadedModel, load_model
+from shared.model.registry import config_to_hf, family_for
+from shared.model.rotary import rope_inv_freq
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer
 
-MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
 FILES = (
     "config.json",
     "model.safetensors",
@@ -41,55 +38,20 @@ FILES = (
 
 
 def hf_config_dict(c: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json in the transformers 4.x spelling (5.x reads it too)."""
-    d: dict[str, Any] = {
-        "architectures": [c.architecture],
-        "model_type": MODEL_TYPES[c.architecture],
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": list(c.eos_token_ids)
-        if len(c.eos_token_ids) > 1
-        else next(iter(c.eos_token_ids), None),
-        "pad_token_id": c.pad_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+    """config.json as the model family's transformers class reads it."""
+    return config_to_hf(c) | {"torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def checkpoint_tensors(model: Model) -> dict[str, torch.Tensor]:
+    """The model's weights under its family's checkpoint names, each an independent copy (the
+    named parameters are slices of fused q/k/v and gate/up buffers); parts a family's
+    checkpoint stacks (Phi-3's qkv_proj) are stacked again."""
+    params = dict(model.named_parameters())
+    layout = family_for(model.config.architecture).checkpoint_layout(params)
+    return {
+        name: torch.cat([params[p].detach().cpu() for p in parts]).contiguous().clone()
+        for name, parts in layout.items()
     }
-    if c.rope_scaling.rope_type == "llama3":
-        s = c.rope_scaling
-        d["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
-    if c.architecture == "LlamaForCausalLM":
-        if c.attention_bias != c.attention_out_bias:
-            raise ValueError("Llama's attention_bias covers q/k/v and o_proj alike; cannot export")
-        d.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
-    d.update(_sliding_window(c))
-    return d
-
-
-def _sliding_window(c: ModelConfig) -> dict[str, Any]:
-    if c.sliding_window is None:
-        return {"sliding_window": None} if c.architecture != "LlamaForCausalLM" else {}
-    if c.architecture == "MistralForCausalLM":
-        return {"sliding_window": c.sliding_window}
-    layers = ["full_attention"] * c.num_layers
-    for i in c.sliding_window_layers:
-        layers[i] = "sliding_attention"
-    return {"use_sliding_window": True, "sliding_window": c.sliding_window, "layer_types": layers}
 
 
 def byte_tokenizer_json(tok: ByteTokenizer) -> Tokenizer:
@@ -129,15 +91,14 @@ def _text(backend: Tokenizer, token_id: int | None) -> str | None:
 
 def export_loaded(loaded: LoadedModel, out_dir: Path) -> list[Path]:
     model, c = loaded.model, loaded.config
-    expected = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(model.device)
+    expected = rope_inv_freq(c.rotated_dims, c.rope_theta, c.rope_scaling).to(model.device)
     if not torch.equal(model.model.rotary_emb.inv_freq, expected):
         raise ValueError("rope frequency factors (GGUF rope_freqs) have no config.json spelling")
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = _backend(loaded)
     eos = sorted(loaded.eos_token_ids)
     (out_dir / "config.json").write_text(json.dumps(hf_config_dict(c, model.dtype), indent=2))
-    # named parameters are slices of fused q/k/v and gate/up buffers: save independent copies
-    tensors = {n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
+    tensors = checkpoint_tensors(model)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     backend.save(str(out_dir / "tokenizer.json"))
     tok_config: dict[str, Any] = {

@@ -95,10 +95,9 @@ def param_shapes(name: str) -> dict[str, tuple[int, ...]]:
     """The checkpoint's tensor names and shapes, from pdserve's own model on the meta device."""
     import torch
 
-    from shared.model.config import ModelConfig
-    from shared.model.llama import Model
+    from shared.model.registry import build_model, config_from_hf
 
-    model = Model(ModelConfig.from_hf_config_dict(config_json(name)), "meta", torch.bfloat16)
+    model = build_model(config_from_hf(config_json(name)), "meta", torch.bfloat16)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.bench.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
 from shared.engine.kv_cache import allocate_kv_pool
-from shared.model.config import ModelConfig
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
+from shared.model.registry import config_from_hf
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer
 
 
@@ -222,10 +222,10 @@ _LLAMA3_4X = {
 
 
 def test_config_accepts_transformers_4_and_5_rope_spellings() -> None:
-    v4 = ModelConfig.from_hf_config_dict(_LLAMA3_4X)
+    v4 = config_from_hf(_LLAMA3_4X)
     v5_dict = {k: v for k, v in _LLAMA3_4X.items() if k not in ("rope_theta", "rope_scaling")}
     v5_dict["rope_parameters"] = {**_LLAMA3_4X["rope_scaling"], "rope_theta": 500000.0}
-    v5 = ModelConfig.from_hf_config_dict(v5_dict)
+    v5 = config_from_hf(v5_dict)
     assert v4 == v5
     assert v4.rope_theta == 500000.0
     assert v4.rope_scaling.rope_type == "llama3"
@@ -235,38 +235,34 @@ def test_config_accepts_transformers_4_and_5_rope_spellings() -> None:
     # Older configs spell the type key `type`.
     old = {**_LLAMA3_4X, "rope_scaling": {**_LLAMA3_4X["rope_scaling"], "type": "llama3"}}
     del old["rope_scaling"]["rope_type"]
-    assert ModelConfig.from_hf_config_dict(old) == v4
+    assert config_from_hf(old) == v4
 
 
 def test_config_defaults_and_rejections() -> None:
     plain = {k: v for k, v in _LLAMA3_4X.items() if k not in ("rope_theta", "rope_scaling")}
-    config = ModelConfig.from_hf_config_dict(plain)
+    config = config_from_hf(plain)
     assert config.rope_theta == 10000.0
     assert config.rope_scaling.rope_type == "default"
     with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_config_dict({**plain, "rope_scaling": {"rope_type": "yarn"}})
+        config_from_hf({**plain, "rope_scaling": {"rope_type": "yarn"}})
     with pytest.raises(ValueError, match="gelu"):
-        ModelConfig.from_hf_config_dict({**plain, "hidden_act": "gelu"})
+        config_from_hf({**plain, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        ModelConfig.from_hf_config_dict({**plain, "num_key_value_heads": 3})
+        config_from_hf({**plain, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="num_hidden_layers"):
-        ModelConfig.from_hf_config_dict(
-            {k: v for k, v in plain.items() if k != "num_hidden_layers"}
-        )
+        config_from_hf({k: v for k, v in plain.items() if k != "num_hidden_layers"})
 
 
 def test_sliding_window_layers_follow_transformers() -> None:
     base = {**_LLAMA3_4X, "num_hidden_layers": 4, "sliding_window": 64}
-    mistral = ModelConfig.from_hf_config_dict({**base, "architectures": ["MistralForCausalLM"]})
+    mistral = config_from_hf({**base, "architectures": ["MistralForCausalLM"]})
     assert mistral.sliding_window == 64 and mistral.sliding_window_layers == (0, 1, 2, 3)
     qwen = {**base, "architectures": ["Qwen2ForCausalLM"]}
-    assert ModelConfig.from_hf_config_dict(qwen).sliding_window is None  # use_sliding_window off
-    windowed = ModelConfig.from_hf_config_dict(
-        {**qwen, "use_sliding_window": True, "max_window_layers": 2}
-    )
+    assert config_from_hf(qwen).sliding_window is None  # use_sliding_window off
+    windowed = config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 2})
     assert windowed.sliding_window_layers == (2, 3)
     assert windowed.window_for_layer(1) is None and windowed.window_for_layer(2) == 64
-    llama = ModelConfig.from_hf_config_dict(base)
+    llama = config_from_hf(base)
     assert llama.sliding_window is None
 
 

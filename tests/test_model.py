@@ -13,10 +13,11 @@ import torch
 from pdserve.bench.support.checkpoints import load_hf_model
 from shared.engine.kv_cache import allocate_kv_pool
 from shared.engine.utils import cdiv
-from shared.model.config import ModelConfig, RopeScaling
+from shared.model.config import RopeScaling
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.llama import rope_inv_freq
 from shared.model.loader import LoadedModel, load_model
+from shared.model.registry import config_from_hf
 
 ATOL = 1e-4
 VOCAB = 512
@@ -105,7 +106,7 @@ def test_llama3_inv_freq_matches_transformers(variant: Callable[[str], Path]) ->
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     path = variant("llama3-rope")
-    config = ModelConfig.from_hf_config_dict(json.loads((path / "config.json").read_text()))
+    config = config_from_hf(json.loads((path / "config.json").read_text()))
     assert config.rope_scaling.rope_type == "llama3"
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(path))
     computed = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)

@@ -1,7 +1,7 @@
 """Stateful property test of the seat system, the block manager and the scheduler.
 
 A hypothesis `RuleBasedStateMachine` drives two real `EngineCore`s through random interleavings of
-the request lifecycle (seat-system.md §3-§8):
+the request lifecycle (docs/seat-system.md §3-§8):
 
 - `dec`, a colocated / decode-side engine: colocated requests, decode-side P/D requests
   (`reserve_for_transfer` -> `start_transfer` -> `complete_transfer` / `fail_transfer`), aborts in

@@ -61,23 +61,28 @@ def paged_attention(
     scale: float,
     window: int | None,
     scratch: GatherScratch,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the batch's new tokens over their full context.
 
     q: [T, heads, head_dim] and k, v: [T, kv_heads, head_dim], this step's tokens (rotated).
     layer_pool: `kv_pool[layer]`, shape (2, num_blocks, block_size, kv_heads, head_dim), with this
-    step's K/V already written. Returns [T, heads * head_dim] in q's dtype.
+    step's K/V already written. `softcap`: scores become cap * tanh(scores / cap) before the mask
+    (Gemma 2); no kernel has that step, so such layers run torch's eager formula. Returns
+    [T, heads * head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     out = None
     for group in batch.groups:
-        if paged_prefill.usable(q, layer_pool, group):
+        if softcap is None and paged_prefill.usable(q, layer_pool, group):
             if out is None:
                 out = q.new_empty(num_tokens, num_heads * head_dim)
             if paged_prefill.prefill_attention(q, layer_pool, group, scale, window, out):
                 continue  # the kernel wrote the group's rows of `out`
         g_out = None
-        if group.fresh:
+        if softcap is not None:
+            g_out = softcap_attention(q, k, v, layer_pool, group, scale, window, softcap, scratch)
+        elif group.fresh:
             g_out = _fresh_attention(q, k, v, group, scale, window)
         elif paged_decode.usable(q, layer_pool, group):
             g_out = paged_decode.decode_attention(q, layer_pool, group, scale, window)
@@ -130,6 +135,41 @@ def _pool_attention(
         enable_gqa=q.shape[1] != kv_heads,
     )
     return _valid_rows(attn, group)
+
+
+def softcap_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_pool: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None,
+    softcap: float,
+    scratch: GatherScratch,
+) -> torch.Tensor:
+    """transformers' eager attention with logit soft-capping, over this step's K/V (fresh
+    groups) or the gathered pool: scores * scale, cap * tanh(/ cap), + mask, fp32 softmax."""
+    if group.fresh:
+        keys, values = _padded_rows(k, group), _padded_rows(v, group)
+    else:
+        assert group.kv_blocks is not None
+        kv_heads, head_dim = layer_pool.shape[-2:]
+        kv = _gather_kv(layer_pool, group.kv_blocks, scratch).to(q.dtype)
+        kv = kv.view(2, len(group.seq_ids), group.kv_len, kv_heads, head_dim).transpose(2, 3)
+        keys, values = kv[0], kv[1]
+    queries = _padded_rows(q, group)  # [G, heads, Qmax, D]
+    n_seqs, kv_heads, kv_len, head_dim = keys.shape
+    groups = queries.shape[1] // kv_heads  # transformers' repeat_kv
+    keys = keys[:, :, None].expand(n_seqs, kv_heads, groups, kv_len, head_dim)
+    values = values[:, :, None].expand(n_seqs, kv_heads, groups, kv_len, head_dim)
+    keys = keys.reshape(n_seqs, kv_heads * groups, kv_len, head_dim)
+    values = values.reshape(n_seqs, kv_heads * groups, kv_len, head_dim)
+    scores = torch.matmul(queries, keys.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + group.mask(window, q.dtype)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return _valid_rows(torch.matmul(probs, values), group)
 
 
 def _fresh_attention(

