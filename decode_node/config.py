@@ -10,6 +10,10 @@ from decode_node.push_mode import PUSH_MODES
 from shared.engine.config import EngineConfig
 from shared.serving.limits import (
     HEALTH_CHECK_INTERVAL_S,
+    HTTP_BODY_TIMEOUT_S,
+    HTTP_HEADER_TIMEOUT_S,
+    HTTP_KEEP_ALIVE_S,
+    HTTP_MAX_CONNECTIONS,
     KV_FENCE_TIMEOUT_S,
     KV_TRANSFER_TIMEOUT_S,
     PREFILL_TIMEOUT_S,
@@ -19,6 +23,7 @@ from transfer.protocol import resolve_bind_address
 
 if TYPE_CHECKING:  # FastAPI and pydantic load with the node, not with every CLI command
     from shared.model.loader import LoadedModel
+    from shared.serving.connection_limits import ConnectionLimits
     from shared.serving.http.service import HttpApiConfig
 
 
@@ -38,6 +43,13 @@ class DecodeNodeConfig:
     api_key: str | None = None  # HTTP bearer token; None: no authentication
     chat_template: str | None = None  # a Jinja file overriding the model's own chat template
     max_request_bytes: int = 16 * 1024 * 1024  # HTTP request bodies over this get 413
+    # HTTP connections (shared/serving/connection_limits.py): a request's headers and body must
+    # arrive within these seconds, an idle keep-alive connection closes after its timeout, and
+    # past max_connections open connections a request gets 503
+    http_header_timeout: float = HTTP_HEADER_TIMEOUT_S
+    http_body_timeout: float = HTTP_BODY_TIMEOUT_S
+    http_keep_alive_timeout: float = HTTP_KEEP_ALIVE_S
+    http_max_connections: int = HTTP_MAX_CONNECTIONS
     max_inflight: int = 256  # requests past the admission queue at once (blocks reserved)
     # requests waiting, holding nothing, for blocks or an inflight slot; past it
     # RESOURCE_EXHAUSTED with a retry hint (0: refuse whatever cannot be admitted at once)
@@ -86,6 +98,18 @@ class DecodeNodeConfig:
             api_key=self.api_key,
             chat_template=template,
             max_request_bytes=self.max_request_bytes,
+            connection=self.http_connection,
+        )
+
+    @property
+    def http_connection(self) -> ConnectionLimits:
+        from shared.serving.connection_limits import ConnectionLimits
+
+        return ConnectionLimits(
+            header_timeout=self.http_header_timeout,
+            body_timeout=self.http_body_timeout,
+            keep_alive_timeout=self.http_keep_alive_timeout,
+            max_connections=self.http_max_connections,
         )
 
     @property
@@ -120,6 +144,7 @@ class DecodeNodeConfig:
                 raise ValueError(f"{name} must be -1 (off) or a port, got {value}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        self.http_connection.validate()
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a readable file")
         if self.api_key is not None and not self.api_key:

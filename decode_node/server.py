@@ -35,6 +35,7 @@ import grpc
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.first_token import engine_took_first, release_first
+from decode_node.health import decode_health
 from decode_node.local_prefill import start_local, try_local
 from decode_node.remote_prefill import RemotePrefill
 from decode_node.responses import generate_response
@@ -334,11 +335,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         return params.with_resolved_seed()
 
     @property
-    def healthy(self) -> bool:
-        """Serving, and able to prefill: a prefill node routed to, or the local fallback
-        (HTTP /health)."""
-        local = self.config.local_prefill_fallback or self.config.colocated
-        return self.accepting and (self.pool.any_healthy() or local)
+    def health(self) -> tuple[bool, str]:
+        """Able to serve every request now, and why (HTTP /health; decode_node/health.py)."""
+        return decode_health(self.accepting, self.config, self.pool)
 
     async def _next_delta(self, stream: Stream, deadline: float | None) -> TokenDelta:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())

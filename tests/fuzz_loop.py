@@ -1,13 +1,18 @@
 """An in-process cluster on its own event-loop thread, so hypothesis (synchronous) can drive it,
-and the property every fuzzer checks after each example: the node still serves, conserved."""
+and the property every fuzzer checks after each example: the node still serves, conserved; and
+the strings fuzzers send that are valid JSON but not Unicode text (lone surrogates)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
+
+import httpx
+from hypothesis import strategies as st
 
 from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
@@ -51,3 +56,35 @@ class LiveCluster:
     def close(self) -> None:
         self.runner.run(self.scope.__aexit__(None, None, None))
         self.runner.close()
+
+
+class LiveHttp(LiveCluster):
+    """LiveCluster with the decode node's HTTP API and a synchronous client for it."""
+
+    def __init__(self, path: Path, **decode_overrides: Any) -> None:
+        super().__init__(path, http_port=0, **decode_overrides)
+        node = self.cluster.decodes[0]
+        self.url = f"http://127.0.0.1:{node.http_port}"
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.model = self.client.get("/v1/models").json()["data"][0]["id"]
+
+    def post(self, path: str, body: Any) -> httpx.Response:
+        """`body` as JSON with every non-ASCII character escaped, so a lone surrogate goes out
+        as `\\ud800` (httpx's json= encodes UTF-8 and cannot)."""
+        data = json.dumps(body).encode()
+        return self.client.post(path, content=data, headers={"content-type": "application/json"})
+
+    def close(self) -> None:
+        self.client.close()
+        super().close()
+
+
+# A lone surrogate (U+D800..U+DFFF): JSON can spell it, UTF-8 cannot encode it
+lone_surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+
+
+@st.composite
+def text_with_a_lone_surrogate(draw: st.DrawFn) -> str:
+    """Arbitrary text with one lone surrogate somewhere in it (never completing a pair)."""
+    before, after = draw(st.text(max_size=20)), draw(st.text(max_size=20))
+    return before + draw(lone_surrogates) + after

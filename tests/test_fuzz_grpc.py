@@ -2,10 +2,11 @@
 
 Hypothesis builds arbitrary messages: extreme and out-of-range values, NaN and ±inf, huge ints,
 arbitrary unicode, and raw wire bytes (truncated or mutated messages, invalid UTF-8 in string
-fields). Properties, after every example: the status is one the API documents (never UNKNOWN or
-INTERNAL); a stream that succeeds is well formed; every seat and block is back in its pool; the
-node still serves correct greedy output. PDSERVE_FUZZ_EXAMPLES sets the example count (60 by
-default, so the suite stays fast; try 2000 for a longer run).
+fields, lone surrogates as a lax encoder writes them). Properties, after every example: the
+status is one the API documents (never UNKNOWN or INTERNAL); a stream that succeeds is well
+formed; every seat and block is back in its pool; the node still serves correct greedy output.
+PDSERVE_FUZZ_EXAMPLES sets the example count (60 by default, so the suite stays fast; try 2000
+for a longer run).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
-from tests.fuzz_loop import LiveCluster
+from tests.fuzz_loop import LiveCluster, text_with_a_lone_surrogate
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))
 # The Generate statuses proto/pdserve/v1/generation.proto documents for a healthy cluster
@@ -151,9 +152,10 @@ def _varint(n: int) -> bytes:
 @st.composite
 def wire_bytes(draw: st.DrawFn) -> bytes:
     """A serialized request, sent as is, truncated, with bytes overwritten, or with a string
-    field (request_id, text, a stop string) carrying arbitrary bytes appended."""
+    field (request_id, text, a stop string) carrying arbitrary bytes or a lone surrogate's
+    bytes appended."""
     data = draw(st.one_of(generate_requests(), edge_requests())).SerializeToString()
-    how = draw(st.sampled_from(["as_is", "as_is", "truncate", "mutate", "raw_string"]))
+    how = draw(st.sampled_from(["as_is", "as_is", "truncate", "mutate", "raw_string", "surrogate"]))
     if how == "truncate" and data:
         data = data[: draw(st.integers(0, len(data) - 1))]
     elif how == "mutate" and data:
@@ -161,8 +163,10 @@ def wire_bytes(draw: st.DrawFn) -> bytes:
         for _ in range(draw(st.integers(1, 4))):
             buf[draw(st.integers(0, len(buf) - 1))] = draw(st.integers(0, 255))
         data = bytes(buf)
-    elif how == "raw_string":
+    elif how in ("raw_string", "surrogate"):
         raw = draw(st.binary(max_size=64))
+        if how == "surrogate":  # what a lax encoder writes for a lone surrogate (CESU-8)
+            raw = draw(text_with_a_lone_surrogate()).encode("utf-8", "surrogatepass")
         field = draw(st.sampled_from([b"\x0a", b"\x12"]))  # request_id (1), text (2)
         if draw(st.booleans()):  # sampling (4) { stop (6) }
             inner = b"\x08\x02\x32" + _varint(len(raw)) + raw
@@ -226,7 +230,7 @@ def _check_stream(data: bytes, responses: list[Any]) -> None:
 
 
 def _out_of_bounds(data: bytes) -> str | None:
-    """The README's bounds table, restated independently of shared/serving/wire.py: what a
+    """The bounds table of docs/api.md, restated independently of shared/serving/wire.py: what a
     request that parses must be refused for (None: nothing here says it must be)."""
     try:
         r = generation_pb2.GenerateRequest.FromString(data)

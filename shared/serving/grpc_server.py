@@ -11,7 +11,6 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from proto.pdserve.v1 import generation_pb2
@@ -26,6 +25,8 @@ from shared.serving.metrics import (
     register_scrape_counter,
     register_scrape_gauge,
 )
+from shared.serving.port_in_use import check_port_free
+from shared.serving.reflection import enable_reflection
 from shared.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -86,20 +87,25 @@ def create_grpc_server(
     port: int,
     credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[aio.Server, health.HealthServicer, int]:
-    """A grpc.aio server with health checking and reflection; returns (server, health, port)."""
+    """A grpc.aio server with health checking and reflection (v1 and v1alpha); returns
+    (server, health, port)."""
     server = aio.server(options=GRPC_SERVER_OPTIONS)
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    enable_reflection(names, server)
     address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, credentials)
-        if credentials is not None
-        else server.add_insecure_port(address)
-    )
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # gRPC's "Failed to bind", without the reason: found below
+        bound = 0
     if bound == 0:
+        check_port_free("grpc", host, port)
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, health_servicer, bound
 
@@ -151,7 +157,7 @@ class NodeServing:
         node = cls(server, health_servicer, bound, services, None)
         if metrics_port >= 0:
             app = metrics_app(registry, lambda: node.serving)
-            node.metrics_server = await AsgiServer.start(app, host, metrics_port)
+            node.metrics_server = await AsgiServer.start(app, host, metrics_port, service="metrics")
         set_serving(health_servicer, services, True)
         return node
 

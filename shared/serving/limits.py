@@ -1,6 +1,6 @@
 """Every bound pdserve puts on what crosses its public surfaces, and its serving timeouts.
 
-One place to read and change them; the README's "Bounds" table lists the same values. The
+One place to read and change them; the "Bounds" table of docs/api.md lists the same values. The
 sampling bounds that the colocated engine enforces too (stop strings, minimum temperature) live
 with SamplingParams, since shared/engine may not import serving code; they are re-exported here.
 """
@@ -13,6 +13,10 @@ __all__ = [
     "DRAIN_GRACE_S",
     "GRPC_CHANNEL_OPTIONS",
     "HEALTH_CHECK_INTERVAL_S",
+    "HTTP_BODY_TIMEOUT_S",
+    "HTTP_HEADER_TIMEOUT_S",
+    "HTTP_KEEP_ALIVE_S",
+    "HTTP_MAX_CONNECTIONS",
     "KV_FENCE_TIMEOUT_S",
     "KV_TRANSFER_TIMEOUT_S",
     "MAX_MESSAGE_BYTES",
@@ -57,3 +61,13 @@ PREFILL_TIMEOUT_S = 60.0  # decode: the Prefill RPC, queueing on the prefill nod
 HEALTH_CHECK_INTERVAL_S = 2.0  # decode: between health checks of each prefill node
 PREFILL_DEFAULT_DEADLINE_S = 120.0  # prefill: a Prefill call that carries no deadline
 PUSH_QUIESCE_S = 5.0  # prefill: a finished push waits this long for UCX to stop reading blocks
+
+# Every HTTP listener (the OpenAI API, /metrics, the proxy's front door), per connection: a
+# request's headers must all arrive within HTTP_HEADER_TIMEOUT_S of its first byte (or of the
+# connection's opening), its body within HTTP_BODY_TIMEOUT_S of its headers (16 MiB, the largest
+# body allowed, in 30 s is ~0.5 MiB/s); an idle keep-alive connection is closed after
+# HTTP_KEEP_ALIVE_S; past HTTP_MAX_CONNECTIONS open connections a request is refused with 503.
+HTTP_HEADER_TIMEOUT_S = 5.0
+HTTP_BODY_TIMEOUT_S = 30.0
+HTTP_KEEP_ALIVE_S = 5.0
+HTTP_MAX_CONNECTIONS = 1024

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import ssl
@@ -33,6 +34,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
+
+from shared.serving.connection_limits import ConnectionLimits
+from shared.serving.port_in_use import PortInUse
 
 __all__ = [
     "CONTENT_TYPE",
@@ -177,17 +181,25 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def metrics_routes(registry: CollectorRegistry, healthy: Callable[[], bool]) -> list[BaseRoute]:
-    """GET /metrics (the registry), GET /health (200 while serving, else 503), /healthz alias."""
+def metrics_routes(
+    registry: CollectorRegistry,
+    healthy: Callable[[], bool],
+    why: Callable[[], str] | None = None,
+) -> list[BaseRoute]:
+    """GET /metrics (the registry), GET /health (200 while serving, else 503; `why` adds the
+    reason to the body's one line), /healthz alias."""
 
     async def metrics(request: Request) -> Response:
         # generate_latest runs the scrape collectors: cheap reads of the engine's snapshot
         return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     async def health(request: Request) -> Response:
+        reason = "" if why is None else f": {why()}"
         if healthy():
-            return PlainTextResponse("ok\n")
-        return PlainTextResponse("not serving\n", status_code=503, headers={"Retry-After": "1"})
+            return PlainTextResponse(f"ok{reason}\n")
+        return PlainTextResponse(
+            f"not serving{reason}\n", status_code=503, headers={"Retry-After": "1"}
+        )
 
     return [
         Route("/metrics", metrics, methods=["GET", "HEAD"]),
@@ -227,8 +239,11 @@ class AsgiServer:
         keyfile: str | None = None,
         client_ca: str | None = None,
         graceful_timeout: float = 5.0,
+        service: str = "http",
+        limits: ConnectionLimits | None = None,
     ) -> AsgiServer:
-        """Bind (host, port) here, so a bad address fails now and port 0 is known at once."""
+        """Bind (host, port) here, so a bad address fails now and port 0 is known at once; a
+        port another socket holds raises PortInUse(`service`, ...)."""
         config = uvicorn.Config(
             app,
             lifespan="off",
@@ -239,7 +254,8 @@ class AsgiServer:
             ssl_ca_certs=client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if client_ca else ssl.CERT_NONE,
             timeout_graceful_shutdown=graceful_timeout,
-            timeout_keep_alive=5,
+            # read deadlines, keep-alive, connection cap (connection_limits.py says why there)
+            **(limits or ConnectionLimits()).uvicorn_options(),
         )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP
@@ -249,8 +265,10 @@ class AsgiServer:
             sock.bind((host, port))
             sock.listen(1024)
             sock.setblocking(False)
-        except OSError:
+        except OSError as e:
             sock.close()
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(service, host, port) from e
             raise
         config.load()  # here, so a bad certificate raises instead of uvicorn's sys.exit
         server = _LoopServer(config)

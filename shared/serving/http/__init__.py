@@ -23,7 +23,13 @@ async def serve_http_api(
     """The API (plus /metrics, /health, /version) on (host, port), TLS with the gRPC options."""
     app = create_app(backend, config, registry)
     if tls is None:
-        return await AsgiServer.start(app, host, port)
+        return await AsgiServer.start(app, host, port, limits=config.connection)
     return await AsgiServer.start(
-        app, host, port, certfile=tls.cert, keyfile=tls.key, client_ca=tls.client_ca or None
+        app,
+        host,
+        port,
+        certfile=tls.cert,
+        keyfile=tls.key,
+        client_ca=tls.client_ca or None,
+        limits=config.connection,
     )

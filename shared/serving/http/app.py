@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API of a decode node, as a FastAPI app.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health,
-GET /metrics, GET /version. Served by uvicorn on the node's own event loop (see
-shared/serving/metrics.AsgiServer). A client that goes away — while its stream runs or before
-its first token — cancels the generation, which releases the request on both nodes exactly as a
-gRPC cancel does.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], vLLM's POST
+/tokenize and POST /detokenize, GET /health, GET /metrics, GET /version. Served by uvicorn on
+the node's own event loop (see shared/serving/metrics.AsgiServer). A client that goes away —
+while its stream runs or before its first token — cancels the generation, which releases the
+request on both nodes exactly as a gRPC cancel does.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
+from shared.model import native
 from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
 from shared.serving.http.render import Renderer, Rendering, merge_logprobs
@@ -42,6 +43,12 @@ from shared.serving.http.service import (
     usage_of,
 )
 from shared.serving.http.sse import SSE_HEADERS, ChunkWriter, sse_stream
+from shared.serving.http.tokenization import (
+    DetokenizeRequest,
+    detokenize,
+    parse_tokenize,
+    tokenize,
+)
 from shared.serving.metrics import metrics_routes
 
 T = TypeVar("T")
@@ -85,7 +92,8 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     app.state.service = service
     install_error_handlers(app)
     app.add_middleware(ApiGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
-    app.router.routes.extend(metrics_routes(registry, lambda: backend.healthy))
+    health = metrics_routes(registry, lambda: backend.health[0], lambda: backend.health[1])
+    app.router.routes.extend(health)
     version = _version()
 
     @app.exception_handler(ClientGone)
@@ -93,8 +101,10 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
         return Response(status_code=499)  # nobody reads it: the connection is gone
 
     @app.get("/version")
-    async def get_version() -> dict[str, str]:
-        return {"version": version}
+    async def get_version() -> dict[str, object]:
+        # each C kernel: on (variant, path) or off and why (shared/model/native.py)
+        kernels = {name: state.as_dict() for name, state in native.states().items()}
+        return {"version": version, "kernels": kernels}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
@@ -116,6 +126,14 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
         service.check_model(body.model)
         jobs = service.jobs(body, [service.chat_prompt(body)])
         return await _answer(service, request, body, jobs, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize_text(body: dict[str, Any]) -> dict[str, object]:
+        return tokenize(service, parse_tokenize(body)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize_ids(body: DetokenizeRequest) -> dict[str, object]:
+        return detokenize(service, body).model_dump()
 
     return app
 

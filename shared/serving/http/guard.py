@@ -1,8 +1,10 @@
-"""ASGI middleware in front of the API routes: the bearer token and the request-size limit.
+"""ASGI middleware in front of the API routes: the bearer token, the request-size limit and
+Unicode text in every string.
 
-Both are checked before the body is parsed: a wrong key is a 401 whatever the body holds, and an
+All are checked before the body is parsed: a wrong key is a 401 whatever the body holds, an
 oversized body is a 413 without ever being held in memory (it is read and dropped so that the
-client, still sending, gets to read the answer instead of a connection reset).
+client, still sending, gets to read the answer instead of a connection reset), and a string that
+is not Unicode text (a lone surrogate) is a 400 naming its field (unicode_text.py says why).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.serving.http.errors import ApiError
+from shared.serving.http.unicode_text import lone_surrogate
 
 # how much of an oversized body is read and dropped before the connection is just closed
 DRAIN_LIMIT_BYTES = 256 * 1024 * 1024
+# vLLM's tokenizer routes sit beside /v1/ and take the same guard
+GUARDED_PATHS = ("/tokenize", "/detokenize")
+_GONE = object()  # the client disconnected before its body was complete
 
 
 class ApiGuard:
@@ -25,7 +31,8 @@ class ApiGuard:
         self.max_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith("/v1/") or path in GUARDED_PATHS):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -41,9 +48,18 @@ class ApiGuard:
             await _reply(self._too_large(), scope, receive, send)
             return
         body = await _read_body(receive, self.max_bytes)
+        if body is _GONE:
+            return  # nobody to answer: the app never starts on a partial body
         if body is None:
             await _drain(receive)
             await _reply(self._too_large(), scope, receive, send)
+            return
+        assert isinstance(body, bytes)
+        bad = lone_surrogate(body)
+        if bad is not None:
+            field, problem = bad
+            message = f"'{field}' {problem}" if field else f"the request body {problem}"
+            await _reply(ApiError(400, message, param=field or None), scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -55,14 +71,15 @@ class ApiGuard:
         )
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole body, or None as soon as it passes `limit` bytes."""
+async def _read_body(receive: Receive, limit: int) -> bytes | object | None:
+    """The whole body, None as soon as it passes `limit` bytes, or _GONE when the client
+    disconnected (or missed its body deadline, connection_limits.py) before its end."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return b"".join(chunks)  # disconnected: the app sees an empty or partial body
+            return _GONE
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

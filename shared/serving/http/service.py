@@ -14,8 +14,8 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from shared.engine.core import EngineCore
 from shared.engine.logprobs import TokenLogprobs
@@ -24,6 +24,7 @@ from shared.engine.request import FinishReason
 from shared.engine.sampling_params import SamplingParams
 from shared.model.chat_template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from shared.model.loader import LoadedModel
+from shared.serving.connection_limits import ConnectionLimits
 from shared.serving.http.errors import ApiError
 from shared.serving.http.logprobs import TokenTexts
 from shared.serving.http.sampling import to_sampling_params
@@ -34,6 +35,9 @@ from shared.serving.http.schemas import (
     ModelList,
     Usage,
 )
+
+if TYPE_CHECKING:  # tokenization.py builds on this module
+    from shared.serving.http.tokenization import TokenizeChatRequest
 
 
 class RequestStats(Protocol):
@@ -54,7 +58,9 @@ class Backend(Protocol):
     def validate(self, prompt: list[int], params: SamplingParams) -> SamplingParams: ...
 
     @property
-    def healthy(self) -> bool: ...
+    def health(self) -> tuple[bool, str]:
+        """Whether the node can serve every request now, and why (the /health body)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class HttpApiConfig:
     chat_template: ChatTemplate | None = None  # overrides the model's own
     max_request_bytes: int = 16 * 1024 * 1024
     request_timeout: float | None = None  # seconds; None: no server-side deadline
+    # per connection: header and body read deadlines, keep-alive, the connection cap
+    connection: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ class OpenAIService:
                 out.append((ids, self.tokenizer.decode(ids) if req.echo else ""))
         return out
 
-    def render_chat(self, req: ChatCompletionRequest) -> str:
+    def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
         if self.chat_template is None:
             raise ApiError(
                 400,
