@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
+from pdserve.bench.support.checkpoints import BOS_TOKEN, EOS_TOKEN, special_ids
 from shared.serving.http import create_app
 from shared.serving.http.service import HttpApiConfig
 from shared.serving.metrics import AsgiServer
@@ -124,3 +125,16 @@ def test_tokenizer_routes_take_the_api_key(api: Live) -> None:
                 assert client.post(path, json=body, headers=auth).status_code == 200
     finally:
         api.runner.run(server.close())
+
+
+def test_tokenizer_info_lets_a_client_count_tokens_without_tokenizer_files(api: Live) -> None:
+    """What lm-evaluation-harness's remote tokenizer reads: the specials as text (it encodes
+    `eos_token` through /tokenize to find the id it stops on) and the template it renders."""
+    info = _ok(api.client.get("/tokenizer_info"))
+    # the checkpoint's own EOS (the lowest stop id; EOT is the second one) and BOS, as text
+    assert (info["eos_token"], info["bos_token"]) == (EOS_TOKEN, BOS_TOKEN)
+    assert info["chat_template"] == TEMPLATE
+    assert info["model_max_length"] == api.max_model_len
+    assert info["vocab_size"] == len(api.hf)
+    eos = _ok(api.post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}))
+    assert eos["tokens"] == [special_ids()[EOS_TOKEN]]

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API of a decode node, as a FastAPI app.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], vLLM's POST
-/tokenize and POST /detokenize, GET /health, GET /metrics, GET /version. Served by uvicorn on
-the node's own event loop (see shared/serving/metrics.AsgiServer). A client that goes away —
-while its stream runs or before its first token — cancels the generation, which releases the
-request on both nodes exactly as a gRPC cancel does.
+/tokenize, POST /detokenize and GET /tokenizer_info, GET /health, GET /metrics, GET /version.
+Served by uvicorn on the node's own event loop (see shared/serving/metrics.AsgiServer). A client
+that goes away — while its stream runs or before its first token — cancels the generation, which
+releases the request on both nodes exactly as a gRPC cancel does.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from shared.serving.http.tokenization import (
     detokenize,
     parse_tokenize,
     tokenize,
+    tokenizer_info,
 )
 from shared.serving.metrics import metrics_routes
 
@@ -134,6 +135,10 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     @app.post("/detokenize")
     async def detokenize_ids(body: DetokenizeRequest) -> dict[str, object]:
         return detokenize(service, body).model_dump()
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict[str, object]:
+        return tokenizer_info(service).model_dump()
 
     return app
 

@@ -20,7 +20,7 @@ from shared.serving.http.unicode_text import lone_surrogate
 # how much of an oversized body is read and dropped before the connection is just closed
 DRAIN_LIMIT_BYTES = 256 * 1024 * 1024
 # vLLM's tokenizer routes sit beside /v1/ and take the same guard
-GUARDED_PATHS = ("/tokenize", "/detokenize")
+GUARDED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 _GONE = object()  # the client disconnected before its body was complete
 
 

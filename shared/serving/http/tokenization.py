@@ -7,6 +7,11 @@ endpoint would run) and answers `{count, max_model_len, tokens, token_strs}`; /d
 `{model?, tokens}` and answers `{prompt}` (the ids decoded with special tokens kept, as vLLM's
 tokenizer.decode does). `model`, when given, must be the served name (404 otherwise). Nothing
 here touches the engine: no request is admitted, no block allocated.
+
+GET /tokenizer_info is vLLM's too (there behind --enable-tokenizer-info-endpoint): the special
+tokens as text and the chat template the server runs. lm-evaluation-harness's `local-completions`
+looks for it (with /tokenize) to count tokens through the server, so that it needs no tokenizer
+files of its own; pdserve serves it whenever the API is on (same API key as /v1).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Annotated, Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
-from shared.model.tokenizer import HfTokenizer, Tokenizer
+from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 from shared.serving.http.errors import ApiError
 from shared.serving.http.logprobs import TokenTexts
 from shared.serving.http.schemas import ChatMessage, TokenId
@@ -61,6 +66,19 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's shape: tokenizer_config.json's fields (the ones this server knows) plus the
+    chat template."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 class DetokenizeRequest(BaseModel):
@@ -123,6 +141,35 @@ def detokenize(service: OpenAIService, request: DetokenizeRequest) -> Detokenize
         )
     return DetokenizeResponse(
         prompt=service.tokenizer.decode(request.tokens, skip_special_tokens=False)
+    )
+
+
+def tokenizer_info(service: OpenAIService) -> TokenizerInfoResponse:
+    tokenizer = service.tokenizer
+    template = service.chat_template
+
+    def text_of(token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # the template's own specials where it names them (what it renders); else the ids' text.
+    # Of several end-of-generation ids the lowest is the tokenizer's own EOS (the others are
+    # end-of-turn markers added from generation_config.json or the GGUF metadata)
+    eos_ids = sorted(tokenizer.eos_token_ids)
+    eos = (template.eos_token if template else "") or text_of(eos_ids[0] if eos_ids else None)
+    bos = (template.bos_token if template else "") or text_of(tokenizer.bos_token_id)
+    pad_id = tokenizer.pad_token_id if isinstance(tokenizer, ByteTokenizer) else None
+    return TokenizerInfoResponse(
+        tokenizer_class=(
+            "PreTrainedTokenizerFast" if isinstance(tokenizer, HfTokenizer) else "ByteTokenizer"
+        ),
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=text_of(pad_id),
+        chat_template=template.source if template else None,
+        model_max_length=service.backend.core.max_model_len,
+        vocab_size=tokenizer.vocab_size,
     )
 
 
