@@ -11,7 +11,7 @@ from grpc import aio
 
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving.grpc_server import GRPC_SERVER_OPTIONS, describe_layout_info
-from shared.serving.replica_pool import Replica, ReplicaPool
+from shared.serving.replica_pool import Replica, ReplicaPool, reconnect_options
 
 
 class LayoutMismatch(Exception):
@@ -57,7 +57,11 @@ def prefill_pool(
     def connect(target: str, host: str) -> PrefillPeer:
         # a vanished replica (container removed: packets dropped, no RST) would otherwise hold
         # a dial for gRPC's 20 s minimum connect timeout before the retry goes elsewhere
-        options = [*GRPC_SERVER_OPTIONS, ("grpc.min_reconnect_backoff_ms", 2000)]
+        options = [
+            *GRPC_SERVER_OPTIONS,
+            ("grpc.min_reconnect_backoff_ms", 2000),
+            *reconnect_options(health_interval),
+        ]
         if credentials is None:
             channel = aio.insecure_channel(target, options=options)
         else:

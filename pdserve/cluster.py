@@ -10,10 +10,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.lifeline import Lifeline
+from pdserve.restart_count import restart_env
+from shared.engine.cpu_budget import SHARED_BY_ENV
 
 
 @dataclass
@@ -30,8 +33,8 @@ class NodeProcess:
             if line.startswith("PDSERVE_READY "):
                 self.info = json.loads(line.split(" ", 1)[1])
                 self.ready.set()
-            elif echo:
-                sys.stdout.write(line)
+            elif echo:  # to stderr: a node's own output (UCX logs to stdout) is not ours
+                sys.stderr.write(line)
         self.ready.set()  # EOF: the process died; `wait_ready` tells the difference
 
 
@@ -67,15 +70,38 @@ def spawn(
     return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo, env)
 
 
+# The ports a node announces once ready, by the flag that asks for them.
+_PORT_FLAGS = {"--port": "port", "--metrics-port": "metrics_port", "--http-port": "http_port"}
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """How one node of a cluster is started: what `pdserve up` starts again when it exits."""
+
+    role: str
+    args: tuple[str, ...]
+    env: Mapping[str, str]
+    echo: bool = True
+
+    def start(self, restarts: int = 0) -> NodeProcess:
+        return spawn(self.role, list(self.args), self.echo, restart_env(self.env, restarts))
+
+    def pinned(self, info: Mapping[str, object]) -> NodeSpec:
+        """The same node on the ports it announced (where it asked for any, 0): its peers and
+        clients know them. argparse takes the last of a repeated flag."""
+        ports = [(flag, info.get(key)) for flag, key in _PORT_FLAGS.items()]
+        return replace(self, args=(*self.args, *(a for f, p in ports if p for a in (f, str(p)))))
+
+
 def shared_host_env(num_nodes: int) -> dict[str, str]:
-    """The environment of nodes that share this host's cores: each gets an equal share of
-    OpenMP threads, and OpenMP workers that sleep when idle instead of spinning. A spinning
-    worker of one node holds a core another node needs; measured here (docs/performance.md,
-    the vLLM comparison), that costs a loaded two-node host 10-16x per op. What the user set
-    in the environment is kept."""
+    """The environment of nodes that share this host's cores: each sizes its threads to an
+    equal share of the CPUs it may use, re-read when they change (shared/engine/cpu_budget.py),
+    and its OpenMP workers sleep when idle instead of spinning. A spinning worker of one node
+    holds a core another node needs; measured here (docs/performance.md, "Threads and memory"),
+    that costs a loaded two-node host 10-16x per op. What the user set in the environment is
+    kept (an OMP_NUM_THREADS fixes every node's count)."""
     env = dict(os.environ)
-    threads = max(1, len(os.sched_getaffinity(0)) // max(1, num_nodes))
-    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault(SHARED_BY_ENV, str(max(1, num_nodes)))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
@@ -135,39 +161,47 @@ class Cluster:
         self.port = port
         self.extra = extra
         self.nodes: list[NodeProcess] = []
+        self.specs: list[NodeSpec] = []  # how nodes[i] was started, on the ports it got
 
     def start(self, timeout: float = 120.0, echo: bool = True) -> list[str]:
         env = shared_host_env(self.num_prefill + self.num_decode)
-        prefills = [
-            spawn("prefill", ["--model", self.model, "--port", "0", *self.extra], echo, env)
-            for _ in range(self.num_prefill)
-        ]
-        self.nodes.extend(prefills)
-        wait_ready(prefills, timeout)
+        # Every node is on this host: UCX's own tcp sockets (a prefill node's too, which has no
+        # listener of its own) stay on loopback like the decode nodes' KV listeners, which bind
+        # --ucx-host, 127.0.0.1 by default. An operator's UCX_NET_DEVICES wins.
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        prefill_args = ("--model", self.model, "--port", "0", *self.extra)
+        spec = NodeSpec("prefill", prefill_args, env, echo)
+        prefills = self._start_nodes([spec] * self.num_prefill, timeout)
         targets = ",".join(f"127.0.0.1:{p.info['port']}" for p in prefills)
-        decodes = [
-            spawn(
-                "decode",
-                [
-                    "--model",
-                    self.model,
-                    "--port",
-                    str(self.port + i if self.port else 0),
-                    "--prefill",
-                    targets,
-                    "--http-port",
-                    str(self.http_port + i if self.http_port > 0 else self.http_port),
-                    *self.extra,
-                    *self.decode_extra,
-                ],
-                echo,
-                env,
-            )
-            for i in range(self.num_decode)
-        ]
-        self.nodes.extend(decodes)
-        wait_ready(decodes, timeout)
+        specs = [self._decode_spec(i, targets, env, echo) for i in range(self.num_decode)]
+        decodes = self._start_nodes(specs, timeout)
         return [f"127.0.0.1:{d.info['port']}" for d in decodes]
+
+    def _decode_spec(self, i: int, targets: str, env: dict[str, str], echo: bool) -> NodeSpec:
+        port = self.port + i if self.port else 0
+        http_port = self.http_port + i if self.http_port > 0 else self.http_port
+        args = ("--model", self.model, "--port", str(port), "--prefill", targets)
+        args += ("--http-port", str(http_port), *self.extra, *self.decode_extra)
+        return NodeSpec("decode", args, env, echo)
+
+    def _start_nodes(self, specs: list[NodeSpec], timeout: float) -> list[NodeProcess]:
+        nodes = [spec.start() for spec in specs]
+        self.nodes.extend(nodes)
+        self.specs.extend(specs)
+        wait_ready(nodes, timeout)
+        first = len(self.specs) - len(specs)
+        for i, node in enumerate(nodes, first):
+            self.specs[i] = self.specs[i].pinned(node.info)
+        return nodes
+
+    def restart(self, index: int, restarts: int) -> NodeProcess:
+        """Start node `index`, which has exited, again as first started and on the same ports;
+        `restarts` (this one included) is exported on its /metrics."""
+        old = self.nodes[index]
+        if old.lifeline is not None:
+            old.lifeline.close()
+        self.nodes[index] = self.specs[index].start(restarts)
+        return self.nodes[index]
 
     @property
     def http_endpoints(self) -> list[str]:

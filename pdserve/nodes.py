@@ -14,6 +14,7 @@ import uvloop
 
 from decode_node.config import DecodeNodeConfig
 from pdserve import lifeline
+from pdserve.restart_count import export_restarts
 from prefill_node.config import PrefillNodeConfig
 from shared.serving.limits import DRAIN_GRACE_S, ORPHAN_DRAIN_GRACE_S
 from transfer.ucx import configure_ucx_env
@@ -73,6 +74,7 @@ def run_prefill(config: PrefillNodeConfig) -> int:
 
     async def main() -> int:
         node = PrefillNode(config)
+        export_restarts(node.metrics.registry)
 
         async def start() -> None:
             await node.start()
@@ -93,6 +95,7 @@ def run_decode(config: DecodeNodeConfig) -> int:
 
     async def main() -> int:
         node = DecodeNode(config)
+        export_restarts(node.metrics.registry)
 
         async def start() -> None:
             await node.start()
@@ -108,11 +111,3 @@ def run_decode(config: DecodeNodeConfig) -> int:
         return await _serve_until_signal(start, node.stop)
 
     return uvloop.run(main())
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )

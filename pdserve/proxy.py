@@ -142,7 +142,7 @@ class Proxy:
         await self.server.start()
         if metrics_port >= 0:
             app = metrics_app(self.registry, self.pool.any_healthy)
-            self.metrics_server = await AsgiServer.start(app, host, metrics_port)
+            self.metrics_server = await AsgiServer.start(app, host, metrics_port, service="metrics")
         if http_port >= 0:  # the OpenAI-compatible API, forwarded (pdserve/http_proxy.py)
             self.http = HttpForwarder(
                 self.pool,
@@ -332,7 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "least-loaded: fewest calls in flight",
     )
     p.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM, seconds")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="warning")
 
 
 def run(a: argparse.Namespace) -> int:

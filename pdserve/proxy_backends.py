@@ -9,18 +9,13 @@ from dataclasses import dataclass, field
 from grpc import aio
 
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
-from shared.serving.replica_pool import Replica, ReplicaPool
+from shared.serving.replica_pool import Replica, ReplicaPool, reconnect_options
 
 # A backend that vanished with its address (a removed container) answers a connection attempt
 # with nothing at all; gRPC's default 20 s connect timeout would hold every call sent there
 # that long before it could be retried elsewhere. Backends sit on the same network: 2 s is ample.
 CONNECT_TIMEOUT_MS = 2000
-CHANNEL_OPTIONS = [
-    *GRPC_CHANNEL_OPTIONS,
-    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 5000),
-]
+CHANNEL_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS)]
 
 
 @dataclass
@@ -41,7 +36,8 @@ def backend_pool(
     unhealthy or leaves."""
 
     def connect(target: str, host: str) -> Backend:
-        channel = aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        options = [*CHANNEL_OPTIONS, *reconnect_options(health_interval)]
+        channel = aio.insecure_channel(target, options=options)
         return Backend(target, host, channel, healthy=False, on_forget=forget)
 
     return ReplicaPool("backend", targets, health_interval, connect, fall_back_to_unhealthy=True)
