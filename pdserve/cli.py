@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+from shared.engine import wait_policy
+
+# First, before anything imports torch: its OpenMP runtime reads the wait policy once, on load
+os.environ.update(wait_policy.node_defaults(sys.argv[1:2], os.environ))
+
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import signal
-import sys
-import time
-from typing import Any, TypeVar
+import subprocess
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from decode_node.config import DecodeNodeConfig
+from pdserve.bound_ports import check_bound_ports, port_in_use_line, up_ports
 from pdserve.cli_args import _engine_args as _engine_args  # re-export: pdserve/bench/peers
-from pdserve.cli_args import build_parser
+from pdserve.cli_args import build_parser, engine_argv
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling_params import SamplingParams
+from shared.serving.port_in_use import PortInUse
 from shared.serving.tls import ClientTls, ServerTls
+from transfer.errors import KvPortInUse
+
+if TYPE_CHECKING:
+    from pdserve.cluster import NodeProcess
 
 __all__ = ["BENCHMARKS", "build_parser", "from_args", "main", "run_prompt"]
 
@@ -55,7 +70,10 @@ def _engine_config(a: argparse.Namespace, step_tokens: int | None = None) -> Eng
 
 
 def cmd_up(a: argparse.Namespace) -> int:
+    """Without --run, what it says goes to stdout; with --run, only the answer and its summary
+    line do (the rest goes to stderr)."""
     from pdserve.cluster import Cluster
+    from pdserve.supervisor import RestartPolicy, Supervisor
 
     prompt: str | list[int] | None = None
     if a.run is not None:
@@ -64,8 +82,11 @@ def cmd_up(a: argparse.Namespace) -> int:
         except (ValueError, OSError) as e:
             print(f"pdserve up: model {a.model!r}: {e}", file=sys.stderr)
             return 2
-    cluster = Cluster(a.model, a.prefill, a.decode, a.port, [], http_port=a.http_port)
+    out = sys.stdout if prompt is None else sys.stderr
+    port, http_port = up_ports(a)
+    cluster = Cluster(a.model, a.prefill, a.decode, port, engine_argv(a), http_port=http_port)
     stop = False
+    gave_up: str | None = None  # why the supervisor stopped restarting nodes
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stop
@@ -74,30 +95,50 @@ def cmd_up(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         endpoints = cluster.start()
-        print(f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}")
+        print(
+            f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}",
+            file=out,
+        )
         others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
-        print(f"endpoint: {endpoints[0]}{others}")
+        print(f"endpoint: {endpoints[0]}{others}", file=out)
         if cluster.http_endpoints:
             http = cluster.http_endpoints
             more = f" (all: {', '.join(http)})" if len(http) > 1 else ""
-            print(f"HTTP (OpenAI API): {http[0]}/v1{more}")
+            print(f"HTTP (OpenAI API): {http[0]}/v1{more}", file=out)
         if prompt is not None:
-            code = _stream_to_stdout(endpoints[0], prompt, SamplingParams(max_tokens=a.max_tokens))
-            print("stopping...", flush=True)
+            params = SamplingParams(max_tokens=a.max_tokens)
+            code = _stream_to_stdout(endpoints[0], prompt, params, summary=sys.stdout)
+            print("stopping...", file=out, flush=True)
             return max(code, cluster.stop())
         print(f'try: pdserve generate "Hello" --target {endpoints[0]}   (Ctrl-C stops)', flush=True)
-        while not stop and all(n.proc.poll() is None for n in cluster.nodes):
-            time.sleep(0.5)
+        policy = RestartPolicy(a.max_restarts_per_minute)
+        gave_up = Supervisor(cluster, policy).run(lambda: stop)
     except KeyboardInterrupt:
         pass
     except RuntimeError as e:
+        if _refused(cluster.nodes):
+            cluster.stop()
+            return 2  # the node said why on stderr, in the one line `up` would print
         print(f"pdserve up failed: {e}", file=sys.stderr)
         cluster.stop()
         return 1
+    if gave_up is not None:
+        print(f"pdserve up: giving up: {gave_up}", file=sys.stderr, flush=True)
     print("stopping...", flush=True)
     code = cluster.stop()
     print("stopped" + ("" if code == 0 else f" (a node exited with {code})"), flush=True)
-    return code
+    return max(code, 1) if gave_up is not None else code
+
+
+def _refused(nodes: list[NodeProcess]) -> bool:
+    """Whether a node exited with 2 before it was ready: a node command that refuses to start
+    (a port in use, a flag it rejects) has then said why, in one line on stderr."""
+    for node in nodes:
+        if node.ready.is_set() and not node.info:  # its stdout ended: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if node.proc.wait(5) == 2:
+                    return True
+    return False
 
 
 def run_prompt(model: str, text: str) -> str | list[int]:
@@ -126,8 +167,9 @@ def _stream_to_stdout(
     *,
     timeout: float | None = None,
     tls: ClientTls | None = None,
+    summary: IO[str] = sys.stderr,
 ) -> int:
-    """Stream a completion's text as it arrives; a summary line goes to stderr."""
+    """Stream a completion's text as it arrives; then a summary line, to `summary`."""
     import contextlib
 
     import grpc
@@ -158,7 +200,7 @@ def _stream_to_stdout(
             f"[finish={finish} prompt_tokens={usage.prompt_tokens} completion_tokens="
             f"{usage.completion_tokens} cached_tokens={usage.cached_tokens} "
             f"ttft={timing.time_to_first_token_seconds * 1e3:.1f}ms]",
-            file=sys.stderr,
+            file=summary,
             flush=True,
         )
         return 0
@@ -186,6 +228,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[a.name])
     module.main(a.args)
     return 0
+
+
+def cmd_build_kernels(a: argparse.Namespace) -> int:
+    from shared.model.kernel_build import run as run_build
+
+    return run_build(a)
 
 
 def cmd_export_hf(a: argparse.Namespace) -> int:
@@ -243,19 +291,38 @@ COMMANDS = {
     "bench": cmd_bench,
     "export-hf": cmd_export_hf,
     "proxy": cmd_proxy,
+    "build-kernels": cmd_build_kernels,
 }
-# node commands: log setup, config errors exit 2
+# node commands: config errors exit 2
 NODE_COMMANDS = {"prefill": cmd_prefill, "decode": cmd_decode, "colocated": cmd_decode}
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    if a.command in COMMANDS:
-        return COMMANDS[a.command](a)
-    from pdserve.nodes import setup_logging
-
     setup_logging(a.log_level)
     try:
+        check_bound_ports(a)  # before anything slow starts
+        if a.command in COMMANDS:
+            return COMMANDS[a.command](a)
+        return _run_node(a)
+    except (PortInUse, KvPortInUse) as e:
+        print(port_in_use_line(e), file=sys.stderr)
+        return 2
+
+
+def _run_node(a: argparse.Namespace) -> int:
+    from shared.engine import cpu_threads
+
+    try:
+        cpu_threads.apply()  # torch's and the kernels' threads: the CPUs this process may use
         return NODE_COMMANDS[a.command](a)
     except ValueError as e:
         print(f"pdserve {a.command}: invalid configuration: {e}", file=sys.stderr)

@@ -7,41 +7,77 @@ import argparse
 from decode_node.push_mode import PUSH_MODES
 from shared.serving import limits
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+
+def log_level_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> argparse.Action:
+    return p.add_argument(
+        "--log-level",
+        default="warning",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="logging on stderr (default: warning, so that a command's output stays its own)",
+    )
+
+
+def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The engine flags every node command takes (and `pdserve up` passes on to its nodes:
+    `engine_argv`); returns them."""
     g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default="tiny",
-        help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
-    )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=0, help="0: size from --kv-cache-mb")
-    g.add_argument("--kv-cache-mb", type=int, default=256)
-    g.add_argument("--max-batch-size", type=int, default=32)
-    g.add_argument(
-        "--max-num-tokens",
-        type=int,
-        default=0,
-        help="per-step token budget (chunked prefill); 0: the role's default, 8192 on a prefill "
-        "node (no decode steps to protect: a prompt that long is one chunk), 512 elsewhere",
-    )
-    g.add_argument("--max-model-len", type=int, default=0)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--device", default="auto")
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bf16 on CUDA and on CPUs with AMX / AVX-512 BF16, else float32), float32, "
-        "bfloat16 or float16",
-    )
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="decode steps through CUDA graphs (CUDA only; ignored on CPU)",
-    )
-    g.add_argument("--log-level", default="info")
+    add = g.add_argument
+    return [
+        add(
+            "--model",
+            default="tiny",
+            help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
+        ),
+        add("--block-size", type=int, default=16),
+        add("--num-kv-blocks", type=int, default=0, help="0: size from --kv-cache-mb"),
+        add("--kv-cache-mb", type=int, default=256),
+        add("--max-batch-size", type=int, default=32),
+        add(
+            "--max-num-tokens",
+            type=int,
+            default=0,
+            help="per-step token budget (chunked prefill); 0: the role's default, 8192 on a "
+            "prefill node (no decode steps to protect: a prompt that long is one chunk), 512 "
+            "elsewhere",
+        ),
+        add("--max-model-len", type=int, default=0),
+        add("--no-prefix-caching", action="store_true"),
+        add("--device", default="auto"),
+        add(
+            "--dtype",
+            default="auto",
+            help="auto (bf16 on CUDA and on CPUs with AMX / AVX-512 BF16, else float32), "
+            "float32, bfloat16 or float16",
+        ),
+        add(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="decode steps through CUDA graphs (CUDA only; ignored on CPU)",
+        ),
+        log_level_arg(g),
+    ]
+
+
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags `a` holds away from their defaults (but --model, which the caller
+    passes itself), written back as command-line arguments: what `pdserve up` gives each
+    node it starts."""
+    argv: list[str] = []
+    for action in _engine_args(argparse.ArgumentParser(add_help=False)):
+        value = getattr(a, action.dest)
+        if action.dest == "model" or value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true
+            argv.append(action.option_strings[0])
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv
 
 
 def _server_tls_args(p: argparse.ArgumentParser) -> None:
@@ -63,18 +99,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_proxy(sub)
     _add_bench(sub)
     _add_generate(sub)
+    _add_build_kernels(sub)
     return parser
 
 
 # one function per subcommand: `sub` is the parser's subparsers action
 def _add_up(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a local cluster (separate processes)")
-    up.add_argument("--model", default="tiny", help="as for prefill/decode, e.g. smollm2")
+    _engine_args(up)  # passed on to every node
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
-    up.add_argument("--port", type=int, default=50051, help="first decode node's gRPC port")
     up.add_argument(
-        "--http-port", type=int, default=8000, help="first decode node's HTTP port (-1: off)"
+        "--max-restarts-per-minute",
+        type=int,
+        default=5,
+        metavar="N",
+        help="a node that exits unexpectedly is started again on its ports (after 0.5 s, "
+        "doubling to 8 s), at most N times within any minute; then `up` stops (0: never)",
+    )
+    up.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="first decode node's gRPC port (default: 50051; with --run, 0: ephemeral)",
+    )
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="first decode node's HTTP port (default: 8000; with --run, 0: ephemeral; -1: off)",
     )
     up.add_argument(
         "--run",
@@ -91,6 +144,7 @@ def _add_export_hf(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--model", required=True, help="tiny, smollm2, a GGUF file or an HF directory")
     ex.add_argument("out_dir", help="directory to write (created if missing)")
     ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    log_level_arg(ex)
 
 
 def _add_prefill(sub: argparse._SubParsersAction) -> None:
@@ -215,10 +269,19 @@ def _add_proxy(sub: argparse._SubParsersAction) -> None:
     add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
 
 
+def _add_build_kernels(sub: argparse._SubParsersAction) -> None:
+    from shared.model.kernel_build import add_arguments as add_build_arguments
+
+    build = sub.add_parser("build-kernels", help="compile the C kernels for every CPU variant")
+    add_build_arguments(build)
+    log_level_arg(build)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from pdserve.cli import BENCHMARKS
 
     bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)}")
+    log_level_arg(bench)
     bench.add_argument("name", choices=list(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
 
@@ -236,6 +299,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=120.0)
+    log_level_arg(gen)
     client_tls_args(gen, "", "verify the server with this CA (enables TLS)")
 
 
@@ -257,3 +321,35 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require this HTTP bearer token")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="override the model's")
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    _http_connection_args(p)
+
+
+def _http_connection_args(p: argparse.ArgumentParser) -> None:
+    """What one HTTP client may hold (shared/serving/connection_limits.py)."""
+    p.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=limits.HTTP_HEADER_TIMEOUT_S,
+        help="seconds a request's headers may take to arrive (from its first byte, or from "
+        "the connection's opening); then 408 and the connection is closed",
+    )
+    p.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=limits.HTTP_BODY_TIMEOUT_S,
+        help="seconds a request's whole body may take to arrive after its headers; then 408 and "
+        "the connection is closed",
+    )
+    p.add_argument(
+        "--http-keep-alive-timeout",
+        type=float,
+        default=limits.HTTP_KEEP_ALIVE_S,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    p.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=limits.HTTP_MAX_CONNECTIONS,
+        help="open HTTP connections at most; past it a request gets 503 with Retry-After "
+        "(keep the process's open-file limit above it)",
+    )

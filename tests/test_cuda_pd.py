@@ -104,6 +104,6 @@ def test_pd_on_one_gpu_matches_colocated(
     finally:
         assert cluster.stop() == 0, "a node exited non-zero (conservation at shutdown?)"
     logs = [p.read_text(errors="replace") for p in tmp_path.glob("ucx.*")]
-    seen = transports_seen([*logs, capfd.readouterr().out])
+    seen = transports_seen([*logs, capfd.readouterr().err])  # the nodes' stdout, echoed
     record("UCX transports for CUDA memory (protocol lines)", seen or "none reported")
     record("KV bytes pushed", int(pushed))

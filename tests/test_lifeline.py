@@ -60,7 +60,7 @@ def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], str, Path]:
     log = tmp_path / "up.log"
     with open(log, "w") as err:
         up = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", "--port", "0"],
+            [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--log-level", "info"],
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,

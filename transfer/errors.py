@@ -26,6 +26,16 @@ class TransferCancelled(TransferError):
     """The transfer was cancelled by the caller (or the receiver closed)."""
 
 
+class KvPortInUse(TransferError):
+    """The KV listener cannot listen: another socket holds its port."""
+
+    service = "ucx"
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(f"cannot listen for KV on {host}:{port}: the port is in use")
+        self.host, self.port = host, port
+
+
 class ProtocolError(ValueError):
     """A KV message failed validation; `reason` is the key counted in `rejected_by_reason`."""
 

@@ -17,7 +17,7 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from transfer.errors import TransferError, retrieve_exception
+from transfer.errors import KvPortInUse, TransferError, retrieve_exception
 from transfer.protocol import join_address
 from transfer.queue_check import QueueCheck
 from transfer.ucp import ServerEndpoint, UcpError
@@ -29,6 +29,7 @@ CLOSE_TIMEOUT_S = 2.0
 QUEUE_CHECK_TIMEOUT_S = 2.0  # a check's message takes 20-50 ms on a loaded 2-core VM
 _MAX_RECHECKS = 4  # checks in a row while more peers are lost (each check's own loss is known)
 _RELISTEN_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # then every second, until it binds or closes
+_UCS_ERR_BUSY = -15  # ucs_status_t of a listener whose port another socket holds
 
 
 class KvListener:
@@ -58,6 +59,8 @@ class KvListener:
             listener = worker.listen(self._bind_host, port, self._on_endpoint, self._on_error)
         except (UcpError, ValueError) as e:
             worker.close()
+            if isinstance(e, UcpError) and e.status == _UCS_ERR_BUSY:
+                raise KvPortInUse(self._bind_host, port) from e
             raise TransferError(f"cannot listen for KV on {self._bind_host}:{port}: {e}") from e
         self.worker, self._listener = worker, listener
         self.check = QueueCheck(worker, QUEUE_CHECK_TIMEOUT_S)  # its hook goes first
