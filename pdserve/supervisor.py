@@ -20,6 +20,9 @@ from typing import TextIO
 from pdserve.cluster import Cluster, NodeProcess
 
 WINDOW_S = 60.0  # the restart budget counts the restarts within the last minute
+# a node exits 2 when it refuses to start (a flag it cannot take, a port in use): the same
+# command would refuse again, so that exit ends `up` instead of spending the restart budget
+REFUSED_TO_START = 2
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Supervisor:
         while slot.recent and now - slot.recent[0] >= WINDOW_S:
             slot.recent.popleft()
         exited = f"{_name(node)} exited with {describe_exit(code)}"
+        if code == REFUSED_TO_START:
+            return f"{exited}: it refused to start (its line above says why); not restarting it"
         limit = self.policy.max_per_minute
         if len(slot.recent) >= limit:
             return f"{exited}; restarts within a minute: {len(slot.recent)}, the limit ({limit})"

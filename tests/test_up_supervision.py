@@ -5,10 +5,12 @@ one line, only once a node has exhausted its restarts. Real processes, real HTTP
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,8 @@ import grpc
 import httpx
 
 from pdserve.client import generate
-from pdserve.cluster import Cluster, spawn, stop_all, wait_ready
+from pdserve.cluster import Cluster, popen_node, spawn, stop_all, wait_ready
+from pdserve.supervisor import RestartPolicy, Supervisor
 from tests.net_probe import listening_sockets
 from tests.up_process import flag, metrics, start_up
 
@@ -193,3 +196,20 @@ def test_proxy_keeps_serving_while_up_restarts_a_killed_decode_node(tmp_path: Pa
     finally:
         stop_all([proxy], grace=5)
         up.stop()
+
+
+def test_a_node_that_refuses_to_start_is_not_restarted() -> None:
+    """Exit 2 is a node refusing its command line (a port in use, a bad flag): starting it again
+    would refuse again, so `up` stops at once with the reason instead of spending its budget."""
+    cluster = Cluster("tiny", 1, 1, 0, [])
+    refusing = popen_node("prefill", [sys.executable, "-c", "import sys; sys.exit(2)"], echo=False)
+    cluster.nodes.append(refusing)
+    try:
+        why = Supervisor(cluster, RestartPolicy(max_per_minute=5), out=io.StringIO()).run(
+            lambda: False, poll_s=0.05
+        )
+    finally:
+        refusing.proc.wait(timeout=30)
+        if refusing.lifeline is not None:
+            refusing.lifeline.close()
+    assert why is not None and "refused to start" in why and "status 2" in why
