@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import struct
-import sys
 from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
@@ -39,6 +38,17 @@ _DEFAULTS: dict[str, str] = {
     # (none today) would see the same value. Required by UCX for CUDA memory detection.
     "UCX_MEMTYPE_CACHE": "n",
 }
+
+
+# UCX reads its environment when a context is created (importing ucxx reads none of it): a
+# variable set after the first context is what deserves a warning
+_contexts_created = False
+
+
+def context_created() -> None:
+    """Called by whoever creates a UCX context (transfer/worker.py)."""
+    global _contexts_created
+    _contexts_created = True
 
 
 def configure_ucx_env(
@@ -76,7 +86,7 @@ def configure_ucx_env(
     for key, value in explicit.items():
         if not key.startswith("UCX_"):
             raise ValueError(f"{key} is not a UCX_* variable")
-        if "ucxx" in sys.modules and os.environ.get(key) != value:
+        if _contexts_created and os.environ.get(key) != value:
             log.warning(
                 "%s=%s set after ucxx was imported; it applies to UCX contexts created "
                 "from now on only",

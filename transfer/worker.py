@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transfer.env import configure_ucx_env
+from transfer.env import configure_ucx_env, context_created
 
 configure_ucx_env()  # before ucxx is imported: UCX reads part of its environment on load
 
@@ -80,6 +80,7 @@ class UcxWorker:
         self._context = ucx_api.UCXContext(
             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
         )
+        context_created()
         self._worker = ucx_api.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
         self._fd = self._worker.epoll_file_descriptor
