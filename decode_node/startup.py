@@ -12,6 +12,7 @@ from decode_node.config import DecodeNodeConfig
 from decode_node.peers import PrefillPeer, prefill_pool
 from shared.engine.core import EngineCore
 from shared.engine.thread import EngineSnapshot
+from shared.model import native
 from shared.serving.grpc_server import NodeMetrics
 from shared.serving.metrics import (
     prompt_tokens_counter,
@@ -48,6 +49,7 @@ class DecodeParts:
 def build_parts(
     config: DecodeNodeConfig, core: EngineCore, snapshot: Callable[[], EngineSnapshot]
 ) -> DecodeParts:
+    native.log_states()  # each C kernel on (variant, path) or off and why, once at start-up
     receiver = KvReceiver(
         core.kv_pool,
         core.layout,

@@ -2,10 +2,14 @@
 # Build a Debian bookworm base image with python3 + venv WITHOUT pulling from any registry:
 # debootstrap a minimal root filesystem from a Debian mirror, then `docker import` it.
 #
-#   docker/build-base-image.sh [IMAGE_REPO]        (default IMAGE_REPO: pdserve-base)
+#   docker/build-base-image.sh [IMAGE_REPO [EXTRA_PACKAGES]]   (default IMAGE_REPO: pdserve-base)
 #
 # Prints the image reference (IMAGE_REPO:bookworm-<key>) as the last line of stdout. Use it as
 # the Dockerfile's base:  docker build --build-arg BASE_IMAGE=<that> ...
+# EXTRA_PACKAGES (comma-separated) go into that image too. The image that compiles the C kernels
+# needs a compiler the runtime image must not carry, so it is a second base:
+#   docker/build-base-image.sh pdserve-build-base gcc,libc6-dev
+#   docker build --build-arg BASE_IMAGE=<first> --build-arg BUILD_BASE_IMAGE=<second> ...
 #
 # Cached twice, keyed by a hash of everything that goes into the root filesystem:
 #   - the image itself (if `docker image inspect` finds it, nothing else runs);
@@ -18,7 +22,7 @@ REPO="${1:-pdserve-base}"
 CACHE="${PDSERVE_DOCKER_CACHE:-/var/cache/pdserve-docker}"
 SUITE="${PDSERVE_BASE_SUITE:-bookworm}"
 MIRROR="${PDSERVE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-INCLUDE="python3,python3-venv,ca-certificates"
+INCLUDE="python3,python3-venv,ca-certificates${2:+,$2}"
 DOCKER="${DOCKER:-docker}"
 # Bump when the recipe below changes, so stale caches are not reused.
 RECIPE=2

@@ -4,7 +4,8 @@ A `Prefill` call is admitted into the continuous batch (chunked prefill, own pre
 layer of a chunk is computed, the finished blocks of that layer are pinned and pushed, straight from
 the pool, to the decode node's reserved blocks while the next layer computes. The seat goes back
 when the last chunk is computed; the blocks stay pinned until the push completes (and UCX no longer
-reads them), then remain in the prefix cache.
+reads them), then remain in the prefix cache. A push still incomplete at the decode node's
+deadline is given up and released by the node itself (prefill_node/job_table.py).
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import replace
 from functools import partial
 
 import grpc
+from prometheus_client import Counter
 
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.job import FINAL, PrefillJob
+from prefill_node.job_table import JobTable
 from prefill_node.push import make_layer_hook, plan_push
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine.core import EngineCore, RequestRejected
@@ -28,6 +32,7 @@ from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequest
 from shared.engine.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
+from shared.model import native
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
 from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.metrics import prompt_tokens_counter
@@ -57,11 +62,17 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         if not self.core.context_only:
             raise ValueError("a prefill node needs an EngineCore built with context_only=True")
         self.layout = self.core.layout
-        self.jobs: dict[str, PrefillJob] = {}  # read by the engine thread's layer hook too
         self.sender = KvSender(self.layout)
         self.thread: EngineThread | None = None
         self.metrics = NodeMetrics(lambda: self._snapshot())
         self.prompt_tokens = prompt_tokens_counter(self.metrics.registry)
+        expired = Counter(
+            "pdserve_kv_transfers_expired",
+            "KV pushes still incomplete at their deadline (the decode node's): given up, "
+            "their blocks unpinned, their requests ended DISAGG_TRANS_ERROR",
+            registry=self.metrics.registry,
+        )
+        self.jobs = JobTable(self._release, expired)  # read by the layer hook too
         self.serving: NodeServing | None = None
         self.port = 0
 
@@ -75,6 +86,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
         self.core.layer_hook_factory = self._layer_hook
         await self.thread.start_warm()
+        native.log_states()  # each C kernel on (variant, path) or off and why
         self.sender.start(self.core.kv_pool.device)  # not inside the first request's push
         self.serving = await NodeServing.serve(
             self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry
@@ -93,6 +105,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         if self.thread is not None:
             conserved = await self.thread.call(EngineCore.shutdown)
             self.thread.stop()
+        self.jobs.close()
         await self.sender.close()
         if self.serving is not None:
             await self.serving.close_metrics()
@@ -118,7 +131,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         return model_info(self.core, generation_pb2.NODE_ROLE_PREFILL)
 
     async def CancelPrefill(self, request, context):
-        found = await self._cancel(request.request_id)
+        found = self.jobs.cancel(request.request_id)
         return prefill_pb2.CancelPrefillResponse(found=found)
 
     async def Prefill(self, request, context):
@@ -145,26 +158,48 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"prefill node has {len(self.jobs)} requests pending (max_pending); retry",
             )
-        timeout = context.time_remaining() or self.config.default_timeout
+        time_left = await self._time_left(request, context)
         try:
-            job = self._new_job(request)
+            job = self._new_job(request, time_left)
         except ValueError as e:  # a malformed TransferDestination (address, id, token)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"destination: {e}")
         try:
-            return await asyncio.wait_for(self._run(job, request), timeout)
+            return await self.jobs.run(job, self._run(job, request))
         except RequestRejected as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TimeoutError:
+        except TimeoutError as e:
             await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"prefill of {rid} did not finish within {timeout:.1f}s",
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"KV push of {rid} abandoned: {e}"
             )
         except TransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push for {rid} failed: {e}")
         finally:
-            await self._cleanup(rid)
+            # shielded: the RPC may be cancelled (its caller gone, its deadline) while the release
+            # waits, which must not stop the release half way
+            await asyncio.shield(self.jobs.release(job))
 
-    def _new_job(self, request: prefill_pb2.PrefillRequest) -> PrefillJob:
+    async def _time_left(self, request: prefill_pb2.PrefillRequest, context) -> float:
+        """Seconds the push has: the earliest of the call's gRPC deadline, the decode node's
+        `deadline_unix` (when it stops waiting for the KV) and the node's default."""
+        deadline = request.deadline_unix
+        if not (math.isfinite(deadline) and deadline >= 0):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"deadline_unix must be a finite Unix time or 0 (none), got {deadline}",
+            )
+        left = [self.config.default_timeout]
+        if (remaining := context.time_remaining()) is not None:
+            left.append(remaining)
+        if deadline:
+            left.append(deadline - time.time())
+        if min(left) <= 0:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the deadline of {request.request_id} passed before it reached this node",
+            )
+        return min(left)
+
+    def _new_job(self, request: prefill_pb2.PrefillRequest, time_left: float) -> PrefillJob:
         d = request.destination
         destination = TransferDestination(
             address=d.ucx_address,
@@ -178,7 +213,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             request.request_id, destination, d.first_block_index, request.layerwise, loop
         )
         job.task = asyncio.current_task()
-        self.jobs[job.request_id] = job
+        self.jobs.add(job, time_left)
         return job
 
     async def _run(
@@ -198,6 +233,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             )
         )
         sent_bytes, messages = await self._drain(job, push)
+        job.sent = True
         first = await job.first_token
         job.completed = True
         stats = self._stats(job, sent_bytes, messages, req)
@@ -295,30 +331,21 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             last_byte_sent_unix=now_wall,
         )
 
-    async def _cancel(self, rid: str) -> bool:
-        """The decode node gave up on `rid`: stop computing and pushing it; the handler's
-        cleanup releases everything."""
-        job = self.jobs.get(rid)
-        if job is None:
-            return False
-        job.cancelled = True  # the layer hook stops packing at once
-        if job.task is not None:
-            job.task.cancel()
-        return True
-
-    async def _cleanup(self, rid: str) -> None:
-        """Whatever happened: the engine forgets the request (unpinning its blocks)."""
-        job = self.jobs.pop(rid, None)
-        if job is None:
-            return
+    async def _release(self, job: PrefillJob) -> None:
+        """Whatever happened (pushed, failed, cancelled, expired): nothing more is sent, and once
+        UCX no longer reads the request's blocks (bounded wait) the engine unpins and forgets
+        it. Runs as the job table's task, never cut short by the RPC's cancellation."""
         ok = job.pushed
         job.cancelled = True
-        # UCX may still read the request's pinned blocks: wait (bounded) before unpinning
+        if job.work is not None:
+            job.work.cancel()  # no-op once it finished
         if job.push is not None:
             await job.push.quiesce(PUSH_QUIESCE_S)
         if self.thread is not None:
-            with contextlib.suppress(RuntimeError):
-                await self.thread.call(partial(EngineCore.context_pushed, request_id=rid, ok=ok))
+            # the job holds its request id until this returns, so the id is still this job's
+            release = partial(EngineCore.context_pushed, request_id=job.request_id, ok=ok)
+            with contextlib.suppress(RuntimeError):  # the engine is stopping: it releases all
+                await self.thread.call(release)
 
 
 def _continues(first: KvMessage, nxt: KvMessage | None) -> bool:

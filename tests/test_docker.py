@@ -1,5 +1,6 @@
 """The two-tier docker-compose deployment, for real: offline image build, 2 prefill + 2 decode
-replicas behind the gRPC proxy, greedy parity through the published port, a prefill replica
+replicas behind the gRPC proxy, the C kernels prebuilt in the image and on in every node (the
+image itself without a compiler), greedy parity through the published port, a prefill replica
 killed, the prefill tier scaled, and `down` leaving nothing behind.
 
 Opt-in (it builds an image): runs when PDSERVE_DOCKER_TEST=1; `.ci/docker-step` sets it. Skipped,
@@ -9,6 +10,8 @@ again at the end (images and build cache stay on disk, so the next run is warm).
 
 Everything is built offline (no registry pulls):
   - base image: debootstrap bookworm + `docker import` (docker/build-base-image.sh);
+  - the kernels' build base: the same plus gcc (`build-base-image.sh pdserve-build-base
+    gcc,libc6-dev`), used only by the image's stage that compiles the kernels;
   - wheels: `pip download` on the host into docker/wheelhouse (docker/wheelhouse.sh);
   - image: `docker build --build-arg BASE_IMAGE=<that>` installing with --no-index.
 Caches live under $PDSERVE_DOCKER_CACHE (default /var/cache/pdserve-docker), keyed by hashes of
@@ -158,10 +161,15 @@ def compose_command() -> list[str]:
     pytest.fail("no compose: install docker-compose (1.29) or the docker compose v2 plugin")
 
 
+def base_image(*args: str) -> str:
+    return sh(["docker/build-base-image.sh", *args], timeout=600).stdout.strip().splitlines()[-1]
+
+
 def build_image() -> None:
-    """Base image, wheelhouse and image, all offline and cached."""
-    base = sh(["docker/build-base-image.sh"], timeout=600).stdout.strip().splitlines()[-1]
-    log(f"base image {base}")
+    """Base images, wheelhouse and image, all offline and cached."""
+    base = base_image()
+    build_base = base_image("pdserve-build-base", "gcc,libc6-dev")  # compiles the C kernels
+    log(f"base image {base}, kernel build base {build_base}")
     sh(["docker/wheelhouse.sh"], timeout=1200, env={"PYTHON": sys.executable})
     sh(
         [
@@ -171,6 +179,8 @@ def build_image() -> None:
             "--force-rm",
             "--build-arg",
             f"BASE_IMAGE={base}",
+            "--build-arg",
+            f"BUILD_BASE_IMAGE={build_base}",
             "-t",
             IMAGE,
             ".",
@@ -178,6 +188,49 @@ def build_image() -> None:
         timeout=1500,
         env={"DOCKER_BUILDKIT": "0"},
     )
+
+
+IMAGE_PYTHON = "/opt/pdserve/bin/python"
+IMAGE_KERNELS = "/opt/pdserve/kernels/"
+# what a decode node serves on /version, read from inside its container
+VERSION = (
+    "import urllib.request; print(urllib.request.urlopen("
+    "'http://127.0.0.1:8000/version', timeout=10).read().decode())"
+)
+# every kernel's state as the image's environment resolves it (a prefill node has no /version)
+STATES = (
+    "import json; from shared.model import native; "
+    "print(json.dumps({k: s.as_dict() for k, s in native.states().items()}))"
+)
+
+
+def check_kernels(kernels: dict[str, dict[str, str]], where: str) -> None:
+    """Each C kernel on from the image's prebuilt libraries, or off only for this CPU."""
+    for name, state in kernels.items():
+        ok = (
+            state["path"].startswith(IMAGE_KERNELS)
+            if state["state"] == "on"
+            else state["reason"].startswith("CPU lacks")
+        )
+        assert ok, f"{where}: kernel {name} {state}"
+    assert kernels["fused_ops"]["state"] == kernels["paged_decode"]["state"] == "on", kernels
+    states = ", ".join(f"{k} {s.get('variant') or s['reason']}" for k, s in kernels.items())
+    log(f"{where}: {states}")
+
+
+def check_image_kernels(decodes: list[str], prefills: list[str]) -> None:
+    """The kernels are prebuilt in the image and on in every node; the image has no compiler."""
+    for d in decodes:
+        version = sh(["docker", "exec", d, IMAGE_PYTHON, "-c", VERSION], timeout=60).stdout
+        check_kernels(json.loads(version)["kernels"], f"decode {d[:12]} /version")
+    for p in prefills:
+        states = sh(["docker", "exec", p, IMAGE_PYTHON, "-c", STATES], timeout=120).stdout
+        check_kernels(json.loads(states), f"prefill {p[:12]}")
+        logs = sh(["docker", "logs", p], timeout=60)
+        # at the default level only a kernel a person can turn on (a missing library) logs
+        assert "C kernel" not in logs.stdout + logs.stderr, logs.stderr[-3000:]
+    compiler = ["docker", "exec", decodes[0], "sh", "-c", "command -v cc || command -v gcc"]
+    assert sh(compiler, timeout=60, check=False).returncode != 0, "a compiler in the image"
 
 
 def free_port() -> int:
@@ -392,6 +445,8 @@ def test_two_tier_compose_stack_offline(
         (proxy,) = stack.containers("proxy")
         assert len(prefills) == 2 and len(decodes) == 2
         wait_prefill_peers(2, 30)
+        with phases("C kernels: prebuilt variants on in every node"):
+            check_image_kernels(decodes, prefills)
 
         with phases("greedy Generate through the published port"):
             check_batch(0)

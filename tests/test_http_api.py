@@ -184,7 +184,10 @@ def test_api_key_is_required_on_the_api_only(run) -> None:
         assert models["data"][0]["id"] == "tiny-served"
         assert models["data"][0]["max_model_len"] > 0 and models["data"][0]["root"] == MODEL
         _error(await client.post("/v1/completions", json=_completion(model=MODEL)), 404)
-        assert (await client.get("/version")).json()["version"]
+        version = (await client.get("/version")).json()
+        assert version["version"]
+        kernels = version["kernels"].values()  # each C kernel: on, or off and why
+        assert all((k["state"] == "on" and k["path"]) or k["reason"] for k in kernels)
 
     run(body, api_key="s3cret", served_model_name="tiny-served")
 

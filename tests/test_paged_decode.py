@@ -142,12 +142,13 @@ def fresh_library():
 
 
 def test_switch_and_missing_compiler_fall_back_to_sdpa(
-    fresh_library: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fresh_library: None, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     monkeypatch.setenv("PDSERVE_PAGED_DECODE", "0")
     assert paged_decode.library() is None
     paged_decode.library.cache_clear()
     monkeypatch.delenv("PDSERVE_PAGED_DECODE")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))  # no library built ahead
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert paged_decode.library() is None
     batch = _batch([10], 16, 4, seed=0)

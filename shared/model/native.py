@@ -1,48 +1,38 @@
-"""Build, cache and load the C kernels under `kernels/` (bf16 CPU ops torch has no fast path for).
+"""Load the C kernels under `kernels/` (bf16 and fp32 CPU ops torch has no fast path for) with
+ctypes: for each kernel, the best variant this CPU runs, prebuilt or built now.
 
-Each kernel is one C file, compiled once per machine with the system C compiler (`$CC`, else
-`cc`) into `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/kernels), keyed by every kernel
-source and header, the flags and the CPU, and loaded with ctypes. The libraries link against the
-same `libgomp.so.1` torch uses, so their OpenMP threads are torch's; callers pass torch's thread
-count. No compiler, a failed build or the kernel's switch variable set to 0: `load` returns None
-after one log line, and the caller keeps its torch path.
+The variants and what each requires of the CPU are kernel_catalog.py's; libraries are built by
+kernel_build.py (`pdserve build-kernels`, or an image's build stage). At load the loader reads
+the CPU's flags (`PDSERVE_KERNEL_CPU_FLAGS`, spaces or commas, stands in for them: a test tells it
+the CPU is a lesser one) and takes the best variant the CPU runs that has a library in
+`$PDSERVE_KERNEL_DIR` or the per-user cache. Where that best variant has none and a C compiler
+exists (`$CC`, else `cc`), it is built into the cache first, with one WARNING line.
 
-Why not torch's cpp_extension: it needs the C++ toolchain and torch's headers at run time and
-builds in tens of seconds per kernel; these are plain C over raw pointers, built in about a
-second by any `cc`.
+Every kernel's outcome is a `KernelState`, logged at start-up (`log_states`) and served on
+/version (`states`): on (variant, path), or off and why: its switch variable set to 0, a CPU
+without the instructions its paths need, no library and no compiler, a failed build or load.
+Off: `load` returns None and the caller keeps its torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from shared.model import kernel_build
+from shared.model.kernel_catalog import KERNELS, Kernel, Variant, runnable
+
 log = logging.getLogger(__name__)
 
-KERNELS = Path(__file__).parent / "kernels"
-# -ffast-math lets the dot products reassociate and expf vectorise (glibc's libmvec); the kernels
-# use no infinities and test NaN on the integer bits. It is given to the compile step only:
-# linking with it would add crtfastmath.o, which sets flush-to-zero for the whole process (torch's
-# fp32 included) when a library loads.
-COMPILE_FLAGS = ("-O3", "-ffast-math", "-march=native", "-mprefer-vector-width=512", "-fPIC",
-                 "-fopenmp", "-std=c11")  # fmt: skip
-LINK_FLAGS = ("-shared", "-fopenmp")
-BUILD_TIMEOUT_S = 120.0
-
-
-def cache_dir() -> Path:
-    default = Path.home() / ".cache" / "pdserve" / "kernels"
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE", default))
+CPU_FLAGS_ENV = "PDSERVE_KERNEL_CPU_FLAGS"
 
 
 def _cpuinfo_field(name: str) -> str:
@@ -66,42 +56,136 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
-def _cpu_key() -> str:
-    return platform.machine() + _cpuinfo_field("flags")
+def kernel_cpu_flags() -> frozenset[str]:
+    """The flags the loader picks variants by: `$PDSERVE_KERNEL_CPU_FLAGS`, else the CPU's."""
+    override = os.environ.get(CPU_FLAGS_ENV)
+    if override is not None:
+        return frozenset(override.replace(",", " ").split())
+    return cpu_flags()
 
 
-def source(name: str) -> Path:
-    return KERNELS / f"{name}.c"
+@dataclass(frozen=True)
+class KernelState:
+    """A kernel's outcome here. `detail`: why it is off, or (on) the paths its build leaves
+    out; `act`: a person can fix it by building (a missing or failed library)."""
+
+    kernel: str
+    on: bool
+    variant: str = ""
+    path: str = ""
+    detail: str = ""
+    act: bool = False
+
+    def as_dict(self) -> dict[str, str]:
+        if not self.on:
+            return {"state": "off", "reason": self.detail}
+        found = {"state": "on", "variant": self.variant, "path": self.path}
+        return found | ({"note": self.detail} if self.detail else {})
+
+    def describe(self) -> str:
+        if not self.on:
+            return f"off ({self.detail})"
+        return f"on ({self.variant}, {self.path})" + (f"; {self.detail}" if self.detail else "")
 
 
-def library_path(name: str, compiler: str) -> Path:
-    digest = hashlib.sha256(source(name).read_bytes())
-    # every kernel file: a kernel may include another's source (decode_stack.c does)
-    for dependency in sorted([*KERNELS.glob("*.h"), *KERNELS.glob("*.c")]):
-        digest.update(dependency.read_bytes())
-    digest.update(" ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS)).encode())
-    digest.update(_cpu_key().encode())
-    return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+_states: dict[str, KernelState] = {}
+
+
+def resolve(name: str, cpu: frozenset[str] | None = None) -> KernelState:
+    """Kernel `name`'s library for a CPU with flags `cpu` (default: kernel_cpu_flags()), built
+    now where the best variant it runs has none and a compiler exists. Recorded for `states`."""
+    state = _resolve(KERNELS[name], kernel_cpu_flags() if cpu is None else cpu)
+    _states[name] = state
+    return state
+
+
+def _resolve(kernel: Kernel, cpu: frozenset[str]) -> KernelState:
+    if os.environ.get(kernel.switch, "1") == "0":
+        return KernelState(kernel.name, False, detail=f"disabled by {kernel.switch}=0")
+    if kernel.paths and not kernel.covered(cpu):
+        return KernelState(kernel.name, False, detail=f"CPU lacks {', '.join(kernel.lacking(cpu))}")
+    candidates = runnable(kernel_build.machine(), cpu)
+    found, error = _find(kernel.name, candidates), ""
+    best = candidates[0]
+    if found is None or found[0] != best:
+        built, error = _build_now(kernel, best, found)
+        found = (best, built) if built is not None else found
+    if found is None:
+        dirs = " or ".join(str(d) for d in kernel_build.search_dirs())
+        why = f"build failed: {error}" if error else (
+            f"no library for {best.name} or a lesser variant in {dirs} and no C compiler to "
+            "build one: run `pdserve build-kernels`"
+        )  # fmt: skip
+        return KernelState(kernel.name, False, detail=why, act=True)
+    variant, path = found
+    covered = kernel.covered(variant.requires)
+    if kernel.paths and not covered:
+        why = f"the {variant.name} build has no path for this CPU: run `pdserve build-kernels`"
+        return KernelState(kernel.name, False, detail=why, act=True)
+    left = [_left_out(kernel, p, variant, cpu) for p in kernel.paths if p not in covered]
+    return KernelState(kernel.name, True, variant.name, str(path), "; ".join(left))
+
+
+def _left_out(kernel: Kernel, path: str, variant: Variant, cpu: frozenset[str]) -> str:
+    lacking = sorted(kernel.paths[path] - cpu)
+    if lacking:
+        return f"{path} path off: CPU lacks {', '.join(lacking)}"
+    return f"{path} path off: not in the {variant.name} build"
+
+
+def _find(name: str, candidates: list[Variant]) -> tuple[Variant, Path] | None:
+    """The best of `candidates` with a library in a search directory."""
+    for variant in candidates:
+        for directory in kernel_build.search_dirs():
+            path = directory / kernel_build.library_name(name, variant)
+            if path.is_file():
+                return variant, path
+    return None
+
+
+def _build_now(
+    kernel: Kernel, variant: Variant, found: tuple[Variant, Path] | None
+) -> tuple[Path | None, str]:
+    """`variant`'s library built into the per-user cache: (its path, '') or (None, the error;
+    '' where there is no compiler)."""
+    cc = kernel_build.compiler()
+    if cc is None:
+        return None, ""
+    start = time.monotonic()
+    try:
+        path, built = kernel_build.build(kernel.name, variant, kernel_build.cache_dir(), cc)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        if found is not None:
+            log.warning("%s: building %s failed (%s); %s kept", kernel.what, variant.name, e,
+                        found[0].name)  # fmt: skip
+        return None, str(e)
+    if built:
+        log.warning(
+            "%s: no prebuilt library for this CPU's best variant, built %s for %s (%s) in "
+            "%.1fs: %s (`pdserve build-kernels` builds every variant ahead of time)",
+            kernel.what, kernel.name, variant.name, variant.summary, time.monotonic() - start,
+            path,
+        )  # fmt: skip
+    return path, ""
 
 
 def build(name: str, compiler: str) -> Path:
-    """Kernel `name`'s shared library, compiled now unless this machine already has it."""
-    target = library_path(name, compiler)
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / f"{name}.o", Path(tmp) / f"{name}.so"
-        _run([compiler, *COMPILE_FLAGS, "-c", str(source(name)), "-o", str(obj)])
-        _run([compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"])
-        os.replace(lib, target)  # atomic: concurrent builders each install a whole file
-    return target
+    """Kernel `name`'s library for the best variant this CPU runs, in the per-user cache
+    (compiled now unless it is there)."""
+    best = runnable(kernel_build.machine(), kernel_cpu_flags())[0]
+    return kernel_build.build(name, best, kernel_build.cache_dir(), compiler)[0]
 
 
-def _run(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+def states() -> dict[str, KernelState]:
+    """Every kernel's state: as its library was loaded, or resolved now for one not loaded."""
+    return {name: _states.get(name) or resolve(name) for name in KERNELS}
+
+
+def log_states() -> None:
+    """One line per kernel (WARNING where a person can turn an off kernel on)."""
+    for name, state in states().items():
+        log.log(logging.WARNING if state.act else logging.INFO, "C kernel %s: %s", name,
+                state.describe())  # fmt: skip
 
 
 Signatures = dict[str, tuple[list[type], type | None]]
@@ -121,21 +205,22 @@ def call(name: str, entry: Callable[..., int], *args: object) -> int:
 def load(name: str, switch: str, what: str, signatures: Signatures) -> ctypes.CDLL | None:
     """The loaded kernel, or None (the reason logged) where it cannot be used.
 
-    `switch`: the environment variable that turns it off with "0"; `what`: its name in logs;
-    `signatures`: each entry point's argument types and result type, set on the library.
+    `switch`: the environment variable that turns it off with "0" (kernel_catalog.py's);
+    `what`: its name in logs; `signatures`: each entry point's argument types and result type,
+    set on the library.
     """
-    if os.environ.get(switch, "1") == "0":
-        log.info("%s off (%s=0): torch path", what, switch)
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("no C compiler: %s unavailable, torch path", what)
-        return None
-    try:
-        torch.get_num_threads()  # torch's OpenMP runtime is loaded before the kernel's
-        lib = ctypes.CDLL(str(build(name, compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("%s unavailable (%s): torch path", what, e)
+    assert KERNELS[name].switch == switch, f"{name}: {switch} is not its switch"
+    state = resolve(name)
+    if state.on:
+        try:
+            torch.get_num_threads()  # torch's OpenMP runtime is loaded before the kernel's
+            lib = ctypes.CDLL(state.path)
+        except OSError as e:
+            state = _states[name] = KernelState(name, False, detail=f"load failed: {e}", act=True)
+    if not state.on:
+        off = "unavailable" if state.act else "off"
+        log.log(logging.WARNING if state.act else logging.INFO, "%s %s (%s): torch path", what,
+                off, state.detail)  # fmt: skip
         return None
     for symbol, (args, result) in signatures.items():
         fn = getattr(lib, symbol)
