@@ -6,9 +6,10 @@ shapes under serving load (batch ~30, ~300-token contexts) that gather was 15% o
 engine's time and attention 27% (py-spy, docs/performance.md). The kernel reads each key and
 value once, where it lies, with fp32 accumulation.
 
-It is built and loaded by shared/model/native.py (once per machine, with the system C compiler,
-on torch's OpenMP runtime and thread count). No compiler, a failed build or
-`PDSERVE_PAGED_DECODE=0`: attention keeps the gather + SDPA path, with one log line saying why.
+It is loaded by shared/model/native.py (the best prebuilt CPU variant, or one built at first start
+with the system C compiler; on torch's OpenMP runtime and thread count). No library and no
+compiler, a failed build or `PDSERVE_PAGED_DECODE=0`: attention keeps the gather + SDPA path, and
+/version says why.
 
 Used for bf16 and fp32 decode groups. It sums in another order than SDPA, so an fp32 decode
 step's attention may differ from SDPA's in the last bits: as the decode GEMMs already do
