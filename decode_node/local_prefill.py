@@ -8,7 +8,7 @@ is added to this engine's scheduler (QUEUED -> CONTEXT_INIT, chunked prefill, th
 same continuous batch), provided this step's budget has room for it. While the engine is idle
 (no live request), the bound is `idle_threshold` instead, and the prompt may take several steps:
 nobody's decode shares them, and below ~1k tokens the remote path's fixed cost is more than 5%
-of the prefill itself (docs/performance.md, section 2). These functions run on the
+of the prefill itself (docs/performance.md, "Local prefill"). These functions run on the
 engine thread (inside `EngineThread.call`), where the decision and the add are one atomic step.
 """
 

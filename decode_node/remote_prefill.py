@@ -171,10 +171,11 @@ class RemotePrefill:
             budget = min(budget, max(0.001, stream.deadline - time.monotonic()))
         request = self._prefill_request(stream, prompt, params, dest, grant.first_block)
         request.layerwise = self._layerwise(peer)
+        kv_budget = min(budget, self.config.kv_transfer_timeout)
+        # when this node stops waiting for the KV: the prefill node gives the push up then too
+        request.deadline_unix = time.time() + kv_budget
         call = peer.stub.Prefill(request, timeout=budget)
-        landed = asyncio.ensure_future(
-            self.receiver.wait(dest.transfer_id, min(budget, self.config.kv_transfer_timeout))
-        )
+        landed = asyncio.ensure_future(self.receiver.wait(dest.transfer_id, kv_budget))
         self.index.set_capacity(peer.target, peer.num_kv_blocks)
         peer.load += load
         started = time.monotonic()

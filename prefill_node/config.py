@@ -11,7 +11,7 @@ from shared.serving.tls import ServerTls
 # A prefill node's step budget: it runs no decode steps whose inter-token latency a big chunk
 # would stretch, so prompts up to this long go in one chunk (one fresh-prefill pass: no pool
 # gather, fewer steps). Measured on tiny, a 4000-token prompt: 133 ms in one chunk against
-# 166 ms in 512-token chunks (docs/performance.md, section 2).
+# 166 ms in 512-token chunks (docs/performance.md, "Local prefill").
 PREFILL_MAX_NUM_TOKENS = 8192
 
 

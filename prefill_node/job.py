@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.engine.output import TokenDelta
 from transfer.protocol import TransferDestination
@@ -25,12 +26,19 @@ class PrefillJob:
     loop: asyncio.AbstractEventLoop
     task: asyncio.Task[object] | None = None  # the RPC handler, cancelled by CancelPrefill
     push: KvPush | None = None  # the KV push, once the destination checked out
+    # the handler's compute-and-push task; the deadline's timer; the release (job_table.py)
+    work: asyncio.Future[Any] | None = None
+    expiry: asyncio.TimerHandle | None = None
+    release: asyncio.Future[None] | None = None
+    time_limit: float = 0.0  # seconds from arrival the push had
     # the first token's delta (with its logprobs and the prompt's, when asked)
     first_token: asyncio.Future[TokenDelta] = field(init=False)
     admitted_at: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue[KvMessage | None] = field(default_factory=asyncio.Queue)
     sent_upto: int = 0  # prompt blocks [0, sent_upto) are queued for every layer
     cancelled: bool = False
+    sent: bool = False  # every KV message sent: the deadline no longer applies
+    expired: bool = False  # its deadline passed first: given up
     completed: bool = False  # every message sent and the first token known
     first_message_at: float | None = None  # wall clock, for the TTFT breakdown
 

@@ -11,7 +11,7 @@ the compute stream, ordered after the layer) and sent from the copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,7 @@ class _Work:
 
 def plan_push(
     scheduled: Sequence[ScheduledRequest],
-    jobs: dict[str, PrefillJob],
+    jobs: Mapping[str, PrefillJob],
     block_table: Callable[[str], list[int]],
     block_size: int,
 ) -> list[_Work]:

@@ -168,9 +168,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         except RequestRejected as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TimeoutError as e:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"KV push of {rid} abandoned: {e}"
-            )
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid}: {e}")
         except TransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push for {rid} failed: {e}")
         finally:

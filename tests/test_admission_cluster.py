@@ -59,7 +59,7 @@ async def burst(c: PdCluster, prompts, max_tokens, timeout: float = 120) -> list
 
 
 def test_burst_of_400_queues_and_every_request_is_exact(reference: LLM) -> None:
-    """The issue's burst: 400 concurrent greedy requests (prompts 1-400 tokens, max_tokens
+    """A burst: 400 concurrent greedy requests (prompts 1-400 tokens, max_tokens
     1-64) against a 200-block pool on both nodes, max_inflight 64, a queue of 400."""
     prompts = random_prompts(400, VOCAB, min_len=1, max_len=400, seed=170)
     max_tokens = random_max_tokens(400, lo=1, hi=64, seed=171)

@@ -57,11 +57,7 @@ class ContextRole:
 
     def context_pushed(self: EngineCore, request_id: str, ok: bool) -> None:
         """The prefill node is done with `request_id` (its push ended, ok or not, or it was
-        cancelled before its context was computed): release it either way."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return
-        if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
-            self.complete_context(request_id, ok)
-        else:
-            self.abort(request_id)
+        cancelled or expired, maybe before its context was computed): release it either way.
+        A push that did not complete ends DISAGG_TRANS_ERROR from any state."""
+        self.abort_forks(request_id)
+        self.complete_context(request_id, ok)

@@ -1,6 +1,6 @@
 """LlmRequest and its state machine.
 
-States follow TensorRT-LLM's LlmRequestState (seat-system.md §8). Every change goes through
+States follow TensorRT-LLM's LlmRequestState (docs/seat-system.md §8). Every change goes through
 `LlmRequest.transition`, which checks `ALLOWED_TRANSITIONS`; an illegal move raises, because a
 request in the wrong state is how seats and blocks leak.
 """

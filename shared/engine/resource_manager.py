@@ -1,4 +1,4 @@
-"""Resource managers and the seat system (seat-system.md §2-§7).
+"""Resource managers and the seat system (docs/seat-system.md §2-§7).
 
 "Seats say who, blocks say how much." A seat (`seq_slot`) is taken after blocks and returned
 after them. These classes are pure bookkeeping: no torch, no I/O.
@@ -348,7 +348,7 @@ def compute_max_num_sequences(
     overlap_scheduler: bool = False,
     overlap_headroom: bool = True,
 ) -> int:
-    """The one formula for the seat pool size (seat-system.md §5)."""
+    """The one formula for the seat pool size (docs/seat-system.md §5)."""
     factor = pp_size if pp_size > 1 else 2 if overlap_headroom and overlap_scheduler else 1
     return max_batch_size * factor
 

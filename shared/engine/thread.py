@@ -34,8 +34,8 @@ T = TypeVar("T")
 # A step holds the GIL between its torch ops (each op releases it and at once takes it back), so
 # an event loop woken with a command's result or a step's tokens waits for CPython's forced
 # switch, 5 ms by default, before it can send them. 0.2 ms bounds that wait. Measured on the P/D
-# first-token path (docs/performance.md, section 2): with this and COMMAND_HANDOFF_S, the decode
-# node's "transfer complete -> first token at the client" fell from 4-5 ms to 2.7-3 ms.
+# first-token path (docs/performance.md, "Local prefill"): with this and COMMAND_HANDOFF_S, the
+# decode node's "transfer complete -> first token at the client" fell from 4-5 ms to 2.7-3 ms.
 GIL_SWITCH_INTERVAL_S = 2e-4
 # After running commands, and before its next step, the engine thread sleeps this long: the loop
 # (woken by the commands' results) takes the GIL and answers before the step's Python runs.
