@@ -138,7 +138,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if scope["type"] != "http" or len(self.connections) <= self.limits.max_connections:
             await self._inner_app(scope, receive, send)
             return
-        await _drain(receive)
+        await drain(receive, REFUSAL_DRAIN_BYTES)
         message = (
             f"this server has {self.limits.max_connections} connections open, its limit: "
             "retry shortly"
@@ -154,9 +154,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         await send({"type": "http.response.body", "body": body})
 
 
-async def _drain(receive: Any) -> None:
+async def drain(receive: Any, limit: int) -> None:
+    """Read and drop a request's body, up to about `limit` bytes, so that the answer sent before
+    it reaches a client still sending (a peer closing on unread data resets the connection)."""
     dropped = 0
-    while dropped <= REFUSAL_DRAIN_BYTES:
+    while dropped <= limit:
         message = await receive()
         if message["type"] != "http.request":
             return

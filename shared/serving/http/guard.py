@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.serving.connection_limits import drain
 from shared.serving.http.errors import ApiError
 from shared.serving.http.unicode_text import lone_surrogate
 
@@ -44,14 +45,14 @@ class ApiGuard:
             return
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await _drain(receive)
+            await drain(receive, DRAIN_LIMIT_BYTES)
             await _reply(self._too_large(), scope, receive, send)
             return
         body = await _read_body(receive, self.max_bytes)
         if body is _GONE:
             return  # nobody to answer: the app never starts on a partial body
         if body is None:
-            await _drain(receive)
+            await drain(receive, DRAIN_LIMIT_BYTES)
             await _reply(self._too_large(), scope, receive, send)
             return
         assert isinstance(body, bytes)
@@ -87,17 +88,6 @@ async def _read_body(receive: Receive, limit: int) -> bytes | object | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-async def _drain(receive: Receive) -> None:
-    dropped = 0
-    while dropped < DRAIN_LIMIT_BYTES:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        dropped += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
