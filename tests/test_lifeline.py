@@ -17,23 +17,9 @@ import grpc
 from pdserve.client import generate_stream, get_model_info
 from pdserve.cluster import NodeProcess, spawn, stop_all, wait_ready
 from tests.net_probe import listening_sockets
+from tests.up_process import children
 
 GONE_WITHIN_S = 3.0
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        ppid = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
-        if int(ppid) == pid:
-            found.append(int(entry))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -82,7 +68,7 @@ def test_sigkilled_pdserve_up_takes_its_nodes_along(tmp_path: Path) -> None:
     up, endpoint, log = _start_up(tmp_path)
     nodes: list[int] = []
     try:
-        nodes.extend(_children(up.pid))
+        nodes.extend(children(up.pid))
         assert len(nodes) == 2, f"expected a prefill and a decode node, found {nodes}"
         ports = {port for pid in nodes for _, port in listening_sockets(pid)}
         assert len(ports) >= 4, f"gRPC and /metrics of both nodes, KV listener: {ports}"
