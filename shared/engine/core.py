@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from shared.engine import malloc_policy
+from shared.engine import cpu_threads, malloc_policy
 from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
 from shared.engine.context_role import ContextRole
 from shared.engine.errors import RequestRejected, ResourcesExhausted
@@ -87,7 +87,9 @@ class EngineCore(ContextRole, TransferRole):
         block = self.layout.payload_bytes(self.layout.num_layers, 1)  # one block, every layer
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mb * 2**20 // block)
         self._build_pools(num_blocks)
-        self.sampler = Sampler(self.max_num_sequences, self.device, self.loaded.eos_token_ids)
+        self.sampler = Sampler(
+            self.max_num_sequences, self.device, self.loaded.eos_token_ids, self.tokenizer
+        )
         self.decode_runner = self._build_decode_runner(num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batch_size, config.max_num_tokens, 0 if context_only else 1),
@@ -194,6 +196,7 @@ class EngineCore(ContextRole, TransferRole):
 
     # ---- one iteration --------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
+        cpu_threads.follow()  # the CPUs an operator moved the node to, between steps
         with torch.inference_mode():
             scheduled = self._schedule()  # the batch, its seats and KV blocks prepared
             to_sample, logits = self._run_model(scheduled)  # one forward over the paged pool
@@ -312,7 +315,7 @@ class EngineCore(ContextRole, TransferRole):
 
     # ---- release --------------------------------------------------------------------------
     def free_request_resources(self, request: LlmRequest) -> None:
-        """seat-system.md §7: sampler state first, then managers in reverse (KV, then seat)."""
+        """docs/seat-system.md §7: sampler state first, then managers in reverse (KV, then seat)."""
         self.sampler.release_request(request)
         self.resource_manager.free_resources(request)
 
