@@ -93,8 +93,11 @@ def test_bookkeeping_imports_no_torch(module: str) -> None:
 # ---- sizes: one concept per file, a function a reader sees whole ----------------------------
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
-# Known exceptions, each with its reason; empty: every file and function is within the limits.
-SIZE_ALLOW: set[str] = set()
+# Known exceptions, each with its reason: a file that is one concept may be longer.
+SIZE_ALLOW: dict[str, str] = {
+    "shared/engine/core.py": "EngineCore is one concept, the engine iteration and the state "
+    "its roles share; a split by size would scatter one step over files",
+}
 NOT_SOURCE = ("tests", "proto/pdserve/v1", "docker/wheelhouse")  # tests and generated stubs
 
 
@@ -129,5 +132,5 @@ def test_no_file_or_function_over_the_size_limits() -> None:
 
 
 def test_size_allow_list_holds_only_live_exceptions() -> None:
-    stale = SIZE_ALLOW - set(oversized())
+    stale = set(SIZE_ALLOW) - set(oversized())
     assert not stale, f"now within the limits: remove {sorted(stale)} from SIZE_ALLOW"

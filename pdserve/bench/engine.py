@@ -6,12 +6,16 @@ order) until its longest member is done; pdserve's continuous batching refills a
 a request ends. Both are measured in the same run; the headline is their ratio.
 
     python -m pdserve.bench.engine [--quick] [--out bench_out]
+
+`--moe` measures a mixture-of-experts model instead (pdserve/bench/engine_moe.py: batched
+experts vs a per-token loop); the other flags then are that module's.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -98,10 +102,18 @@ def run_transformers(path: Path, prompts: list[list[int]], outputs: list[int], b
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--moe" in args:
+        from pdserve.bench import engine_moe
+
+        return engine_moe.main([x for x in args if x != "--moe"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny workload (CI smoke test)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument(
+        "--moe", action="store_true", help="a mixture-of-experts model (batched vs per-token)"
+    )
     a = parser.parse_args(argv)
     n, prange, orange = (8, (16, 64), (4, 16)) if a.quick else (64, (16, 512), (8, 128))
     batches = [int(b) for b in a.batches.split(",")]

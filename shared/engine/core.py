@@ -108,7 +108,8 @@ class EngineCore(ContextRole, TransferRole):
 
     @property
     def _uses_cuda_graphs(self) -> bool:
-        return self.config.cuda_graphs and self.device.type == "cuda" and not self.context_only
+        on_gpu = self.config.cuda_graphs and self.device.type == "cuda" and not self.context_only
+        return on_gpu and self.model_config.moe is None  # MoE GEMMs are sized per step's routing
 
     def _build_pools(self, num_blocks: int) -> None:
         """The KV pool and the two managers over it: blocks (KV) and seats."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shared.engine.kv_cache import KvLayout, dtype_name
+from shared.model.moe_config import MoeConfig
 
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
@@ -100,6 +101,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Rotated leading dims of each head (Phi-3's partial_rotary_factor); None: all of them.
     rotary_dim: int | None = None
+    # Mixture-of-experts MLPs (Mixtral, Qwen3-MoE); None: a dense MLP in every layer.
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -133,6 +136,8 @@ class ModelConfig:
         _check_choice("norm", self.norm, SUPPORTED_NORMS)
         self._validate_attention_options()
         self._validate_sliding_window()
+        if self.moe is not None:
+            self.moe.check_layers(self.num_layers)
         # pad is not checked: some real configs name a pad id outside the vocabulary, harmlessly.
         for token in (self.bos_token_id, *self.eos_token_ids):
             if token is not None and not 0 <= token < self.vocab_size:
@@ -197,6 +202,7 @@ class ModelConfig:
             and self.final_logit_softcap is None
             and self.local_rope_theta is None
             and self.rotated_dims == self.head_dim
+            and self.moe is None
         )
 
     @property

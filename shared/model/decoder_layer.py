@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.mlp import build_mlp
+from shared.model.moe import build_mlp
 from shared.model.norms import make_norm
 from shared.model.self_attention import Attention
 from shared.model.step_context import StepContext

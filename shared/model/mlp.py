@@ -1,9 +1,9 @@
 """The feed-forward block of a decoder layer: a gated MLP, act(gate) * up -> down, with the
 gate and up projections run as one GEMM over a fused weight.
 
-`build_mlp` is where a layer's feed-forward kind is chosen: every family served today has a dense
-gated MLP in every layer (SwiGLU, or Gemma's GELU-tanh gating); a mixture-of-experts layer is a
-further kind chosen here per layer.
+Dense families run it in every layer (SwiGLU, or Gemma's GELU-tanh gating); a mixture-of-experts
+model runs it in its dense layers and as its shared expert, and its experts gate the same way
+(`build_mlp` in shared/model/moe.py chooses per layer).
 """
 
 from __future__ import annotations
@@ -18,10 +18,30 @@ from shared.model.gemm import PackedGemm
 from shared.model.linear import Linear, register_fused_linear
 
 
+def gated_activation(
+    gate_up: torch.Tensor, intermediate_size: int, activation: str
+) -> torch.Tensor:
+    """act(gate) * up of gate_up [T, 2 * intermediate_size] (gate rows first)."""
+    if activation == "silu" and fused_ops.usable(gate_up):
+        return fused_ops.silu_mul(gate_up, intermediate_size)
+    gate, up = gate_up.split(intermediate_size, dim=-1)
+    if activation == "gelu_pytorch_tanh":
+        return F.gelu(gate, approximate="tanh").mul_(up)
+    return F.silu(gate).mul_(up)
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        intermediate_size: int | None = None,
+    ) -> None:
+        """`intermediate_size`: a width other than the model's (a shared expert's)."""
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, bias = config.hidden_size, config.mlp_bias
+        i = intermediate_size or config.intermediate_size
         self.intermediate_size = i
         self.activation = config.hidden_act
         parts = {"gate_proj": i, "up_proj": i}
@@ -31,17 +51,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_gemm(x)
-        if self.activation == "silu" and fused_ops.usable(gate_up):
-            return self.down_proj(fused_ops.silu_mul(gate_up, self.intermediate_size))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        if self.activation == "gelu_pytorch_tanh":
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
-        return self.down_proj(F.silu(gate).mul_(up))
-
-
-def build_mlp(
-    config: ModelConfig, layer: int, device: torch.device, dtype: torch.dtype
-) -> GatedMLP:
-    """Layer `layer`'s feed-forward block (the same kind in every layer of today's families)."""
-    del layer  # a per-layer choice (dense or experts) reads it
-    return GatedMLP(config, device, dtype)
+        return self.down_proj(gated_activation(gate_up, self.intermediate_size, self.activation))

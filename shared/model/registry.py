@@ -13,13 +13,21 @@ from typing import Any
 
 import torch
 
-from shared.model import gemma, llama, phi3, qwen3
+from shared.model import gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe
 from shared.model.causal_lm import Model
 from shared.model.config import ModelConfig
 from shared.model.family import Family
 from shared.model.hf_config import architecture_of
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, gemma.FAMILY, phi3.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY,
+    qwen3.FAMILY,
+    gemma.FAMILY,
+    phi3.FAMILY,
+    mixtral.FAMILY,
+    qwen3_moe.FAMILY,
+    qwen2_moe.FAMILY,
+)
 _BY_HF = {name: f for f in FAMILIES for name in f.hf_architectures}
 GGUF_ARCHITECTURES = {g: hf for f in FAMILIES for g, hf in f.gguf_architectures.items()}
 

@@ -24,8 +24,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from shared.model.gguf_tokenizer import byte_alphabet
 
 ARCHES: tuple[str, ...] = ("llama", "llama3", "qwen2", "mistral")
-# the other families' tiny checkpoints (tests/test_families_parity.py)
-FAMILY_ARCHES: tuple[str, ...] = ("qwen3", "gemma2", "gemma3", "phi3")
+# the other families' tiny checkpoints (tests/test_families_parity.py, test_families_moe.py)
+FAMILY_ARCHES: tuple[str, ...] = (
+    *("qwen3", "gemma2", "gemma3", "phi3"),
+    *("mixtral", "qwen3_moe", "qwen2_moe"),
+)
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -113,9 +116,20 @@ def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
 
 
 def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]) -> Any:
-    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     classes = {
+        "mixtral": (MixtralConfig, "MixtralForCausalLM"),
+        "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+        "qwen2_moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM"),
         "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
         "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
         "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
