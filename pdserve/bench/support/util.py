@@ -85,7 +85,7 @@ def exit_on_sigterm() -> None:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment plus the repo on PYTHONPATH (helpers run as `python -m benchmarks...`)."""
+    """This environment plus the repo on PYTHONPATH (helpers run as `python -m pdserve.bench.*`)."""
     env = os.environ.copy()
     path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)
