@@ -18,6 +18,7 @@ from decode_node.kv_router import PrefixIndex, prefill_cost
 from decode_node.peers import LayoutMismatch, PrefillPeer
 from decode_node.push_mode import pushes_layerwise
 from decode_node.stream import PrefillFailed, Stream
+from decode_node.tracing import PrefillAttempt
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
@@ -174,17 +175,23 @@ class RemotePrefill:
         kv_budget = min(budget, self.config.kv_transfer_timeout)
         # when this node stops waiting for the KV: the prefill node gives the push up then too
         request.deadline_unix = time.time() + kv_budget
-        call = peer.stub.Prefill(request, timeout=budget)
+        trace = PrefillAttempt.start(self.config, stream, peer, request, load)
+        call = peer.stub.Prefill(request, timeout=budget, metadata=trace.metadata)
         landed = asyncio.ensure_future(self.receiver.wait(dest.transfer_id, kv_budget))
+        trace.watch(landed)
         self.index.set_capacity(peer.target, peer.num_kv_blocks)
         peer.load += load
         started = time.monotonic()
         try:
             response = await self._await_both(call, landed, stream, peer)
+        except BaseException as e:
+            trace.fail(e)
+            raise
         finally:
             peer.load -= load
             if not landed.done():
                 landed.cancel()
+        trace.done(response)
         self._record(stream, response, started)
         return response
 

@@ -8,7 +8,7 @@ One request path (`DecodeNode.generate`, for gRPC and HTTP alike):
    engine's scheduler (QUEUED -> CONTEXT_INIT -> decode);
 2. otherwise **remote prefill** (decode_node/remote_prefill.py): the request waits QUEUED
    (holding nothing) in the engine's admission queue until the blocks for its prompt and first
-   token are free (FIFO, bounded by max_queued, its deadline kept), is admitted in
+   token are free (by priority, aged; bounded by max_queued; its deadline kept), is admitted in
    DISAGG_GENERATION_INIT (blocks reserved and pinned, no seat), dispatched to a healthy
    prefill node with the destination of those blocks (DISAGG_GENERATION_TRANS_IN_PROGRESS), and
    once every layer of every block has landed becomes DISAGG_GENERATION_TRANS_COMPLETE: the
@@ -35,12 +35,15 @@ import grpc
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.first_token import engine_took_first, release_first
+from decode_node.grammar_check import with_grammar
 from decode_node.health import decode_health
-from decode_node.local_prefill import start_local, try_local
+from decode_node.local_prefill import try_local
 from decode_node.remote_prefill import RemotePrefill
 from decode_node.responses import generate_response
+from decode_node.slo_admission import observe_ttft, start_local_within_slo
 from decode_node.startup import build_parts
 from decode_node.stream import PrefillFailed, Stream
+from decode_node.tracing import traced_generate
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.block_manager import BlockHash, compute_block_hashes
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
@@ -52,7 +55,7 @@ from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer
-from shared.serving.wire import WireError, sampling_from_proto, validate_request
+from shared.serving.wire import WireError, generate_params_from_proto, validate_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,7 +68,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         config.validate()
         self.config = config
         self.core = core or EngineCore(config.engine)
-        self.core.admission.configure(config.max_queued, config.max_inflight)
+        self.core.admission.configure(config.max_queued, config.max_inflight, config.slo_policy())
         self.layout_info = layout_info(self.core.layout)
         self.streams: dict[str, Stream] = {}
         self.thread: EngineThread | None = None
@@ -77,8 +80,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         )
         self.serving: NodeServing | None = None
         self.http: AsgiServer | None = None
-        self.port = 0
-        self.accepting = True
+        self.port, self.accepting = 0, True
 
     @property
     def transfer_log(self):
@@ -194,13 +196,14 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self, rid: str, request: generation_pb2.GenerateRequest, time_left: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
-        prompt, params = self._parse(request)
+        prompt, params = await with_grammar(self.core, *self._parse(request))
         # closed explicitly: a cancelled call releases the request now, not when collected
         async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
             async for stream, delta in gen:
                 yield generate_response(stream, delta)
 
     # ---- the one request path -------------------------------------------------------------
+    @traced_generate
     async def generate(
         self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
     ) -> AsyncIterator[tuple[Stream, TokenDelta]]:
@@ -284,7 +287,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
 
         def command(core: EngineCore) -> LlmRequest | None:
             if force:  # a reservation made before the prefill nodes failed is dropped first
-                return start_local(core, prompt, params, rid, bound, hashes)
+                return start_local_within_slo(core, prompt, params, rid, bound, hashes)
             request = try_local(core, prompt, params, rid, threshold, inflight, idle, hashes)
             if request is None:
                 core.admission.enqueue(core, prompt, params, rid, deadline, hashes)
@@ -313,8 +316,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if stream.first_token_at is not None:
             return
         stream.first_token_at = time.monotonic()
-        ttft = stream.first_token_at - stream.admitted_at
-        self.metrics.ttft.observe(ttft)
+        ttft = observe_ttft(self.metrics, self.core.admission.slo, stream)
         if stream.local is not None:
             # written by the engine thread when it scheduled the request, before the first
             # token it sampled reached this loop (call_soon_threadsafe orders the two)
@@ -325,8 +327,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     def validate(
         self, prompt: list[int], params: SamplingParams, request_id: str = ""
     ) -> SamplingParams:
-        """The wire bounds and the engine's checks, before anything is allocated (gRPC and HTTP
-        alike); the seed resolved."""
+        """Wire bounds and engine checks before any allocation (gRPC, HTTP); the seed resolved."""
         try:
             validate_request(request_id, params, self.core.model_config.vocab_size)
             self.core.validate_request(prompt, params)
@@ -364,7 +365,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise GenerateError(
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
             )
-        params = sampling_from_proto(request.sampling)
+        params = generate_params_from_proto(request)
         return prompt, self.validate(prompt, params, request.request_id)
 
     # ---- admission (remote path) ----------------------------------------------------------

@@ -26,6 +26,7 @@ from pdserve.cli_args import build_parser, engine_argv
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling_params import SamplingParams
+from shared.serving import tracing
 from shared.serving.port_in_use import PortInUse
 from shared.serving.tls import ClientTls, ServerTls
 from transfer.errors import KvPortInUse
@@ -219,6 +220,7 @@ BENCHMARKS = {
     "engine": "pdserve.bench.engine",
     "roofline": "pdserve.bench.roofline",
     "peer": "pdserve.bench.peer",
+    "tracing": "pdserve.bench.tracing",
 }
 
 
@@ -321,12 +323,18 @@ def main(argv: list[str] | None = None) -> int:
 def _run_node(a: argparse.Namespace) -> int:
     from shared.engine import cpu_threads
 
+    # a colocated node is a decode node; `up` passes --otlp-traces-endpoint on to its nodes
+    tracing.setup(
+        "pdserve-prefill" if a.command == "prefill" else "pdserve-decode", a.otlp_traces_endpoint
+    )
     try:
         cpu_threads.apply()  # torch's and the kernels' threads: the CPUs this process may use
         return NODE_COMMANDS[a.command](a)
     except ValueError as e:
         print(f"pdserve {a.command}: invalid configuration: {e}", file=sys.stderr)
         return 2
+    finally:
+        tracing.shutdown()  # the node stopped: export the spans still buffered
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from decode_node.push_mode import PUSH_MODES
-from shared.serving import limits
+from shared.serving import limits, tracing
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -59,6 +59,7 @@ def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="decode steps through CUDA graphs (CUDA only; ignored on CPU)",
         ),
         log_level_arg(g),
+        tracing.endpoint_arg(g),
     ]
 
 
@@ -254,6 +255,20 @@ def _decode_limit_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1024,
         help="requests waiting (holding nothing) for KV blocks; past it RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=None,
+        help="default time-to-first-token target: a request predicted to miss it is refused "
+        "at once (429 / RESOURCE_EXHAUSTED with Retry-After); default none",
+    )
+    p.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=None,
+        help="default inter-token latency target: new requests wait while joining the decode "
+        "batch would make its measured step time exceed it; default none",
     )
     p.add_argument(
         "--health-check-interval",

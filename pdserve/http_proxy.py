@@ -27,12 +27,15 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pdserve.prompt_key import PromptKey, http_key
+from shared.serving import tracing
 from shared.serving.http.app import ClientGone, until_disconnect
 from shared.serving.http.errors import ApiError
 from shared.serving.http.guard import ApiGuard
 from shared.serving.metrics import metrics_routes
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from pdserve.prefix_router import PrefixRouter
     from shared.serving.replica_pool import Replica, ReplicaPool
 
@@ -129,8 +132,26 @@ class HttpForwarder:
         return ApiGuard(app, api_key=None, max_request_bytes=MAX_PROXY_BODY_BYTES)
 
     async def forward(self, request: Request) -> Response:
+        """`_forward` in a `proxy.route` span (parented by the client's traceparent) that ends
+        when the response does (a relayed stream: when the relay closes)."""
+        span = tracing.server_span("proxy.route", request.headers, {"url.path": request.url.path})
+        try:
+            response = await self._forward(request, span)
+        except BaseException as e:
+            tracing.fail(span, e)
+            tracing.end(span)
+            raise
+        if isinstance(response, _Relay):
+            response.release = tracing.end_with(span, response.release)
+        else:
+            if response.status_code >= 500:
+                tracing.error_status(span, f"HTTP {response.status_code}")
+            tracing.end(span)
+        return response
+
+    async def _forward(self, request: Request, span: Span | None) -> Response:
         body = await request.body()
-        headers = _forwardable(request.scope["headers"])
+        headers = tracing.inject(_forwardable(request.scope["headers"]), span)
         key = self._prompt_key(request, body)
         tried: set[str] = set()
         last_error = "no decode node is known"
@@ -165,6 +186,8 @@ class HttpForwarder:
                 self.router.release(backend, key)
                 raise
             self.requests.labels(backend.target, str(response.status_code)).inc()
+            ok = response.status_code < 500
+            tracing.attempt(span, backend.target, f"HTTP {response.status_code}", ok)
             return _Relay(response, backend, lambda b=backend: self.router.release(b, key))
         return ApiError(503, f"no decode node could take the request ({last_error})").response()
 

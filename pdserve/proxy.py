@@ -44,6 +44,7 @@ from pdserve.prefix_router import ROUTING_MODES, PrefixRouter
 from pdserve.prompt_key import GENERATE_METHOD, PromptKey, grpc_key
 from pdserve.proxy_backends import Backend, backend_pool
 from pdserve.replay import ReplayableRequests
+from shared.serving import tracing
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
 
@@ -194,7 +195,9 @@ class Proxy:
     async def forward(
         self, method: str, request_iterator: AsyncIterator[bytes], context: aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        metadata = forwardable(context.invocation_metadata())
+        incoming = context.invocation_metadata()
+        span = tracing.server_span("proxy.route", incoming, {"rpc.method": method})
+        metadata = tracing.inject(forwardable(incoming), span)  # the decode node's parent
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         requests = ReplayableRequests(request_iterator)
@@ -237,6 +240,7 @@ class Proxy:
                 finally:
                     self.router.release(backend, key)
                     self.calls.labels(backend.target, code.name).inc()
+                    tracing.attempt(span, backend.target, code.name, code == grpc.StatusCode.OK)
                     writer.cancel()
                     call.cancel()
             await context.abort(
@@ -244,6 +248,7 @@ class Proxy:
             )
         finally:
             await requests.close()
+            tracing.end(span)
 
     def _open(
         self,
@@ -333,6 +338,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM, seconds")
     p.add_argument("--log-level", default="warning")
+    tracing.endpoint_arg(p)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -374,7 +380,11 @@ def run(a: argparse.Namespace) -> int:
         await proxy.stop(a.grace)
         return 0
 
-    return uvloop.run(main())
+    tracing.setup("pdserve-proxy", a.otlp_traces_endpoint)
+    try:
+        return uvloop.run(main())
+    finally:
+        tracing.shutdown()  # exports the spans still buffered
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,10 @@ from prefill_node.config import PrefillNodeConfig
 from prefill_node.job import FINAL, PrefillJob
 from prefill_node.job_table import JobTable
 from prefill_node.push import make_layer_hook, plan_push
+from prefill_node.tracing import traced_prefill
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine.core import EngineCore, RequestRejected
+from shared.engine.grammar_compiler import compile_async
 from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequest
 from shared.engine.scheduler import ScheduledRequest
@@ -134,6 +136,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         found = self.jobs.cancel(request.request_id)
         return prefill_pb2.CancelPrefillResponse(found=found)
 
+    @traced_prefill
     async def Prefill(self, request, context):
         rid = request.request_id
         dest = request.destination
@@ -221,6 +224,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         params = sampling_from_proto(request.sampling, seed=request.seed)
         prompt = list(request.prompt_token_ids)
         self._check_destination(prompt, job)
+        if params.structured is not None:  # off the engine thread; invalid: INVALID_ARGUMENT
+            vocab = self.core.model_config.vocab_size
+            await compile_async(self.core.tokenizer, vocab, params.structured)
         job.push = push = self.sender.open(job.destination, self.core.kv_pool)
         req = await self.thread.call(
             partial(

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.engine import cpu_threads
 from shared.engine.thread import EngineSnapshot
 from shared.serving.grpc_server import NodeMetrics
 from shared.serving.metrics import (
@@ -302,6 +303,7 @@ def test_node_metrics_keep_their_names() -> None:
     assert values["pdserve_kv_transfer_bytes_total"] == 1024
     assert values["pdserve_kv_transfer_rejected_total"] == 4
     assert values['pdserve_requests_total{outcome="stop"}'] == 1
+    assert values["pdserve_cpu_threads"] == cpu_threads.current() >= 1
     for name in (
         "pdserve_time_to_first_token_seconds",
         "pdserve_inter_token_latency_seconds",

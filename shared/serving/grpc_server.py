@@ -14,9 +14,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from proto.pdserve.v1 import generation_pb2
+from shared.engine import cpu_threads
 from shared.engine.core import EngineCore
 from shared.engine.kv_cache import KvLayout
 from shared.engine.thread import EngineSnapshot
+from shared.serving import tracing
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import (
     LATENCY_BUCKETS,
@@ -89,7 +91,7 @@ def create_grpc_server(
 ) -> tuple[aio.Server, health.HealthServicer, int]:
     """A grpc.aio server with health checking and reflection (v1 and v1alpha); returns
     (server, health, port)."""
-    server = aio.server(options=GRPC_SERVER_OPTIONS)
+    server = aio.server(options=GRPC_SERVER_OPTIONS, interceptors=tracing.server_interceptors())
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -225,6 +227,9 @@ class NodeMetrics:
             "Live requests by state",
             lambda: {(k,): v for k, v in snapshot().requests_by_state.items()},
             labelnames=("state",),
+        )
+        register_scrape_gauge(
+            r, "pdserve_cpu_threads", "Threads of torch and the C kernels", cpu_threads.current
         )
         self.kv_transfer_seconds = self._latency(
             "pdserve_kv_transfer_seconds", "KV transfer time per request"

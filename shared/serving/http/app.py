@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from shared.model import native
+from shared.serving import tracing
 from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
 from shared.serving.http.render import Renderer, Rendering, merge_logprobs
@@ -43,6 +44,7 @@ from shared.serving.http.service import (
     usage_of,
 )
 from shared.serving.http.sse import SSE_HEADERS, ChunkWriter, sse_stream
+from shared.serving.http.structured import compile_structured
 from shared.serving.http.tokenization import (
     DetokenizeRequest,
     detokenize,
@@ -120,12 +122,14 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
         jobs = service.jobs(body, service.completion_prompts(body))
+        await compile_structured(body, jobs[0].params.structured, backend.core)
         return await _answer(service, request, body, jobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
         jobs = service.jobs(body, [service.chat_prompt(body)])
+        await compile_structured(body, jobs[0].params.structured, backend.core)
         return await _answer(service, request, body, jobs, chat=True)
 
     @app.post("/tokenize")
@@ -154,6 +158,7 @@ async def _answer(
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
     deadline = service.deadline(request.headers.get("x-request-timeout"))
+    tracing.set_incoming(request.headers)  # the caller's traceparent, for decode.generate
     renderer = Renderer(Rendering.of(body), service.token_texts, jobs)
     pieces = service.pieces(rid, jobs, deadline)
     if not body.stream:
