@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from decode_node.push_mode import PUSH_MODES
 from shared.engine.config import EngineConfig
+from shared.engine.service_level import ServiceLevel
+from shared.engine.slo import SloPolicy
 from shared.serving.limits import (
     HEALTH_CHECK_INTERVAL_S,
     HTTP_BODY_TIMEOUT_S,
@@ -54,6 +56,9 @@ class DecodeNodeConfig:
     # requests waiting, holding nothing, for blocks or an inflight slot; past it
     # RESOURCE_EXHAUSTED with a retry hint (0: refuse whatever cannot be admitted at once)
     max_queued: int = 1024
+    # default SLO targets (ms) for requests that set none (shared/engine/slo.py); None: none
+    ttft_slo_ms: float | None = None
+    itl_slo_ms: float | None = None
     kv_transfer_timeout: float = (
         KV_TRANSFER_TIMEOUT_S  # from prefill dispatch to the last KV byte placed
     )
@@ -85,6 +90,10 @@ class DecodeNodeConfig:
     push: str = "auto"
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
+
+    def slo_policy(self) -> SloPolicy:
+        """The admission's SLO defaults (shared/engine/slo.py): off unless a target is set."""
+        return SloPolicy(self.ttft_slo_ms, self.itl_slo_ms)
 
     def http_api(self, loaded: LoadedModel) -> HttpApiConfig:
         """The HTTP API's settings; `--chat-template` is read here, at start."""
@@ -164,6 +173,7 @@ class DecodeNodeConfig:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        ServiceLevel(ttft_slo_ms=self.ttft_slo_ms, itl_slo_ms=self.itl_slo_ms).validate()
         self._validate_placement()
 
     def _validate_placement(self) -> None:

@@ -36,6 +36,9 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "text": (2, _T.TYPE_STRING, False),
         "token_ids": (3, _T.TYPE_MESSAGE, False),
         "sampling": (4, _T.TYPE_MESSAGE, False),
+        "priority": (5, _T.TYPE_INT32, False),
+        "ttft_slo_ms": (6, _T.TYPE_UINT32, False),
+        "itl_slo_ms": (7, _T.TYPE_UINT32, False),
     },
     "TokenIds": {"ids": (1, _T.TYPE_UINT32, True)},
     "SamplingParams": {
@@ -57,6 +60,11 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "n": (16, _T.TYPE_UINT32, False),
         "min_p": (17, _T.TYPE_FLOAT, False),
         "include_stop_str_in_output": (18, _T.TYPE_BOOL, False),
+        "structured": (19, _T.TYPE_MESSAGE, False),
+    },
+    "StructuredOutput": {
+        "kind": (1, _T.TYPE_ENUM, False),
+        "spec": (2, _T.TYPE_STRING, False),
     },
     "TopLogprob": {
         "token_id": (1, _T.TYPE_UINT32, False),
@@ -162,6 +170,14 @@ EXPECTED_ENUMS: dict[str, dict[str, int]] = {
         "NODE_ROLE_PREFILL": 1,
         "NODE_ROLE_DECODE": 2,
         "NODE_ROLE_COLOCATED": 3,
+    },
+    "StructuredKind": {
+        "STRUCTURED_KIND_UNSPECIFIED": 0,
+        "STRUCTURED_KIND_JSON_SCHEMA": 1,
+        "STRUCTURED_KIND_JSON_OBJECT": 2,
+        "STRUCTURED_KIND_REGEX": 3,
+        "STRUCTURED_KIND_CHOICE": 4,
+        "STRUCTURED_KIND_GRAMMAR": 5,
     },
 }
 

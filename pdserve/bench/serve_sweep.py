@@ -5,6 +5,12 @@ random workload at each rate: completed / refused requests, request throughput, 
 the SLOs and TTFT p99 against the offered rate. With the admission queue, past saturation the
 extra requests wait (TTFT grows with the queue) instead of failing, goodput stays flat, and
 only what overflows `--max-queued` is refused (RESOURCE_EXHAUSTED).
+
+Then SLO-aware admission off vs on (shared/engine/slo.py), in the same run: at capacity (the
+sweep's finite rate with the highest goodput) and at twice it, the same workload against the
+sweep's decode node (off) and against a fresh pair whose decode node runs `--ttft-slo-ms` at the
+goodput TTFT target (on): a request predicted to miss it is refused at once instead of being
+admitted to miss it and make those behind it miss too.
 """
 
 from __future__ import annotations
@@ -36,10 +42,55 @@ def workload(a: argparse.Namespace, model: BenchModel, rate: float) -> list[Requ
     return [RequestSpec(p, a.output_len, t) for p, t in zip(prompts, offsets, strict=True)]
 
 
-def pd_sweep_specs(model: BenchModel, max_queued: int) -> list[bench_nodes.NodeSpec]:
+def pd_sweep_specs(
+    model: BenchModel, max_queued: int, ttft_slo_ms: float | None = None
+) -> list[bench_nodes.NodeSpec]:
     specs = bench_nodes.pd_specs(model.spec, SWEEP_ENGINE)
     specs[1].args += ["--max-inflight", "64", "--max-queued", str(max_queued)]
+    if ttft_slo_ms is not None:
+        specs[1].args += ["--ttft-slo-ms", str(ttft_slo_ms)]
     return specs
+
+
+async def measure(
+    a: argparse.Namespace, model: BenchModel, target: str, rate: float, slos: dict[str, float]
+) -> dict[str, Any]:
+    records, duration = await run_requests(target, workload(a, model, rate))
+    m = metrics_of(records, duration, slos)
+    refused = sum(1 for r in records if r.error and "RESOURCE_EXHAUSTED" in r.error)
+    return {"rate": str(rate), "refused": refused, **m}
+
+
+def capacity(points: list[dict[str, Any]]) -> float | None:
+    """The finite swept rate with the highest goodput."""
+    finite = [p for p in points if not math.isinf(float(p["rate"]))]
+    best = max(finite, key=lambda p: p["goodput"]["request_goodput"], default=None)
+    return None if best is None else float(best["rate"])
+
+
+def slo_comparison(
+    a: argparse.Namespace,
+    model: BenchModel,
+    off_target: str,
+    points: list[dict[str, Any]],
+    slos: dict[str, float],
+) -> dict[str, Any] | None:
+    """Goodput at capacity and at 2x, SLO-aware admission off (the sweep's nodes) vs on."""
+    cap = capacity(points)
+    if cap is None or "ttft" not in slos:
+        return None
+    rates, ttft_ms = [cap, 2 * cap], slos["ttft"] * 1e3
+    off = [asyncio.run(measure(a, model, off_target, r, slos)) for r in rates]
+    specs = pd_sweep_specs(model, a.max_queued, ttft_slo_ms=ttft_ms)
+    with bench_nodes.running(specs, a.out / "logs" / "serve_sweep_slo") as nodes:
+        on = [asyncio.run(measure(a, model, nodes.target("decode"), r, slos)) for r in rates]
+    for label, r_off, r_on in zip(("capacity", "2x capacity"), off, on, strict=True):
+        print(
+            f"SLO-aware admission at {label} ({r_off['rate']} req/s): goodput off "
+            f"{r_off['goodput']['request_goodput']:.2f}, on "
+            f"{r_on['goodput']['request_goodput']:.2f} req/s ({r_on['refused']} refused)"
+        )
+    return {"ttft_slo_ms": ttft_ms, "rates": rates, "off": off, "on": on}
 
 
 def run(a: argparse.Namespace, model: BenchModel, slos: dict[str, float]) -> dict[str, Any]:
@@ -48,21 +99,16 @@ def run(a: argparse.Namespace, model: BenchModel, slos: dict[str, float]) -> dic
     points = []
     with bench_nodes.running(specs, a.out / "logs" / "serve_sweep") as nodes:
         target = nodes.target("decode")
-
-        async def go() -> None:
-            for rate in rates:
-                records, duration = await run_requests(target, workload(a, model, rate))
-                m = metrics_of(records, duration, slos)
-                refused = sum(1 for r in records if r.error and "RESOURCE_EXHAUSTED" in r.error)
-                points.append({"rate": str(rate), "refused": refused, **m})
-                good = m["goodput"]["request_goodput"]
-                print(
-                    f"rate {rate:>6}: {m['completed']:>4} ok, {m['failed']:>4} failed "
-                    f"({refused} refused), {m['request_throughput']:.2f} req/s, goodput "
-                    f"{good:.2f} req/s, TTFT p99 {m['ttft']['p99_ms']:.0f} ms"
-                )
-
-        asyncio.run(go())
+        for rate in rates:
+            m = asyncio.run(measure(a, model, target, rate, slos))
+            points.append(m)
+            print(
+                f"rate {rate:>6}: {m['completed']:>4} ok, {m['failed']:>4} failed "
+                f"({m['refused']} refused), {m['request_throughput']:.2f} req/s, goodput "
+                f"{m['goodput']['request_goodput']:.2f} req/s, TTFT p99 "
+                f"{m['ttft']['p99_ms']:.0f} ms"
+            )
+        comparison = slo_comparison(a, model, target, points, slos)
     return {
         "benchmark": "serve_sweep",
         "environment": environment(),
@@ -78,6 +124,7 @@ def run(a: argparse.Namespace, model: BenchModel, slos: dict[str, float]) -> dic
             "goodput_slos_ms": {k: v * 1e3 for k, v in slos.items()},
         },
         "points": points,
+        "slo_admission": comparison,
     }
 
 

@@ -6,6 +6,9 @@ import math
 import secrets
 from dataclasses import dataclass, field, fields, replace
 
+from shared.engine.service_level import ServiceLevel
+from shared.engine.structured_output import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 # Below this (but above 0) logits / temperature overflows float32 and sampling draws from NaN
@@ -39,6 +42,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # finish with "stop"
     n: int = 1  # completions of the one prompt
     include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
+    # a grammar every output token is drawn under (shared/engine/grammar_rows.py); None: free
+    structured: StructuredOutput | None = None
+    # priority and latency targets: admission's, not the sampler's (service_level.py)
+    service: ServiceLevel = field(default_factory=ServiceLevel)
 
     def __hash__(self) -> int:  # logit_bias is a dict; params are compared, rarely hashed
         return hash((self.max_tokens, self.seed, self.stop, self.n))
@@ -96,6 +103,18 @@ class SamplingParams:
         self._validate_token_ids(vocab_size)
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"sampling.n must be in [1, {MAX_N}], got {self.n}")
+        self.service.validate()
+        if self.structured is not None:
+            self._validate_structured(self.structured)
+
+    def _validate_structured(self, structured: StructuredOutput) -> None:
+        structured.validate()
+        # the grammar ends at EOS: with EOS ignored or masked the matcher could be left with no
+        # token it allows
+        if self.ignore_eos:
+            raise ValueError("sampling.ignore_eos cannot be combined with a structured output")
+        if self.min_tokens:
+            raise ValueError("sampling.min_tokens cannot be combined with a structured output")
 
     def _validate_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):

@@ -6,7 +6,8 @@ room, token budget and blocks remain. Waiting requests are QUEUED ones (holding 
 preempted) and, on a decode node, requests whose KV arrived (holding their prompt's blocks).
 Reservation is incremental: a QUEUED request is admitted when the blocks for its context plus its
 first new token (`admit_lookahead`) are free, and grows block by block as it decodes. When running
-requests need more blocks than are free, the newest running request is preempted by full release and
+requests need more blocks than are free, the newest running request of the lowest priority (the
+largest `priority`; with equal priorities simply the newest) is preempted by full release and
 re-queued QUEUED at the front (recompute), never by pausing alone: a paused request keeping its seat
 would be double-seated when it resumes. Preempting the newest means the oldest running request
 always progresses, and every request alone fits the pool (admission refuses those that cannot), so
@@ -125,7 +126,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.kv.blocks_to_allocate(request, num_new)
             while need > self.kv.num_free_blocks - reserved:
-                victim = self.running[-1]
+                victim = _victim(self.running[i:])
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -204,3 +205,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def _victim(candidates: list[LlmRequest]) -> LlmRequest:
+    """The request to preempt among those not yet scheduled this step (oldest first): the
+    newest of the lowest priority, so that the oldest of the highest keeps progressing."""
+    worst = max(r.sampling_params.service.priority for r in candidates)
+    return next(r for r in reversed(candidates) if r.sampling_params.service.priority == worst)

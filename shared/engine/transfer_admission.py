@@ -3,10 +3,14 @@ for its prompt and first generated token are free, then gets them reserved and p
 incoming KV transfer (DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS).
 
 Runs on the engine thread, driven by the EngineCore after every step and command (the only
-moments blocks can free up). Admission is FIFO through `AdmissionQueue`, and leaves free the
+moments blocks can free up). Admission is in `AdmissionQueue`'s order (priority, aged; FIFO
+when every priority is 0), and leaves free the
 blocks that requests the scheduler itself holds QUEUED wait for (preempted for recompute, or a
 local prefill not yet scheduled): they came first, and letting new transfers take those blocks
-would starve them; refusing while they wait would refuse work the pool can hold.
+would starve them; refusing while they wait would refuse work the pool can hold. With TTFT or
+ITL targets (shared/engine/slo.py) a request that would miss its TTFT target is refused at once,
+before anything is allocated, and the head is held while admitting it would make the decode batch
+too slow for the tightest ITL target in it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from shared.engine.admission_queue import AdmissionQueue, QueueEntry, QueueFull
 from shared.engine.block_manager import BlockHash
 from shared.engine.request import FinishReason, LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.slo import SloPolicy, tokens_still_to_prefill
 from shared.engine.utils import cdiv
 
 if TYPE_CHECKING:
@@ -55,10 +60,15 @@ class TransferAdmission:
         self.on_admission: AdmissionCallback | None = None
         self._grants: dict[str, TransferGrant] = {}  # admitted this round, not yet reported
         self.closed = False  # set by drain: a request racing the shutdown is not queued
+        self.slo = SloPolicy()
 
-    def configure(self, max_queued: int, max_admitted: int | None) -> None:
+    def configure(
+        self, max_queued: int, max_admitted: int | None, slo: SloPolicy | None = None
+    ) -> None:
         self.queue.max_queued = max_queued
         self.max_admitted = max_admitted
+        if slo is not None:
+            self.slo = slo
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -74,28 +84,48 @@ class TransferAdmission:
     ) -> LlmRequest:
         """Validate, create the request QUEUED and queue it (then try to admit at once).
         Raises RequestRejected (bad input, or a request the pool could never hold) or
-        ResourcesExhausted (queue full, with `retry_after_s`)."""
+        ResourcesExhausted (queue full, or its TTFT target out of reach: `retry_after_s`)."""
         from shared.engine.core import ResourcesExhausted
 
         if self.closed:
             raise AdmissionClosed("node is shutting down: retry on another node")
+        core.validate_request(prompt_token_ids, params)
+        now = time.monotonic()
+        self.predict_ttft(core, request_id, len(prompt_token_ids), params, now)
         request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED)
         request.prompt_block_hashes = list(prompt_hashes)  # the prefix match hashes nothing
-        now = time.monotonic()
         entry = QueueEntry(request_id, request, now, deadline)
         if not self.queue and self._admit_now(core, entry):
             return request  # it fits now: it never counts against the queue's bound
         try:
-            self.queue.push(request.request_id, request, now, deadline)
+            priority = params.service.priority
+            self.queue.push(request.request_id, request, now, deadline, priority)
         except QueueFull as e:
             core.finish_request(request, FinishReason.ABORTED)
             raise ResourcesExhausted(str(e), e.retry_after_s) from None
         self.admit(core)
         return request
 
+    def predict_ttft(
+        self, core: EngineCore, rid: str, tokens: int, params: SamplingParams, now: float
+    ) -> float | None:
+        """The TTFT this request would see if queued now (slo.py); raises SloMiss (a
+        ResourcesExhausted) when that misses its target. Allocates nothing."""
+        order = self.queue.order_key(now, params.service.priority)
+        before = [e.item.prompt_len for e in self.queue.entries() if e.order < order]
+        queued = set(self.queue.keys())
+        live = (r for r in core.requests.values() if r.request_id not in queued)
+        ahead = sum(before) + tokens_still_to_prefill(live)
+        # when blocks, not prefill, bound the drain: those ahead at the queue's admission rate
+        rate = self.queue.admission_rate(now)
+        wait = len(before) / rate if before and rate else 0.0
+        return self.slo.check_ttft(rid, tokens, ahead, params.service, wait)
+
     def forget(self, request_id: str) -> None:
-        """A cancel: the request leaves the queue; it held nothing."""
+        """The request ended (a cancel, or it finished): it leaves the queue; it held
+        nothing there."""
         self.queue.remove(request_id)
+        self.slo.forget(request_id)
 
     def drain(self, core: EngineCore) -> list[str]:
         """Shutting down: end every queued request (ABORTED) and queue no more; returns their
@@ -109,9 +139,10 @@ class TransferAdmission:
         return ids
 
     def admit(self, core: EngineCore) -> None:
+        now = time.monotonic()
+        self.slo.steps.tick(core.num_steps, len(core.scheduler.running), now)
         if not self.queue:
             return
-        now = time.monotonic()
         for entry in self.queue.pop_expired(now):
             core.finish_request(entry.item, FinishReason.ABORTED)
             if self.on_admission is not None:
@@ -138,12 +169,23 @@ class TransferAdmission:
             if admitted >= self.max_admitted:
                 return False
         request = entry.item
+        if self.slo.batch_too_slow(self._past_queue(core, request), request):
+            return False
         grant = reserve_transfer_blocks(core, request, core.scheduler.queued_block_need())
         if grant is None:
             return False
         grant.queue_seconds = now - entry.enqueued_at
+        self.slo.rate.started(entry.key, request.prompt_len - request.cached_tokens, now)
         self._grants[entry.key] = grant
         return True
+
+    def _past_queue(self, core: EngineCore, candidate: LlmRequest) -> list[LlmRequest]:
+        """The live requests past admission (the decode batch, and those about to join it)."""
+        return [
+            r
+            for r in core.requests.values()
+            if r is not candidate and r.request_id not in self.queue
+        ]
 
 
 def reserve_transfer_blocks(

@@ -25,7 +25,13 @@ import ssl
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import uvicorn
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,6 +56,7 @@ __all__ = [
     "register_scrape_counter",
     "register_scrape_gauge",
     "render",
+    "ttft_prediction_error_histogram",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,6 +70,12 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0,
+)  # fmt: skip
+
+# Seconds, signed: predicted minus actual (positive: the prediction was pessimistic).
+PREDICTION_ERROR_BUCKETS: tuple[float, ...] = (
+    -30.0, -10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0,
 )  # fmt: skip
 
 ScrapeValue = float | Mapping[tuple[str, ...] | str, float]
@@ -153,6 +166,17 @@ def prompt_tokens_counter(registry: CollectorRegistry) -> Counter:
     for source in ("computed", "cached"):
         counter.labels(source=source)
     return counter
+
+
+def ttft_prediction_error_histogram(registry: CollectorRegistry) -> Histogram:
+    """pdserve_ttft_prediction_error_seconds: SLO-aware admission's predicted minus actual
+    time to first token, per admitted request (shared/engine/slo.py)."""
+    return Histogram(
+        "pdserve_ttft_prediction_error_seconds",
+        "Predicted minus actual time to first token of admitted requests",
+        buckets=PREDICTION_ERROR_BUCKETS,
+        registry=registry,
+    )
 
 
 def render(registry: CollectorRegistry) -> str:

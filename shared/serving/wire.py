@@ -9,6 +9,7 @@ to a 400 error object.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -19,6 +20,8 @@ from google.protobuf.message import DecodeError
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.service_level import ServiceLevel
+from shared.engine.structured_output import KINDS, StructuredOutput
 from shared.serving.limits import MAX_REQUEST_ID_CHARS, MAX_SEED
 
 __all__ = [
@@ -26,12 +29,15 @@ __all__ = [
     "add_servicer",
     "check_request_id",
     "check_sampling",
+    "generate_params_from_proto",
     "logprob_from_proto",
     "logprob_to_proto",
     "prompt_logprobs_from_proto",
     "prompt_logprobs_to_proto",
     "sampling_from_proto",
     "sampling_to_proto",
+    "structured_from_proto",
+    "structured_to_proto",
     "validate_request",
 ]
 
@@ -69,7 +75,35 @@ def sampling_from_proto(
         stop_token_ids=tuple(s.stop_token_ids),
         n=s.n or 1,
         include_stop_str_in_output=s.include_stop_str_in_output,
+        structured=structured_from_proto(s.structured) if s.HasField("structured") else None,
     )
+
+
+# StructuredOutput.kind <-> the wire's StructuredKind, in KINDS' order (0 is unspecified)
+_KIND_VALUES = {kind: i + 1 for i, kind in enumerate(KINDS)}
+
+
+def structured_from_proto(msg: generation_pb2.StructuredOutput) -> StructuredOutput:
+    """An unset or unknown kind passes through as such: validation names it (INVALID_ARGUMENT)."""
+    kind = KINDS[msg.kind - 1] if 1 <= msg.kind <= len(KINDS) else f"kind {msg.kind}"
+    return StructuredOutput(kind, msg.spec)  # type: ignore[arg-type]
+
+
+def structured_to_proto(structured: StructuredOutput) -> generation_pb2.StructuredOutput:
+    return generation_pb2.StructuredOutput(
+        kind=_KIND_VALUES[structured.kind],  # type: ignore[arg-type]
+        spec=structured.spec,
+    )
+
+
+def generate_params_from_proto(request: generation_pb2.GenerateRequest) -> SamplingParams:
+    """A GenerateRequest's sampling fields with its service level (priority, SLO targets)."""
+    service = ServiceLevel(
+        priority=request.priority,
+        ttft_slo_ms=request.ttft_slo_ms if request.HasField("ttft_slo_ms") else None,
+        itl_slo_ms=request.itl_slo_ms if request.HasField("itl_slo_ms") else None,
+    )
+    return replace(sampling_from_proto(request.sampling), service=service)
 
 
 def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
@@ -94,6 +128,8 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
     )
     if params.seed is not None:  # unset: the server draws one
         msg.seed = params.seed
+    if params.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(params.structured))
     return msg
 
 

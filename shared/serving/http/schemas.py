@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from shared.engine.sampling_params import MAX_LOGPROBS, MAX_N
+from shared.engine.service_level import MAX_PRIORITY, MAX_SLO_MS, MIN_PRIORITY, ServiceLevel
 
 # Token ids and counts: an int that is not a bool and not a float with no fraction.
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -28,11 +29,6 @@ class StreamOptions(BaseModel):
 # vLLM extensions a client may rely on and pdserve does not implement: refused unless unset or
 # at the value pdserve behaves as (vLLM's default)
 _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
@@ -68,17 +64,23 @@ class _Sampling(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
     include_stop_str_in_output: StrictBool = False  # vLLM extension
+    # admission (shared/engine/service_level.py): vLLM's priority, lower first; pdserve's
+    # latency targets in ms (a request predicted to miss its TTFT target gets 429 at once)
+    priority: Annotated[StrictInt, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
+    ttft_slo_ms: Annotated[StrictFloat, Field(gt=0, le=MAX_SLO_MS)] | None = None
+    itl_slo_ms: Annotated[StrictFloat, Field(gt=0, le=MAX_SLO_MS)] | None = None
     # known, not implemented: refused with a 400 naming them when set
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
+    # structured outputs (shared/serving/http/structured.py): OpenAI's and vLLM's spellings
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    # vLLM's, refused by `unsupported_fields` unless at a no-op value (_VLLM_NO_OPS)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    # vLLM's, refused by `unsupported_fields` unless at a no-op value (_VLLM_NO_OPS)
     truncate_prompt_tokens: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
@@ -90,7 +92,6 @@ class _Sampling(BaseModel):
         no_ops: dict[str, tuple[object, ...]] = {
             # best_of = n samples exactly the n completions returned; more would need ranking
             "best_of": (None, self.n or 1),
-            "response_format": (None, {"type": "text"}),
             "tools": (None, []),
             "tool_choice": (None, "none"),
             **_VLLM_NO_OPS,
@@ -112,6 +113,10 @@ class _Sampling(BaseModel):
     def generated_logprobs(self) -> int | None:
         """Alternatives per generated token (None: no logprobs)."""
         return None
+
+    @property
+    def service_level(self) -> ServiceLevel:
+        return ServiceLevel(self.priority, self.ttft_slo_ms, self.itl_slo_ms)
 
     @property
     def include_usage(self) -> bool:

@@ -14,7 +14,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from shared.engine.core import EngineCore
@@ -211,6 +211,7 @@ class OpenAIService:
         jobs = []
         for i, (prompt, text) in enumerate(prompts):
             params = to_sampling_params(req, self.defaults, len(prompt), limit)
+            params = replace(params, service=req.service_level)
             jobs.append(Job(i, prompt, self.backend.validate(prompt, params), text))
         return jobs
 
