@@ -11,6 +11,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.service_level import ServiceLevel
 from shared.engine.slo import SloPolicy
 from shared.serving.limits import (
+    DRAIN_GRACE_S,
     HEALTH_CHECK_INTERVAL_S,
     HTTP_BODY_TIMEOUT_S,
     HTTP_HEADER_TIMEOUT_S,
@@ -70,6 +71,9 @@ class DecodeNodeConfig:
     )
     prefill_retries: int = 1  # re-dispatches to another healthy prefill node after a failure
     health_check_interval: float = HEALTH_CHECK_INTERVAL_S
+    # on SIGTERM: how long in-flight requests may finish before the rest are aborted (fit it in
+    # the orchestrator's grace period, e.g. Kubernetes' terminationGracePeriodSeconds)
+    drain_grace: float = DRAIN_GRACE_S
     # conditional prefill: a prompt leaving at most this many tokens to compute after this
     # node's prefix-cache hit is prefilled here when the step budget has room (0: never);
     # see docs/performance.md for the measurement behind the default
@@ -169,6 +173,8 @@ class DecodeNodeConfig:
         for tls in (self.tls, self.prefill_tls):
             if tls is not None:
                 tls.validate()
+        if not 0 <= self.drain_grace <= 3600:
+            raise ValueError(f"--drain-grace must be in [0, 3600] seconds, got {self.drain_grace}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:

@@ -148,12 +148,23 @@ def _add_export_hf(sub: argparse._SubParsersAction) -> None:
     log_level_arg(ex)
 
 
+def _drain_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=limits.DRAIN_GRACE_S,
+        help="seconds in-flight requests may take to finish after SIGTERM before the rest are "
+        f"aborted (default {limits.DRAIN_GRACE_S:g}; fit it in the orchestrator's grace period)",
+    )
+
+
 def _add_prefill(sub: argparse._SubParsersAction) -> None:
     pf = sub.add_parser("prefill", help="run one prefill node")
     _engine_args(pf)
     pf.add_argument("--host", default="127.0.0.1")
     pf.add_argument("--port", type=int, default=50061)
     pf.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
+    _drain_arg(pf)
     _server_tls_args(pf)
 
 
@@ -165,6 +176,7 @@ def _add_decode(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     dc.add_argument("--port", type=int, default=50051)
     _ucx_args(dc)
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
+    _drain_arg(dc)
     _http_args(dc)
     _decode_limit_args(dc)
     dc.add_argument(

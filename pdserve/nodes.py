@@ -16,7 +16,7 @@ from decode_node.config import DecodeNodeConfig
 from pdserve import lifeline
 from pdserve.restart_count import export_restarts
 from prefill_node.config import PrefillNodeConfig
-from shared.serving.limits import DRAIN_GRACE_S, ORPHAN_DRAIN_GRACE_S
+from shared.serving.limits import ORPHAN_DRAIN_GRACE_S
 from transfer.ucx import configure_ucx_env
 
 log = logging.getLogger("pdserve")
@@ -33,7 +33,9 @@ def announce(role: str, **fields: object) -> None:
 
 
 async def _serve_until_signal(
-    start: Callable[[], Awaitable[None]], stop: Callable[[float], Awaitable[bool | None]]
+    start: Callable[[], Awaitable[None]],
+    stop: Callable[[float], Awaitable[bool | None]],
+    grace: float,
 ) -> int:
     """Serve until SIGTERM/SIGINT or the parent's death (the lifeline closes), then drain."""
     loop = asyncio.get_running_loop()
@@ -53,7 +55,7 @@ async def _serve_until_signal(
     await stopping.wait()
     log.info("shutting down")
     # nobody waits for an orphan's in-flight streams for long: its parent is gone
-    conserved = await (stop(ORPHAN_DRAIN_GRACE_S) if orphaned else stop(DRAIN_GRACE_S))
+    conserved = await (stop(min(grace, ORPHAN_DRAIN_GRACE_S)) if orphaned else stop(grace))
     if conserved in (True, None):
         log.info("stopped: every seat and block back in its pool")
         code = 0
@@ -84,7 +86,7 @@ def run_prefill(config: PrefillNodeConfig) -> int:
                 metrics_port=node.serving.metrics_port if node.serving else None,
             )
 
-        return await _serve_until_signal(start, node.stop)
+        return await _serve_until_signal(start, node.stop, config.drain_grace)
 
     return uvloop.run(main())
 
@@ -108,6 +110,6 @@ def run_decode(config: DecodeNodeConfig) -> int:
                 http_scheme=node.http.scheme if node.http else None,
             )
 
-        return await _serve_until_signal(start, node.stop)
+        return await _serve_until_signal(start, node.stop, config.drain_grace)
 
     return uvloop.run(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
-from shared.serving.limits import PREFILL_DEFAULT_DEADLINE_S
+from shared.serving.limits import DRAIN_GRACE_S, PREFILL_DEFAULT_DEADLINE_S
 from shared.serving.tls import ServerTls
 
 # A prefill node's step budget: it runs no decode steps whose inter-token latency a big chunk
@@ -24,6 +24,7 @@ class PrefillNodeConfig:
     max_pending: int = 256  # context-only requests queued or in flight before RESOURCE_EXHAUSTED
     default_timeout: float = PREFILL_DEFAULT_DEADLINE_S  # when the caller sets no deadline
     tls: ServerTls | None = None  # None: plaintext gRPC
+    drain_grace: float = DRAIN_GRACE_S  # on SIGTERM, for in-flight prefills to finish
 
     def validate(self) -> None:
         self.engine.validate()
@@ -37,5 +38,7 @@ class PrefillNodeConfig:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
         if self.tls is not None:
             self.tls.validate()
+        if not 0 <= self.drain_grace <= 3600:
+            raise ValueError(f"--drain-grace must be in [0, 3600] seconds, got {self.drain_grace}")
         if self.default_timeout <= 0:
             raise ValueError(f"default_timeout must be positive, got {self.default_timeout}")

@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from pdserve.cli_args import build_parser
-from shared.serving.limits import DRAIN_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
@@ -247,7 +246,7 @@ def test_drain_fits_in_the_termination_grace_period(overlay: str) -> None:
     for role, (deployment, c, a) in nodes(overlay).items():
         sleep = c["lifecycle"]["preStop"]["exec"]["command"]
         assert sleep[0] == "sleep"
-        drain = a.grace if role == "proxy" else DRAIN_GRACE_S
+        drain = a.grace if role == "proxy" else a.drain_grace
         budget = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert int(sleep[1]) + drain + 5 <= budget, f"{role}: preStop + drain > grace period"
 
