@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from decode_node.grammar_check import check_first_tokens
 from decode_node.remote_prefill import FirstTokens
 from decode_node.stream import Stream
 from shared.engine.output import OutputProcessor, TokenDelta
@@ -64,6 +65,7 @@ async def release_first(
     """Hand the landed request to the engine; return the first deltas to stream now: the early
     one (the engine's copy is awaited later, by `engine_took_first`), or, for n > 1, the
     engine's own once it has taken them."""
+    check_first_tokens(thread.core, params, first)
     rid = stream.request_id
     completing = thread.submit(lambda core: core.complete_transfer_all(rid, *first))
     early = early_first_delta(thread.core.outputs, rid, prompt, params, first)

@@ -186,7 +186,7 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
                 await client.completions.create(model=SERVED, prompt="x", max_tokens=10**7)
             with pytest.raises(openai.BadRequestError, match="guided_json"):
                 await client.completions.create(
-                    model=SERVED, prompt="x", extra_body={"guided_json": {"type": "object"}}
+                    model=SERVED, prompt="x", extra_body={"guided_json": {"type": "wat"}}
                 )
             for field, value in [("skip_special_tokens", False), ("echo", True)]:
                 with pytest.raises(openai.BadRequestError, match=field):

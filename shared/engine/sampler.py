@@ -1,12 +1,13 @@
 """Batched sampling with per-seat state (docs/seat-system.md §6).
 
-Randomness is a pure function of (request seed, output index): each sampled token draws one
-uniform from a splitmix64 counter stream, then inverts the CDF of the filtered distribution.
-So a seeded request gives the same text whatever else is in the batch, and a prefill node (which
-samples output 0) and a decode node (outputs 1..) draw from one per-request stream.
+Randomness is a pure function of (request seed, output index): each token draws one uniform from
+a splitmix64 counter stream and inverts the CDF of the filtered distribution. So a seeded request
+gives the same text whatever the batch, and a prefill node (output 0) and a decode node (1..)
+draw from one per-request stream.
 
 Penalties, logit_bias and min_tokens (shared/engine/penalties.py) reshape the logits before the
-draw; logprobs (shared/engine/logprobs.py) are read from the raw logits, before any of that.
+draw, then a structured output's grammar masks what it forbids (shared/engine/grammar_rows.py);
+logprobs (shared/engine/logprobs.py) are read from the raw logits, before any of that.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.grammar_rows import GrammarRows
 from shared.engine.logprobs import TokenLogprobs, compute_logprobs
 from shared.engine.penalties import PenaltyState
 from shared.engine.request import LlmRequest
+from shared.model.tokenizer import Tokenizer
 
 _MASK64 = (1 << 64) - 1
 # top_k up to this draws from a partial sort (topk) of this many candidates, not a full sort
@@ -59,6 +62,7 @@ class Sampler:
         max_num_sequences: int,
         device: torch.device | str = "cpu",
         eos_token_ids: Iterable[int] = (),
+        tokenizer: Tokenizer | None = None,  # structured outputs build their vocabulary from it
     ):
         self.max_num_sequences = max_num_sequences
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -76,6 +80,7 @@ class Sampler:
         self.logprobs_k: list[int | None] = [None] * max_num_sequences
         self.owner: list[str | None] = [None] * max_num_sequences
         self.penalties: PenaltyState | None = None  # allocated for the first request using them
+        self.grammars = GrammarRows(max_num_sequences, tokenizer)
         self._check_invariants()
 
     def _check_invariants(self) -> None:
@@ -113,6 +118,8 @@ class Sampler:
                 with torch.inference_mode(False):
                     self.penalties = PenaltyState(self.max_num_sequences, vocab_size, self.device)
             self.penalties.setup(seat, request, self.eos_token_ids)
+        if params.structured is not None:
+            self.grammars.setup(seat, request, vocab_size)
         self.owner[seat] = request.request_id
 
     def release_request(self, request: LlmRequest) -> None:
@@ -128,11 +135,13 @@ class Sampler:
         self.logprobs_k[seat] = None
         if self.penalties is not None and self.penalties.active[seat]:
             self.penalties.clear(seat)
+        self.grammars.clear(seat)
         self.owner[seat] = None
         self.new_tokens[:, seat] = 0
 
     def seats_in_use(self) -> int:
-        return sum(o is not None for o in self.owner)
+        held = zip(self.owner, self.grammars.matchers, strict=True)
+        return sum(o is not None or m is not None for o, m in held)
 
     def sample(self, requests: Sequence[LlmRequest | None], logits: torch.Tensor) -> list[int]:
         return self.sample_step(requests, logits).tokens
@@ -140,13 +149,12 @@ class Sampler:
     def sample_step(
         self, requests: Sequence[LlmRequest | None], logits: torch.Tensor
     ) -> SampleOutput:
-        """One call per step over logits [rows, vocab]. `None` rows are padding: sampled into
-        the scratch row, discarded."""
+        """Logits [rows, vocab]; `None` rows are padding: sampled into the scratch row."""
         vocab = logits.shape[-1]
         rows = [self.dummy_slot_row if r is None else self._seat(r, vocab) for r in requests]
         raw = logits.float()
         live = [i for i, r in enumerate(requests) if r is not None]
-        shaped = self._apply_penalties(requests, rows, raw)
+        shaped = self.grammars.apply(rows, live, self._apply_penalties(requests, rows, raw), raw)
         # max().indices: argmax's result (the first maximum; NaN wins, as there) in a third of
         # argmax's time on CPU (32 x 49152 fp32: 0.5 vs 1.7 ms)
         tokens = shaped.max(dim=-1).indices
@@ -172,6 +180,7 @@ class Sampler:
         self.new_tokens[0, row_index, 0] = tokens.to(self.new_tokens.device)
         token_list = tokens.tolist()
         self._record_penalties(rows, live, tokens)
+        self.grammars.record(rows, live, token_list)
         return SampleOutput(
             token_list,
             self._logprobs(rows, live, raw, token_list),
@@ -185,9 +194,9 @@ class Sampler:
         shaped: torch.Tensor,
         raw: torch.Tensor,
     ) -> list[list[Choice]]:
-        """First tokens of completions 1..n-1 of n > 1 requests, from the same logits as
-        completion 0's, each from its own stream (`choice_seed`), at output index 0. The seat's
-        penalty state is the same for all of them here: nothing has been produced yet."""
+        """First tokens of completions 1..n-1 of n > 1 requests, from completion 0's logits
+        (its penalty and grammar state hold for all: nothing was produced yet), each from its
+        own stream (`choice_seed`), at output index 0."""
         out: list[list[Choice]] = [[] for _ in rows]
         for i, r in enumerate(requests):
             if r is None or not r.forks_pending:
@@ -221,8 +230,7 @@ class Sampler:
     def _apply_penalties(
         self, requests: Sequence[LlmRequest | None], rows: list[int], raw: torch.Tensor
     ) -> torch.Tensor:
-        """The logits the draw sees: raw ones, reshaped on the rows whose requests use
-        penalties, bias or min_tokens (a copy: logprobs still read the raw logits)."""
+        """Raw logits reshaped on rows using penalties, bias or min_tokens (a copy)."""
         live = [i for i, r in enumerate(requests) if r is not None]
         picked = self._penalty_rows(rows, live)
         if not picked:
@@ -280,14 +288,11 @@ class Sampler:
         uniforms: torch.Tensor,
         min_p: torch.Tensor,
     ) -> torch.Tensor:
-        """Rows with a min_p lose their tokens below it first (as -inf logits, which every path
-        below gives no mass). Rows whose top_k is at most TOPK_CANDIDATES draw from that many
-        candidates (topk); rows with no top-k / top-p filter draw over the vocabulary in id
-        order, with no sort (the OpenAI default, temperature only: a stable sort of the
-        vocabulary per row was half of a batch-16 decode step of SmolLM2); top-p rows without a
-        top-k take their nucleus from those candidates when it lies within them; the others
-        from a full sort. Which path a row takes depends on its own parameters and logits only,
-        so its draw does not depend on the rest of the batch."""
+        """Rows with a min_p lose their tokens below it first (-inf: no mass on any path).
+        top_k <= TOPK_CANDIDATES: drawn from that many candidates (topk); no top-k / top-p: over
+        the vocabulary in id order, unsorted (a stable sort per row was half of a batch-16
+        SmolLM2 decode step); top-p alone: from those candidates when the nucleus lies within
+        them; else a full sort. A row's path depends on its own parameters and logits only."""
         logits = _apply_min_p(logits, temps, min_p)
         out = torch.empty(logits.shape[0], dtype=torch.long)
         few = (top_k > 0) & (top_k <= TOPK_CANDIDATES)

@@ -13,6 +13,7 @@ from typing import Any
 from shared.engine.sampling_params import SamplingParams
 from shared.serving.http.errors import ApiError
 from shared.serving.http.schemas import ChatCompletionRequest, CompletionRequest
+from shared.serving.http.structured import structured_output
 
 # OpenAI's defaults for what neither the request nor generation_config.json sets
 OPENAI_DEFAULTS: dict[str, Any] = {
@@ -68,6 +69,7 @@ def to_sampling_params(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         n=req.n or 1,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured=structured_output(req),
     )
 
 

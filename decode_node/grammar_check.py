@@ -1,0 +1,43 @@
+"""Structured outputs on the decode node: the grammar compiled before a gRPC request is queued,
+and the prefill node's first tokens checked against it before the engine takes them.
+
+A first token the grammar rejects (a prefill node with another model, tokenizer or a bug) is
+refused with INTERNAL instead of being streamed: the output would silently break its schema.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from decode_node.remote_prefill import FirstTokens
+from shared.engine.core import EngineCore
+from shared.engine.grammar_compiler import GrammarError, compile_async, compiler_for
+from shared.engine.sampling_params import SamplingParams
+from shared.serving.grpc_server import GenerateError
+
+
+async def with_grammar(
+    core: EngineCore, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], SamplingParams]:
+    """(prompt, params) once params' grammar is compiled (off the engine thread)."""
+    if params.structured is not None:
+        try:
+            await compile_async(core.tokenizer, core.model_config.vocab_size, params.structured)
+        except GrammarError as e:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}") from None
+    return prompt, params
+
+
+def check_first_tokens(core: EngineCore, params: SamplingParams, first: FirstTokens) -> None:
+    spec = params.structured
+    if spec is None:
+        return
+    compiler = compiler_for(core.tokenizer, core.model_config.vocab_size)
+    token, _, _, choices = first
+    for t in (token, *(c for c, _ in choices)):
+        if not compiler.allows(spec, [t]):
+            raise GenerateError(
+                grpc.StatusCode.INTERNAL,
+                f"the prefill node's first token {t} is not allowed by the request's "
+                f"{spec.kind}; refusing it (do both nodes serve the same model and tokenizer?)",
+            )

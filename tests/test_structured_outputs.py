@@ -1,0 +1,381 @@
+"""Structured outputs (response_format, vLLM's structured_outputs / guided_*) on real nodes: a
+P/D cluster with 2 prefill nodes (the first token drawn under the grammar there) and a colocated
+node, over HTTP and gRPC, on `tiny` (byte tokenizer), a byte-level BPE checkpoint and SmolLM2.
+Every output that finishes with `stop` validates; seeded outputs are identical P/D and
+colocated; after success, errors and cancels every seat, block and grammar matcher is back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from pdserve.bench.support.inprocess import PdCluster, pd_cluster
+from pdserve.client import generate
+from shared.engine.config import EngineConfig
+from shared.engine.grammar_compiler import compiler_for
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.structured_output import StructuredOutput
+from shared.model.gguf_builtin import SMOLLM2_SPEC
+from tests.engine_helpers import chat_checkpoint
+from tests.structured_corpus import SCHEMAS
+
+ENGINE = EngineConfig(model="tiny", num_kv_blocks=512, max_batch_size=16)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 170))
+
+
+@contextlib.asynccontextmanager
+async def both(model: str | Path, engine: EngineConfig) -> AsyncIterator[list[PdCluster]]:
+    """A P/D cluster (2 prefill nodes) and a colocated node, each with its HTTP API."""
+    http = {"http_port": 0}
+    async with (
+        pd_cluster(
+            model, num_prefill=2, prefill_engine=engine, decode_engine=engine, decode_overrides=http
+        ) as pd,
+        pd_cluster(model, colocated=True, prefill_engine=engine, decode_overrides=http) as co,
+    ):
+        yield [pd, co]
+        for c in (pd, co):
+            await c.assert_idle_and_conserved()
+
+
+def url(c: PdCluster) -> str:
+    return f"http://127.0.0.1:{c.decodes[0].http_port}"
+
+
+async def post(c: PdCluster, path: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(url(c) + path, json={"model": model_name(c), **body})
+
+
+def model_name(c: PdCluster) -> str:
+    return c.decodes[0].core.loaded.name
+
+
+def fmt(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+
+
+def check(schema: dict[str, Any], choice: dict[str, Any]) -> bool:
+    """A stopped output validates; returns whether it stopped."""
+    text = choice.get("text", choice.get("message", {}).get("content"))
+    if choice["finish_reason"] != "stop":
+        return False
+    jsonschema.validate(json.loads(text), schema)
+    return True
+
+
+def test_schema_corpus_pd_and_colocated() -> None:
+    async def body() -> None:
+        async with both("tiny", ENGINE) as clusters:
+            texts = []
+            for c in clusters:
+                reqs = [
+                    {"prompt": f"p{i}", "max_tokens": 48, "response_format": fmt(s), **mode}
+                    for i, s in enumerate(SCHEMAS)
+                    for mode in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7 + i})
+                ]
+                answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
+                stopped = 0
+                for r, a in zip(reqs, answers, strict=True):
+                    assert a.status_code == 200, a.text
+                    schema = r["response_format"]["json_schema"]["schema"]
+                    stopped += check(schema, a.json()["choices"][0])
+                assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
+                texts.append([a.json()["choices"][0]["text"] for a in answers])
+                # max_tokens 1: the prefill node's token alone is a valid start
+                ones = await asyncio.gather(
+                    *(
+                        post(c, "/v1/completions", {**r, "max_tokens": 1, "logprobs": 2})
+                        for r in reqs
+                    )
+                )
+                compiler = compiler_for(c.decodes[0].core.tokenizer, 259)
+                for r, a in zip(reqs, ones, strict=True):
+                    spec = StructuredOutput(
+                        "json_schema", json.dumps(r["response_format"]["json_schema"]["schema"])
+                    )
+                    token = a.json()["choices"][0]["text"].encode()
+                    assert len(token) == 1 and compiler.allows(spec, list(token)), a.text
+            assert texts[0] == texts[1], "P/D and colocated disagree"
+
+    run(body())
+
+
+def test_choice_regex_grammar_and_combinations() -> None:
+    regex = r"[a-z]{2,4}-\d{2}"
+    cases: list[tuple[dict[str, Any], Callable[[str], bool]]] = [
+        (
+            {"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}},
+            lambda t: t in {"alpha", "beta", "gamma"},
+        ),
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in {"yes", "no"}),
+        ({"structured_outputs": {"regex": regex}}, lambda t: re.fullmatch(regex, t) is not None),
+        ({"guided_regex": r"\d{1,3}"}, lambda t: re.fullmatch(r"\d{1,3}", t) is not None),
+        ({"guided_grammar": 'root ::= "a" ("b" | "c") "d"'}, lambda t: t in {"abd", "acd"}),
+        ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
+    ]
+
+    async def body() -> None:
+        async with both("tiny", ENGINE) as clusters:
+            for c in clusters:
+                for extra, ok in cases:
+                    for seed in range(3):
+                        r = {
+                            "prompt": "q",
+                            "max_tokens": 64,
+                            "temperature": 1.0,
+                            "seed": seed,
+                            "n": 2,
+                            "logprobs": 1,
+                            "presence_penalty": 0.5,
+                            **extra,
+                        }
+                        a = await post(c, "/v1/completions", r)
+                        assert a.status_code == 200, a.text
+                        for ch in a.json()["choices"]:
+                            assert ch["finish_reason"] == "stop" or "json_object" in str(extra)
+                            if ch["finish_reason"] == "stop":
+                                assert ok(ch["text"]), (extra, ch["text"])
+                await streamed_and_cancelled(c)
+
+    run(body())
+
+
+async def streamed_and_cancelled(c: PdCluster) -> None:
+    """Streaming n=2 chat-less completions validate; a stream closed early releases all."""
+    schema = SCHEMAS[3]
+    r = {
+        "prompt": "s",
+        "max_tokens": 48,
+        "stream": True,
+        "n": 2,
+        "seed": 3,
+        "temperature": 0.8,
+        "response_format": fmt(schema),
+    }
+    texts = {0: "", 1: ""}
+    finish = {}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream(
+            "POST", url(c) + "/v1/completions", json={"model": model_name(c), **r}
+        ) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    texts[ch["index"]] += ch["text"]
+                    if ch.get("finish_reason"):
+                        finish[ch["index"]] = ch["finish_reason"]
+        for i in (0, 1):
+            check(schema, {"text": texts[i], "finish_reason": finish[i]})
+        long = {**r, "max_tokens": 200, "response_format": fmt({"type": "string"})}
+        async with client.stream(
+            "POST", url(c) + "/v1/completions", json={"model": model_name(c), **long}
+        ) as resp:
+            async for _ in resp.aiter_lines():
+                break  # the client goes away: the request is cancelled on both nodes
+    await c.assert_idle_and_conserved()
+
+
+def test_bad_input_is_400_naming_the_field() -> None:
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"response_format": fmt({"type": "wat"})}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
+        ({"guided_grammar": "root ::= foo"}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ]
+
+    async def body() -> None:
+        async with pd_cluster("tiny", num_prefill=1, decode_overrides={"http_port": 0}) as c:
+            for extra, param in bad:
+                a = await post(c, "/v1/completions", {"prompt": "x", "max_tokens": 4, **extra})
+                assert a.status_code == 400, (extra, a.text)
+                assert a.json()["error"]["param"] == param, a.text
+            # gRPC: the same spec is INVALID_ARGUMENT before anything is queued
+            params = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "(ab"))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(c.targets[0], "x", params)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+            ok = SamplingParams(max_tokens=40, structured=StructuredOutput("regex", r"\d{2}x"))
+            result = await generate(c.targets[0], "x", ok)
+            assert re.fullmatch(r"\d{2}x", result.text), result.text
+            await c.assert_idle_and_conserved()
+
+    run(body())
+
+
+def test_first_token_the_grammar_rejects_is_refused() -> None:
+    from decode_node.grammar_check import check_first_tokens
+    from shared.engine.core import EngineCore
+    from shared.serving.grpc_server import GenerateError
+
+    core = EngineCore(ENGINE)
+    params = SamplingParams(structured=StructuredOutput("choice", '["yes"]'))
+    check_first_tokens(core, params, (ord("y"), None, None, []))
+    with pytest.raises(GenerateError, match="not allowed"):
+        check_first_tokens(core, params, (ord("n"), None, None, []))
+    with pytest.raises(GenerateError, match="not allowed"):  # another completion's, n > 1
+        check_first_tokens(core, params, (ord("y"), None, None, [(ord("x"), None)]))
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    legs: int = pydantic.Field(ge=0, le=4)
+
+
+def test_openai_sdk_parse_with_pydantic(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    model = chat_checkpoint(checkpoint("llama"), tmp_path / "chat")
+
+    async def body() -> None:
+        engine = EngineConfig(model=str(model), num_kv_blocks=512, max_batch_size=16)
+        async with both(model, engine) as clusters:
+            for c in clusters:
+                client = openai.AsyncOpenAI(base_url=url(c) + "/v1", api_key="x")
+                done = await client.beta.chat.completions.parse(
+                    model=model_name(c),
+                    messages=[{"role": "user", "content": "a pet"}],
+                    response_format=Pet,
+                    max_tokens=60,
+                    temperature=0.0,
+                )
+                pet = done.choices[0].message.parsed
+                assert isinstance(pet, Pet), done
+                await client.close()
+
+    run(body())
+
+
+def test_smollm2_pd_matches_colocated() -> None:
+    engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=256, max_batch_size=8)
+    schemas = [SCHEMAS[0], SCHEMAS[3], SCHEMAS[12]]
+
+    async def body() -> None:
+        async with both(SMOLLM2_SPEC, engine) as clusters:
+            outs = []
+            for c in clusters:
+                reqs = [
+                    {
+                        "prompt": "Answer in JSON:",
+                        "max_tokens": 24,
+                        "temperature": 0.7,
+                        "seed": 11,
+                        "response_format": fmt(s),
+                    }
+                    for s in schemas
+                ]
+                answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
+                for s, a in zip(schemas, answers, strict=True):
+                    assert a.status_code == 200, a.text
+                    check(s, a.json()["choices"][0])
+                outs.append([a.json()["choices"][0]["text"] for a in answers])
+            assert outs[0] == outs[1]
+
+    run(body())
+
+
+def test_preempted_requests_resume_their_grammar() -> None:
+    """A pool too small for 8 requests at once: some are preempted and recomputed, their
+    matchers rebuilt from their output tokens; every output equals the request's alone."""
+    from shared.engine.llm import LLM
+
+    regex = r"[a-z]{70,90}"
+    params = [
+        SamplingParams(
+            max_tokens=100,
+            temperature=0.9,
+            seed=50 + i,
+            structured=StructuredOutput("regex", regex),
+        )
+        for i in range(8)
+    ]
+    prompts = [[65 + i] * (10 + 3 * i) for i in range(8)]
+    alone = LLM(EngineConfig(model="tiny", num_kv_blocks=1024)).generate(prompts, params)
+    small = LLM(EngineConfig(model="tiny", num_kv_blocks=16, block_size=16, max_batch_size=8))
+    got = small.generate(prompts, params)
+    assert sum(o.num_preemptions for o in got) > 0, "nothing was preempted"
+    assert [o.token_ids for o in got] == [o.token_ids for o in alone]
+    for o in got:
+        assert o.finish_reason.value == "stop" and re.fullmatch(regex, o.text), o.text
+    small.check_conservation()
+
+
+def test_wire_round_trip_and_unknown_kind() -> None:
+    from proto.pdserve.v1 import generation_pb2
+    from shared.serving.wire import (
+        WireError,
+        check_sampling,
+        sampling_from_proto,
+        sampling_to_proto,
+    )
+
+    for kind in ("json_schema", "json_object", "regex", "choice", "grammar"):
+        params = SamplingParams(
+            structured=StructuredOutput(kind, "" if kind == "json_object" else "x")
+        )
+        assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert sampling_from_proto(generation_pb2.SamplingParams(max_tokens=1)).structured is None
+    msg = generation_pb2.SamplingParams(max_tokens=1)
+    msg.structured.kind = 77  # a kind from a newer client
+    with pytest.raises(WireError, match=r"structured\.kind") as e:
+        check_sampling(sampling_from_proto(msg), 259)
+    assert e.value.field == "sampling.structured.kind"
+
+
+def test_compiled_grammars_are_a_bounded_lru_and_slow_compiles_time_out() -> None:
+    from shared.engine.grammar_compiler import GrammarCompiler, GrammarError, compile_async
+    from shared.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    compiler = GrammarCompiler(tok, 259, entries=2)
+    specs = [StructuredOutput("regex", f"a{{{i}}}") for i in range(1, 4)]
+    first = compiler.get(specs[0])
+    compiler.get(specs[1])
+    assert compiler.get(specs[0]) is first  # a hit, now the most recent
+    compiler.get(specs[2])  # evicts specs[1], the least recent
+    assert len(compiler) == 2 and compiler.get(specs[0]) is first
+    slow = StructuredOutput("json_schema", json.dumps(SCHEMAS[10]))
+    with pytest.raises(GrammarError, match="did not compile within"):
+        asyncio.run(compile_async(ByteTokenizer(), 259, slow, timeout=1e-9))
+
+
+def test_without_xgrammar_a_constrained_request_is_a_400_saying_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """xgrammar is the optional `structured` extra: without it the node still serves, and a
+    constrained request is refused before anything is queued, naming the package to install."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+
+    async def body() -> None:
+        async with pd_cluster("tiny", num_prefill=1, decode_overrides={"http_port": 0}) as c:
+            fmt_ = {"type": "json_object"}
+            a = await post(c, "/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                                   "response_format": fmt_})  # fmt: skip
+            assert a.status_code == 400, a.text
+            assert a.json()["error"]["param"] == "response_format", a.text
+            assert "pip install 'pdserve[structured]'" in a.json()["error"]["message"], a.text
+            plain = await post(c, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+            assert plain.status_code == 200, plain.text
+            await c.assert_idle_and_conserved()
+
+    run(body())
