@@ -7,6 +7,7 @@ Sections, in order, each skipped with a row saying so when the time budget is sp
             binary), 64 MiB messages: the raw UCX ceiling for the KV push;
 * decode    decode tokens/s on the SmolLM2-shaped model at batch 1/32/128, CUDA graphs on and
             off, against transformers' `generate` on the same weights;
+* families  fp32 greedy parity of the newer families (Qwen3, Gemma 3), graphs on and off;
 * pd        per model (SmolLM2-135M-shaped and a 1.1B Llama-shaped config, dummy weights written
             as a checkpoint here): one prefill and two decode processes on the GPU (layer-wise
             and whole-request push), one request at a time; TTFT broken down by the nodes'
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # the sibling modules (scripts/ is sys.path[0] when this file runs as a script)
+from gpu_bench_families import families_section, families_summary  # noqa: E402
 from gpu_bench_models import (  # noqa: E402
     DEVICE,
     MODELS,
@@ -316,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
     }
     perf = bandwidth_sections(result, a.out)
+    if cuda:
+        fam = section(result, "families", families_section, a.out)
+        if "error" not in fam:
+            result["summary"] += families_summary(fam)
     model_sections(result, budget, a.out, perf)
     (a.out / "gpu_bench.json").write_text(json.dumps(result, indent=1, default=str))
     return 0

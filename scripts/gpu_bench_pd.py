@@ -38,6 +38,9 @@ def pd_nodes(path: Path) -> tuple[list[Any], dict[str, str]]:
     wait_ready([prefill], 180)
     # the benchmark speaks gRPC: two decode nodes on HTTP's default port would collide
     target = ["--prefill", f"127.0.0.1:{prefill.info['port']}", "--http-port", "-1"]
+    # every prompt goes to the prefill node: a decode node prefills short ones itself otherwise,
+    # and then nothing is pushed and TTFT has no transfer in it
+    target += ["--local-prefill-tokens", "0", "--local-prefill-idle-tokens", "0"]
     layerwise = spawn("decode", [*engine, *target], echo=False)
     whole = spawn("decode", [*engine, *target, "--whole-request-push"], echo=False)
     nodes = [prefill, layerwise, whole]

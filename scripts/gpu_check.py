@@ -219,7 +219,7 @@ def run_with_deadline(cmd: list[str], log: Path, env: dict[str, str], timeout: f
             return f"timed out after {timeout:.0f}s"
 
 
-def run_tests(out: Path, facts: Path) -> list[tuple[str, str]]:
+def run_tests(out: Path, facts: Path, timeout: float) -> list[tuple[str, str]]:
     """(test id, outcome) per test; one row 'pytest' with the exit status if it crashed."""
     junit = out / "cuda_tests.xml"
     cmd = [
@@ -236,7 +236,7 @@ def run_tests(out: Path, facts: Path) -> list[tuple[str, str]]:
         *CUDA_TEST_FILES,
     ]
     env = {**os.environ, "PDSERVE_GPU_FACTS": str(facts)}
-    code = run_with_deadline(cmd, out / "cuda_tests.log", env, TESTS_TIMEOUT)
+    code = run_with_deadline(cmd, out / "cuda_tests.log", env, timeout)
     rows: list[tuple[str, str]] = []
     if junit.is_file():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -253,17 +253,17 @@ def run_tests(out: Path, facts: Path) -> list[tuple[str, str]]:
     return rows
 
 
-def run_bench(out: Path) -> list[list[str]]:
+def run_bench(out: Path, budget: float) -> list[list[str]]:
     cmd = [
         sys.executable,
         str(ROOT / "scripts" / "gpu_bench.py"),
         "--out",
         str(out),
         "--budget",
-        str(BENCH_BUDGET),
+        str(budget),
     ]
     # on a time-out, whatever the benchmark wrote so far is in its JSON
-    run_with_deadline(cmd, out / "gpu_bench.log", dict(os.environ), BENCH_BUDGET + BENCH_GRACE)
+    run_with_deadline(cmd, out / "gpu_bench.log", dict(os.environ), budget + BENCH_GRACE)
     result = out / "gpu_bench.json"
     if not result.is_file():
         return [["benchmark", "no gpu_bench.json (see gpu_bench.log)", "", "FAIL"]]
@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="carried wheels folder")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--tests-timeout", type=float, default=TESTS_TIMEOUT, help="seconds")
+    p.add_argument("--bench-budget", type=float, default=BENCH_BUDGET, help="seconds")
     args = p.parse_args(argv)
     if args.dry_run:
         return dry_run(args)
@@ -317,14 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     rows += [[f"env {k}", str(v), "", ""] for k, v in env.items()]
     if env.get("cuda") is not True or "failed" in str(env.get("ucxx", "failed")):
         rows.append(["env usable", "no CUDA device or no ucxx", "CUDA + ucxx", "FAIL"])
-    tests = run_tests(out, facts)
+    tests = run_tests(out, facts, args.tests_timeout)
     rows += [
         [f"test {name}", outcome, "passed", "ok" if outcome == "passed" else "FAIL"]
         for name, outcome in tests
     ]
     rows += [[f"fact {k}", v, "reported", ""] for k, v in read_facts(facts)]
     if not args.skip_bench:
-        rows += [[str(c) for c in row] for row in run_bench(out)]
+        rows += [[str(c) for c in row] for row in run_bench(out, args.bench_budget)]
     rows.append(["wall time", f"{time.monotonic() - started:.0f} s", "<= 480 s", ""])
     (out / "summary.md").write_text(print_table(rows) + "\n")
     return 0 if all(r[3] != "FAIL" for r in rows[1:]) else 1
