@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from decode_node.push_mode import PUSH_MODES
 from shared.engine.config import EngineConfig
+from shared.engine.decode_role import DecodeSettings
+from shared.engine.placement import PlacementPolicy
 from shared.engine.service_level import ServiceLevel
 from shared.engine.slo import SloPolicy
 from shared.serving.limits import (
@@ -45,6 +47,8 @@ class DecodeNodeConfig:
     served_model_name: str = ""  # the `model` HTTP requests name; "": the model's own name
     api_key: str | None = None  # HTTP bearer token; None: no authentication
     chat_template: str | None = None  # a Jinja file overriding the model's own chat template
+    # how "auto" tool choice reads calls out of the text (hermes, llama3_json); None: refused
+    tool_call_parser: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024  # HTTP request bodies over this get 413
     # HTTP connections (shared/serving/connection_limits.py): a request's headers and body must
     # arrive within these seconds, an idle keep-alive connection closes after its timeout, and
@@ -92,12 +96,24 @@ class DecodeNodeConfig:
     # the last layer, or auto (whole from a prefill node on this host into a CPU pool, layer-wise
     # otherwise: decode_node/push_mode.py says why)
     push: str = "auto"
+    # window-aware transfer: sliding-window layers are not sent the prompt blocks that fell out
+    # of their window (shared/model/kv_window.py); needs prefill nodes that know the field
+    window_aware_transfer: bool = False
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
 
     def slo_policy(self) -> SloPolicy:
         """The admission's SLO defaults (shared/engine/slo.py): off unless a target is set."""
         return SloPolicy(self.ttft_slo_ms, self.itl_slo_ms)
+
+    def decode_settings(self, slo: SloPolicy) -> DecodeSettings:
+        """The engine's decode role: where prompts are prefilled and how the queue admits."""
+        # a colocated node's scheduler queue is its admission queue: bounded the same way
+        bound = self.max_inflight + self.max_queued if self.colocated else None
+        placement = PlacementPolicy(
+            self.local_prefill_tokens, self.local_prefill_idle_tokens, self.max_inflight, bound
+        )
+        return DecodeSettings(placement, self.max_queued, self.max_inflight, slo)
 
     def http_api(self, loaded: LoadedModel) -> HttpApiConfig:
         """The HTTP API's settings; `--chat-template` is read here, at start."""
@@ -110,6 +126,7 @@ class DecodeNodeConfig:
             served_model_name=self.served_model_name,
             api_key=self.api_key,
             chat_template=template,
+            tool_call_parser=self.tool_call_parser,
             max_request_bytes=self.max_request_bytes,
             connection=self.http_connection,
         )
@@ -160,6 +177,7 @@ class DecodeNodeConfig:
         self.http_connection.validate()
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a readable file")
+        self._validate_tool_call_parser()
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
         for name in (
@@ -181,6 +199,15 @@ class DecodeNodeConfig:
             raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         ServiceLevel(ttft_slo_ms=self.ttft_slo_ms, itl_slo_ms=self.itl_slo_ms).validate()
         self._validate_placement()
+
+    def _validate_tool_call_parser(self) -> None:
+        from shared.serving.http.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
 
     def _validate_placement(self) -> None:
         """Where a prompt is prefilled: here (the local rules) or on which prefill node."""

@@ -1,7 +1,7 @@
 """The prefill node's first token, released to the client the moment the `Prefill` RPC returns.
 
 When the RPC returns every KV byte has landed, so the token is final; but the engine takes it
-(`complete_transfer_all`) only between two of its steps, up to one decode step later on a busy
+(the `KvLanded` command) only between two of its steps, up to one decode step later on a busy
 node (the shared-prefix benchmark measured ~7 ms steps beside a 40 ms TTFT). The delta the
 engine computes for a first token is a pure function of the prompt, the sampling parameters and
 the token (detokenized text, stop strings, EOS, max_tokens), so the event loop computes the same
@@ -18,6 +18,8 @@ import logging
 from decode_node.grammar_check import check_first_tokens
 from decode_node.remote_prefill import FirstTokens
 from decode_node.stream import Stream
+from shared.engine.commands import KvLanded
+from shared.engine.info import EngineInfo
 from shared.engine.output import OutputProcessor, TokenDelta
 from shared.engine.request import LlmRequest
 from shared.engine.sampling_params import SamplingParams
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def early_first_delta(
-    outputs: OutputProcessor,
+    info: EngineInfo,
     request_id: str,
     prompt: list[int],
     params: SamplingParams,
@@ -40,8 +42,8 @@ def early_first_delta(
     request = LlmRequest(request_id, prompt, params)
     if prompt_logprobs is not None:
         request.prompt_logprobs = prompt_logprobs
-    # Reads only the engine's immutable tokenizer and EOS ids; its own state is separate.
-    processor = OutputProcessor(outputs.tokenizer, outputs.eos_token_ids)
+    # the engine's immutable tokenizer and EOS ids; the processor's state is its own
+    processor = OutputProcessor(info.tokenizer, info.eos_token_ids)
     processor.add(request)
     return processor.process(request, token, logprobs)
 
@@ -65,10 +67,10 @@ async def release_first(
     """Hand the landed request to the engine; return the first deltas to stream now: the early
     one (the engine's copy is awaited later, by `engine_took_first`), or, for n > 1, the
     engine's own once it has taken them."""
-    check_first_tokens(thread.core, params, first)
+    check_first_tokens(thread.info, params, first)
     rid = stream.request_id
-    completing = thread.submit(lambda core: core.complete_transfer_all(rid, *first))
-    early = early_first_delta(thread.core.outputs, rid, prompt, params, first)
+    completing = thread.submit(KvLanded(rid, *first))
+    early = early_first_delta(thread.info, rid, prompt, params, first)
     if early is None:
         return await asyncio.wrap_future(completing)
     stream.completing, stream.early_first = completing, early

@@ -7,37 +7,36 @@ refused with INTERNAL instead of being streamed: the output would silently break
 
 from __future__ import annotations
 
-import grpc
-
 from decode_node.remote_prefill import FirstTokens
-from shared.engine.core import EngineCore
 from shared.engine.grammar_compiler import GrammarError, compile_async, compiler_for
+from shared.engine.info import EngineInfo
 from shared.engine.sampling_params import SamplingParams
 from shared.serving.grpc_server import GenerateError
+from shared.serving.status import Status
 
 
 async def with_grammar(
-    core: EngineCore, prompt: list[int], params: SamplingParams
+    info: EngineInfo, prompt: list[int], params: SamplingParams
 ) -> tuple[list[int], SamplingParams]:
     """(prompt, params) once params' grammar is compiled (off the engine thread)."""
     if params.structured is not None:
         try:
-            await compile_async(core.tokenizer, core.model_config.vocab_size, params.structured)
+            await compile_async(info.tokenizer, info.vocab_size, params.structured)
         except GrammarError as e:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}") from None
+            raise GenerateError(Status.INVALID_ARGUMENT, f"{e.field}: {e}") from None
     return prompt, params
 
 
-def check_first_tokens(core: EngineCore, params: SamplingParams, first: FirstTokens) -> None:
+def check_first_tokens(info: EngineInfo, params: SamplingParams, first: FirstTokens) -> None:
     spec = params.structured
     if spec is None:
         return
-    compiler = compiler_for(core.tokenizer, core.model_config.vocab_size)
+    compiler = compiler_for(info.tokenizer, info.vocab_size)
     token, _, _, choices = first
     for t in (token, *(c for c, _ in choices)):
         if not compiler.allows(spec, [t]):
             raise GenerateError(
-                grpc.StatusCode.INTERNAL,
+                Status.INTERNAL,
                 f"the prefill node's first token {t} is not allowed by the request's "
                 f"{spec.kind}; refusing it (do both nodes serve the same model and tokenizer?)",
             )

@@ -23,9 +23,11 @@ from proto.pdserve.v1 import generation_pb2, prefill_pb2
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.transfer_admission import TransferGrant
+from shared.model.kv_window import skipped_blocks
 from shared.serving.grpc_server import GenerateError, NodeMetrics
 from shared.serving.limits import MAX_REQUEST_ID_CHARS
 from shared.serving.replica_pool import ReplicaPool
+from shared.serving.status import Status
 from shared.serving.wire import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferReset, TransferTimeout
@@ -54,8 +56,10 @@ class RemotePrefill:
         metrics: NodeMetrics,
         layout: generation_pb2.KvLayoutInfo,
         kv_device_type: str,  # where this node's KV pool is: "cpu", "cuda"
+        windows: tuple[int | None, ...] = (),  # per layer, for a window-aware transfer
     ):
         self.config = config
+        self.windows = windows
         self.kv_on_cpu = kv_device_type == "cpu"
         self.pool = pool
         self.receiver = receiver
@@ -161,11 +165,12 @@ class RemotePrefill:
         try:
             await peer.ensure_layout(self.layout_info)
         except LayoutMismatch as e:
-            raise GenerateError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            raise GenerateError(Status.FAILED_PRECONDITION, str(e)) from None
         except (TimeoutError, grpc.RpcError) as e:
             self._mark_unhealthy(peer, f"model info failed: {e}")
             raise PrefillFailed(f"{peer.target}: {e}") from None
-        dest = self.receiver.expect(stream.request_id, grant.blocks)
+        skipped = self._skipped(len(prompt), grant)
+        dest = self.receiver.expect(stream.request_id, grant.blocks, skipped=skipped)
         stream.transfer_id, stream.peer, stream.prefill_done = dest.transfer_id, peer, False
         budget = self.config.prefill_timeout
         if stream.deadline is not None:
@@ -194,6 +199,16 @@ class RemotePrefill:
         trace.done(response)
         self._record(stream, response, started)
         return response
+
+    def _skipped(self, prompt_len: int, grant: TransferGrant) -> tuple[int, ...]:
+        """Per layer, the granted blocks the prefill node leaves out (empty: none); the engine
+        keeps them out of the prefix cache (set before the transfer, read after it lands)."""
+        if not self.windows:
+            return ()
+        block = self.layout_info.block_size
+        skipped = skipped_blocks(self.windows, prompt_len, block, grant.first_block)
+        grant.request.partial_blocks = tuple(grant.blocks[: max(skipped, default=0)])
+        return skipped
 
     def _record(
         self, stream: Stream, response: prefill_pb2.PrefillResponse, started: float
@@ -256,7 +271,7 @@ class RemotePrefill:
             return PrefillFailed(f"{peer.target}: KV transfer failed: {e}")
         if stream.deadline_passed():  # the client's deadline, not the node's fault
             return GenerateError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+                Status.DEADLINE_EXCEEDED,
                 f"request {stream.request_id} exceeded its deadline waiting for its KV",
             )
         # a stalled prefill node (SIGSTOP, wedged) looks like this: stop routing to it
@@ -303,6 +318,7 @@ class RemotePrefill:
                 block_ids=list(dest.block_ids),
                 first_block_index=first_block,
                 layout_fingerprint=self.layout_info.fingerprint,
+                skipped_blocks=list(dest.skipped),
             ),
         )
 
@@ -328,7 +344,7 @@ def first_tokens(response: prefill_pb2.PrefillResponse, params: SamplingParams) 
     tokens = list(response.choice_first_token_ids)
     if len(tokens) != params.n - 1:
         raise GenerateError(
-            grpc.StatusCode.INTERNAL,
+            Status.INTERNAL,
             f"prefill node returned {len(tokens)} first tokens for n={params.n} completions",
         )
     lps: list[TokenLogprobs | None] = [None] * len(tokens)

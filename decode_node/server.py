@@ -2,10 +2,10 @@
 node with no prefill nodes, every prompt prefilled by its own engine).
 
 One request path (`DecodeNode.generate`, for gRPC and HTTP alike):
-1. **local prefill** (decode_node/local_prefill.py): a prompt that, after this node's own
-   prefix-cache hit, leaves at most `local_prefill_tokens` to compute while this engine's step
-   budget has room (or `local_prefill_idle_tokens` while the engine is idle), is added to this
-   engine's scheduler (QUEUED -> CONTEXT_INIT -> decode);
+1. **local prefill** (decided by the engine, shared/engine/placement.py): a prompt that, after
+   this node's own prefix-cache hit, leaves at most `local_prefill_tokens` to compute while the
+   engine's step budget has room (or `local_prefill_idle_tokens` while the engine is idle), is
+   added to the engine's scheduler (QUEUED -> CONTEXT_INIT -> decode);
 2. otherwise **remote prefill** (decode_node/remote_prefill.py): the request waits QUEUED
    (holding nothing) in the engine's admission queue until the blocks for its prompt and first
    token are free (by priority, aged; bounded by max_queued; its deadline kept), is admitted in
@@ -28,56 +28,60 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
-
-import grpc
+from collections.abc import AsyncIterator
+from typing import Any
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.first_token import engine_took_first, release_first
 from decode_node.grammar_check import with_grammar
 from decode_node.health import decode_health
-from decode_node.local_prefill import try_local
 from decode_node.remote_prefill import RemotePrefill
 from decode_node.responses import generate_response
-from decode_node.slo_admission import observe_ttft, start_local_within_slo
 from decode_node.startup import build_parts
 from decode_node.stream import PrefillFailed, Stream
 from decode_node.tracing import traced_generate
+from decode_node.ttft_report import observe_ttft
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.block_manager import BlockHash, compute_block_hashes
-from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine.commands import Abort, Command, Drain, PlacePrompt, Shutdown, TransferFailed
+from shared.engine.core import EngineCore
+from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.output import TokenDelta
-from shared.engine.request import LlmRequest
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
 from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
+from shared.model.kv_window import layer_windows
+from shared.model.loader import LoadedModel
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer
+from shared.serving.status import Status
 from shared.serving.wire import WireError, generate_params_from_proto, validate_request
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE = SERVICE_DESCRIPTOR.full_name
 
 
 class DecodeNode(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: DecodeNodeConfig, core: EngineCore | None = None):
+    def __init__(self, config: DecodeNodeConfig, loaded: LoadedModel | None = None):
         config.validate()
         self.config = config
-        self.core = core or EngineCore(config.engine)
-        self.core.admission.configure(config.max_queued, config.max_inflight, config.slo_policy())
-        self.layout_info = layout_info(self.core.layout)
+        self.slo = config.slo_policy()  # shared with the engine's admission (thread-safe)
+        # driven only through commands on self.thread; read only through self.info
+        self.core = EngineCore(config.engine, loaded, role=config.decode_settings(self.slo))
+        self.info = self.core.info
+        self.layout_info = layout_info(self.info.layout)
         self.streams: dict[str, Stream] = {}
         self.thread: EngineThread | None = None
-        parts = build_parts(config, self.core, lambda: self._snapshot())
+        parts = build_parts(config, self.info, lambda: self._snapshot())
         self.receiver, self.pool, self.metrics = parts.receiver, parts.pool, parts.metrics
         self.counters = parts.counters
+        windows = layer_windows(self.info.loaded.config) if config.window_aware_transfer else ()
         self.remote = RemotePrefill(
-            config, self.pool, self.receiver, self.metrics, self.layout_info, self.core.device.type
-        )
+            config, self.pool, self.receiver, self.metrics, self.layout_info, self.info.device_type,
+            windows,
+        )  # fmt: skip
         self.serving: NodeServing | None = None
         self.http: AsgiServer | None = None
         self.port, self.accepting = 0, True
@@ -94,9 +98,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.thread = EngineThread(self.core, loop, self._on_deltas, name="decode-engine")
-        self.core.admission.on_admission = lambda rid, grant: loop.call_soon_threadsafe(
-            self._on_admission, rid, grant
+        self.thread = EngineThread(
+            self.core, loop, self._on_deltas, "decode-engine", on_admission=self._on_admission
         )
         await self.thread.start_warm()
         await self.receiver.start()
@@ -108,7 +111,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if self.config.http_port >= 0:
             self.http = await serve_http_api(
                 self,
-                self.config.http_api(self.core.loaded),
+                self.config.http_api(self.info.loaded),
                 self.metrics.registry,
                 self.config.host,
                 self.config.http_port,
@@ -133,7 +136,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         # check runs on blocks nothing can write any more
         await self.receiver.close()
         if self.thread is not None:
-            conserved = await self.thread.call(lambda core: core.shutdown())
+            conserved = await self.thread.call(Shutdown())
             self.thread.stop()
         await self.pool.close()
         if self.serving is not None:
@@ -155,13 +158,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if self.thread is None:
             return
         with contextlib.suppress(RuntimeError):
-            drained = await self.thread.call(lambda core: core.admission.drain(core))
+            drained = await self.thread.call(Drain())
             for rid in drained:
                 stream = self.streams.get(rid)
                 if stream is not None and stream.admission and not stream.admission.done():
                     stream.admission.set_exception(
                         GenerateError(
-                            grpc.StatusCode.UNAVAILABLE,
+                            Status.UNAVAILABLE,
                             f"decode node is shutting down; {rid} was still queued and was "
                             "never started: retry on another node",
                         )
@@ -182,7 +185,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context):
         colocated = generation_pb2.NODE_ROLE_COLOCATED
         role = colocated if self.config.colocated else generation_pb2.NODE_ROLE_DECODE
-        return model_info(self.core, role)
+        return model_info(self.info, role)
 
     async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -190,13 +193,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             async for response in self._generate(rid, request, context.time_remaining()):
                 yield response
         except GenerateError as e:
-            await context.abort(e.code, str(e), trailing_metadata=e.trailing_metadata)
+            await context.abort(e.code.grpc_code, str(e), trailing_metadata=e.trailing_metadata)
 
     async def _generate(
         self, rid: str, request: generation_pb2.GenerateRequest, time_left: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
-        prompt, params = await with_grammar(self.core, *self._parse(request))
+        prompt, params = await with_grammar(self.info, *self._parse(request))
         # closed explicitly: a cancelled call releases the request now, not when collected
         async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
             async for stream, delta in gen:
@@ -211,10 +214,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         stream the deltas; release on both nodes on every exit (finish, error, the consumer
         cancelled or closed). Raises GenerateError with the status to report."""
         if not self.accepting:
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "decode node is shutting down")
+            raise GenerateError(Status.UNAVAILABLE, "decode node is shutting down")
         if rid in self.streams:
             raise GenerateError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
+                Status.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
             )
         stream = Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
@@ -242,7 +245,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         local: none, they come from the engine's steps)."""
         assert self.thread is not None
         # hashed once, here: the local-prefill check, the prefix cache and the router reuse them
-        hashes = compute_block_hashes(prompt, self.core.config.block_size)
+        hashes = compute_block_hashes(prompt, self.info.block_size)
         if await self._start(stream, prompt, params, hashes, force=self._fallback_now()):
             return []
         grant = await self._granted(stream)
@@ -252,7 +255,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         except PrefillFailed as e:
             if not self.config.local_prefill_fallback:
                 raise GenerateError(
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     f"no healthy prefill node could serve {stream.request_id}: {e}",
                 ) from None
             log.warning("prefilling %s locally: %s", stream.request_id, e)
@@ -274,49 +277,37 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         hashes: list[BlockHash],
         force: bool,
     ) -> bool:
-        """One engine command (a loop-engine hand-off, taken between two decode steps): local
-        prefill if the request qualifies (always with `force`), else queued for a transfer, its
-        grant coming on `stream.admission`. Returns whether it went local."""
-        rid, deadline, config = stream.request_id, stream.deadline, self.config
-        threshold, idle = config.local_prefill_tokens, config.local_prefill_idle_tokens
-        inflight = config.max_inflight
-        # a colocated node's scheduler queue is its admission queue: bounded the same way
-        bound = inflight + config.max_queued if config.colocated else None
+        """One engine command (a loop-engine hand-off, taken between two decode steps): the
+        engine prefills the prompt itself if it qualifies (always with `force`), else queues it
+        for a transfer, its grant coming on `stream.admission`. Returns whether it went local."""
         if not force:
             stream.admission = asyncio.get_running_loop().create_future()
-
-        def command(core: EngineCore) -> LlmRequest | None:
-            if force:  # a reservation made before the prefill nodes failed is dropped first
-                return start_local_within_slo(core, prompt, params, rid, bound, hashes)
-            request = try_local(core, prompt, params, rid, threshold, inflight, idle, hashes)
-            if request is None:
-                core.admission.enqueue(core, prompt, params, rid, deadline, hashes)
-            return request
-
+        rid, deadline = stream.request_id, stream.deadline
+        place = PlacePrompt(prompt, params, rid, deadline, hashes, fallback=force)
         try:
-            stream.local = await self._admitting_call(command)
+            stream.local = await self._admitting_call(place)
         except AdmissionClosed as e:
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"decode node: {e}") from None
+            raise GenerateError(Status.UNAVAILABLE, f"decode node: {e}") from None
         return stream.local is not None
 
-    async def _admitting_call(self, fn: Callable[[EngineCore], T]) -> T:
+    async def _admitting_call(self, command: Command) -> Any:
         """An engine command that may refuse the request: bad input (RequestRejected) is
         INVALID_ARGUMENT, no room (ResourcesExhausted) RESOURCE_EXHAUSTED with its retry hint."""
         assert self.thread is not None
         try:
-            return await self.thread.call(fn)
+            return await self.thread.call(command)
         except RequestRejected as e:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise GenerateError(Status.INVALID_ARGUMENT, str(e)) from None
         except ResourcesExhausted as e:
             raise GenerateError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
+                Status.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
             ) from None
 
     def _first_token_seen(self, stream: Stream) -> None:
         if stream.first_token_at is not None:
             return
         stream.first_token_at = time.monotonic()
-        ttft = observe_ttft(self.metrics, self.core.admission.slo, stream)
+        ttft = observe_ttft(self.metrics, self.slo, stream)
         if stream.local is not None:
             # written by the engine thread when it scheduled the request, before the first
             # token it sampled reached this loop (call_soon_threadsafe orders the two)
@@ -329,10 +320,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     ) -> SamplingParams:
         """Wire bounds and engine checks before any allocation (gRPC, HTTP); the seed resolved."""
         try:
-            validate_request(request_id, params, self.core.model_config.vocab_size)
-            self.core.validate_request(prompt, params)
+            validate_request(request_id, params, self.info.vocab_size)
+            self.info.validate(prompt, params)
         except (WireError, RequestRejected) as e:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise GenerateError(Status.INVALID_ARGUMENT, str(e)) from None
         return params.with_resolved_seed()
 
     @property
@@ -347,7 +338,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             delta = await asyncio.wait_for(stream.queue.get(), timeout)
         except TimeoutError:
             raise GenerateError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+                Status.DEADLINE_EXCEEDED,
                 f"request {stream.request_id} exceeded its deadline while decoding",
             ) from None
         self.metrics.itl.observe(time.monotonic() - prev)
@@ -357,13 +348,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         which = request.WhichOneof("prompt")
         if which == "text":
             if not request.text:
-                raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
-            prompt = self.core.tokenizer.encode(request.text)
+                raise GenerateError(Status.INVALID_ARGUMENT, "prompt text is empty")
+            prompt = self.info.tokenizer.encode(request.text)
         elif which == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
             raise GenerateError(
-                grpc.StatusCode.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
+                Status.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
             )
         params = generate_params_from_proto(request)
         return prompt, self.validate(prompt, params, request.request_id)
@@ -378,7 +369,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             grant = await asyncio.wait_for(asyncio.shield(stream.admission), timeout)
         if grant is None:
             raise GenerateError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+                Status.DEADLINE_EXCEEDED,
                 f"request {stream.request_id} exceeded its deadline while queued for KV blocks "
                 f"({time.monotonic() - stream.admitted_at:.2f}s queued)",
             )
@@ -395,6 +386,6 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if self.thread is not None:
             # a failed transfer ends DISAGG_TRANS_ERROR; a local request never had one
             failed = stream.failed and stream.local is None
-            release = EngineCore.fail_transfer if failed else EngineCore.abort
+            release = TransferFailed(rid) if failed else Abort(rid)
             with contextlib.suppress(RuntimeError):
-                await self.thread.call(lambda core: release(core, rid))
+                await self.thread.call(release)

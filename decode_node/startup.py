@@ -10,7 +10,7 @@ from prometheus_client import Counter
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.peers import PrefillPeer, prefill_pool
-from shared.engine.core import EngineCore
+from shared.engine.info import EngineInfo
 from shared.engine.thread import EngineSnapshot
 from shared.model import native
 from shared.serving.grpc_server import NodeMetrics
@@ -47,12 +47,12 @@ class DecodeParts:
 
 
 def build_parts(
-    config: DecodeNodeConfig, core: EngineCore, snapshot: Callable[[], EngineSnapshot]
+    config: DecodeNodeConfig, info: EngineInfo, snapshot: Callable[[], EngineSnapshot]
 ) -> DecodeParts:
     native.log_states()  # each C kernel on (variant, path) or off and why, once at start-up
     receiver = KvReceiver(
-        core.kv_pool,
-        core.layout,
+        info.kv_pool,
+        info.layout,
         config.ucx_host,
         config.ucx_port,
         bind_host=config.kv_bind_host,

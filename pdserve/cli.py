@@ -20,6 +20,7 @@ import subprocess
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from decode_node.config import DecodeNodeConfig
+from pdserve.bench import BENCHMARKS
 from pdserve.bound_ports import check_bound_ports, port_in_use_line, up_ports
 from pdserve.cli_args import _engine_args as _engine_args  # re-export: pdserve/bench/peers
 from pdserve.cli_args import build_parser, engine_argv
@@ -86,6 +87,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     out = sys.stdout if prompt is None else sys.stderr
     port, http_port = up_ports(a)
     cluster = Cluster(a.model, a.prefill, a.decode, port, engine_argv(a), http_port=http_port)
+    cluster.decode_extra += _decode_argv(a)
     stop = False
     gave_up: str | None = None  # why the supervisor stopped restarting nodes
 
@@ -129,6 +131,11 @@ def cmd_up(a: argparse.Namespace) -> int:
     code = cluster.stop()
     print("stopped" + ("" if code == 0 else f" (a node exited with {code})"), flush=True)
     return max(code, 1) if gave_up is not None else code
+
+
+def _decode_argv(a: argparse.Namespace) -> list[str]:
+    """`up`'s flags for the decode nodes only (their HTTP API's)."""
+    return ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
 
 
 def _refused(nodes: list[NodeProcess]) -> bool:
@@ -213,17 +220,6 @@ def _stream_to_stdout(
         return 2
 
 
-BENCHMARKS = {
-    "transfer": "pdserve.bench.transfer",
-    "serve": "pdserve.bench.serve",
-    "ttft": "pdserve.bench.ttft",
-    "engine": "pdserve.bench.engine",
-    "roofline": "pdserve.bench.roofline",
-    "peer": "pdserve.bench.peer",
-    "tracing": "pdserve.bench.tracing",
-}
-
-
 BENCH_EXTRA = ("transformers", "accelerate")  # what the `bench` extra adds besides matplotlib
 
 
@@ -263,6 +259,12 @@ def cmd_proxy(a: argparse.Namespace) -> int:
     from pdserve.proxy import run as run_proxy
 
     return run_proxy(a)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from pdserve.plan import run as run_plan
+
+    return run_plan(a)
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
@@ -308,6 +310,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "export-hf": cmd_export_hf,
     "proxy": cmd_proxy,
+    "plan": cmd_plan,
     "build-kernels": cmd_build_kernels,
 }
 # node commands: config errors exit 2

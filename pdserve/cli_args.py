@@ -5,19 +5,8 @@ from __future__ import annotations
 import argparse
 
 from decode_node.push_mode import PUSH_MODES
+from pdserve.log_level import log_level_arg
 from shared.serving import limits, tracing
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-def log_level_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> argparse.Action:
-    return p.add_argument(
-        "--log-level",
-        default="warning",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        help="logging on stderr (default: warning, so that a command's output stays its own)",
-    )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -92,12 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Prefill/decode disaggregated LLM serving"
     )
+    from pdserve import plan  # its flags live with it, like the proxy's
+
     sub = parser.add_subparsers(dest="command", required=True)
     _add_up(sub)
     _add_export_hf(sub)
     _add_prefill(sub)
     _add_colocated(sub, _add_decode(sub))
     _add_proxy(sub)
+    plan.add_parser(sub)
     _add_bench(sub)
     _add_generate(sub)
     _add_build_kernels(sub)
@@ -138,6 +130,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         "has a chat template), then stop (the newcomer's demo)",
     )
     up.add_argument("--max-tokens", type=int, default=32, help="with --run")
+    tool_call_parser_arg(up)  # passed on to the decode nodes
 
 
 def _add_export_hf(sub: argparse._SubParsersAction) -> None:
@@ -189,6 +182,12 @@ def _add_decode(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     dc.add_argument(
         "--whole-request-push", action="store_true", help="the same as --push whole (older flag)"
+    )
+    dc.add_argument(
+        "--window-aware-transfer",
+        action="store_true",
+        help="sliding-window layers are not pushed the prompt blocks out of their window "
+        "(Gemma 2/3, Phi-3, windowed Qwen/Mistral: fewer KV bytes for long prompts)",
     )
     _local_prefill_args(dc)
     _server_tls_args(dc)
@@ -305,7 +304,7 @@ def _add_build_kernels(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from pdserve.cli import BENCHMARKS
+    from pdserve.bench import BENCHMARKS
 
     bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)}")
     log_level_arg(bench)
@@ -337,6 +336,11 @@ def client_tls_args(p: argparse.ArgumentParser, prefix: str, ca_help: str) -> No
     p.add_argument(f"--{prefix}tls-key", default="", help="client key (mutual TLS)")
 
 
+def tool_call_parser_arg(p: argparse.ArgumentParser) -> None:
+    why = 'how tool_choice "auto" reads calls (hermes: Qwen, Hermes; llama3_json: Llama 3.x)'
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], help=why)
+
+
 def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--http-port",
@@ -347,6 +351,7 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default="", help="the `model` HTTP requests name")
     p.add_argument("--api-key", default=None, help="require this HTTP bearer token")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="override the model's")
+    tool_call_parser_arg(p)
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     _http_connection_args(p)
 

@@ -53,6 +53,12 @@ class PrefillJob:
         offset = self.first_block_index
         return list(self.destination.block_ids[start - offset : stop - offset])
 
+    def sends_from(self, layer: int) -> int:
+        """The first prompt block `layer` sends (window-aware transfer: the earlier ones fell
+        out of its window; shared/model/kv_window.py)."""
+        skipped = self.destination.skipped
+        return self.first_block_index + (skipped[layer] if skipped else 0)
+
     @property
     def pushed(self) -> bool:
         """Whether the decode node has the whole context (the blocks may be unpinned as done)."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from prefill_node.job import FINAL, PrefillJob
+from shared.cdiv import cdiv
 from shared.engine.scheduler import ScheduledRequest
-from shared.engine.utils import cdiv
 from transfer.ucx import KvMessage, KvSender
 
 
@@ -83,14 +83,14 @@ def make_layer_hook(
                 if layer == 0:
                     pin(w.job.request_id, w.src)
                 if w.final or kv_pool.is_cuda:
-                    w.job.put(_message(kv_pool, layer, w.dst, w.src))
+                    _queue_layer(w.job, kv_pool, layer, w.upto - len(w.src), w.dst, w.src)
                 elif layer == last_layer:
                     # An earlier chunk's blocks go once all its layers are done, as one message
                     # (queued together, the sender coalesces them): they still move while the
                     # next chunk computes, and every message costs the loop (which shares the
                     # compute's core) ~0.1 ms. The last chunk goes layer by layer: its transfer
                     # is what overlaps the end of the prompt's compute.
-                    _queue_all_layers(w.job, kv_pool, num_layers, w.dst, w.src)
+                    _queue_all_layers(w.job, kv_pool, num_layers, w.dst, w.src, w.upto)
             if layer != last_layer:
                 continue
             if not w.job.layerwise and w.final:
@@ -111,7 +111,7 @@ def _queue_whole_request(
     src = tuple(w.table[start : w.upto])
     dst = tuple(w.job.dest_ids(start, w.upto))
     pin(w.job.request_id, src)
-    _queue_all_layers(w.job, kv_pool, num_layers, dst, src)
+    _queue_all_layers(w.job, kv_pool, num_layers, dst, src, w.upto)
 
 
 def _queue_all_layers(
@@ -120,7 +120,24 @@ def _queue_all_layers(
     num_layers: int,
     dst: tuple[int, ...],
     src: tuple[int, ...],
+    upto: int,
 ) -> None:
-    """One message per layer, queued together (so the sender coalesces them into one)."""
+    """One message per layer, queued together (so the sender coalesces the layers sending the
+    same blocks into one); `src` are prompt blocks [upto - len(src), upto)."""
     for layer in range(num_layers):
-        job.put(_message(kv_pool, layer, dst, src))
+        _queue_layer(job, kv_pool, layer, upto - len(src), dst, src)
+
+
+def _queue_layer(
+    job: PrefillJob,
+    kv_pool: torch.Tensor,
+    layer: int,
+    start: int,
+    dst: tuple[int, ...],
+    src: tuple[int, ...],
+) -> None:
+    """Queue `layer`'s message for prompt blocks `start`, ... (`src` here, `dst` there), less
+    those out of its window (none left: no message)."""
+    cut = max(0, job.sends_from(layer) - start)
+    if cut < len(src):
+        job.put(_message(kv_pool, layer, dst[cut:], src[cut:]))

@@ -16,8 +16,8 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
 
 import grpc
 from prometheus_client import Counter
@@ -28,13 +28,18 @@ from prefill_node.job_table import JobTable
 from prefill_node.push import make_layer_hook, plan_push
 from prefill_node.tracing import traced_prefill
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
-from shared.engine.core import EngineCore, RequestRejected
+from shared.engine.commands import AddRequest, ContextPushed, Shutdown
+from shared.engine.core import EngineCore
+from shared.engine.errors import RequestRejected
 from shared.engine.grammar_compiler import compile_async
 from shared.engine.output import TokenDelta
+from shared.engine.prefill_role import KvAccess, PrefillSettings
 from shared.engine.request import LlmRequest
 from shared.engine.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
 from shared.model import native
+from shared.model.kv_window import skipped_problem
+from shared.model.loader import LoadedModel
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
 from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.metrics import prompt_tokens_counter
@@ -45,7 +50,7 @@ from shared.serving.wire import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
-from transfer import protocol as proto
+from transfer import protocol
 from transfer.errors import retrieve_exception
 from transfer.protocol import TransferDestination
 from transfer.sender import SEND_WINDOW
@@ -57,13 +62,14 @@ SERVICE = SERVICE_DESCRIPTOR.full_name
 
 
 class PrefillNode(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, config: PrefillNodeConfig, core: EngineCore | None = None):
+    def __init__(self, config: PrefillNodeConfig, loaded: LoadedModel | None = None):
         config.validate()
         self.config = config
-        self.core = core or EngineCore(config.engine, context_only=True)
-        if not self.core.context_only:
-            raise ValueError("a prefill node needs an EngineCore built with context_only=True")
-        self.layout = self.core.layout
+        # driven only through commands on self.thread; read only through self.info
+        settings = PrefillSettings(layer_hooks=self._layer_hook)
+        self.core = EngineCore(config.engine, loaded, role=settings)
+        self.info = self.core.info
+        self.layout = self.info.layout
         self.sender = KvSender(self.layout)
         self.thread: EngineThread | None = None
         self.metrics = NodeMetrics(lambda: self._snapshot())
@@ -86,10 +92,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
-        self.core.layer_hook_factory = self._layer_hook
         await self.thread.start_warm()
         native.log_states()  # each C kernel on (variant, path) or off and why
-        self.sender.start(self.core.kv_pool.device)  # not inside the first request's push
+        self.sender.start(self.info.kv_pool.device)  # not inside the first request's push
         self.serving = await NodeServing.serve(
             self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry
         )
@@ -105,7 +110,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             job.cancelled = True
         conserved = True
         if self.thread is not None:
-            conserved = await self.thread.call(EngineCore.shutdown)
+            conserved = await self.thread.call(Shutdown())
             self.thread.stop()
         self.jobs.close()
         await self.sender.close()
@@ -114,13 +119,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         return conserved
 
     # ---- engine thread side ---------------------------------------------------------------
-    def _layer_hook(self, scheduled: list[ScheduledRequest]):
-        work = plan_push(
-            scheduled, self.jobs, self.core.kv_manager.block_table, self.layout.block_size
-        )
-        return make_layer_hook(
-            work, self.core.kv_pool, self.layout.num_layers, self.core.kv_manager.pin_blocks
-        )
+    def _layer_hook(self, scheduled: Sequence[ScheduledRequest], kv: KvAccess):
+        work = plan_push(scheduled, self.jobs, kv.block_table, self.layout.block_size)
+        return make_layer_hook(work, self.info.kv_pool, self.layout.num_layers, kv.pin_blocks)
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -130,7 +131,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
-        return model_info(self.core, generation_pb2.NODE_ROLE_PREFILL)
+        return model_info(self.info, generation_pb2.NODE_ROLE_PREFILL)
 
     async def CancelPrefill(self, request, context):
         found = self.jobs.cancel(request.request_id)
@@ -208,6 +209,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             token=bytes(d.transfer_token),
             block_ids=tuple(d.block_ids),
             layout_fingerprint=d.layout_fingerprint,
+            skipped=tuple(d.skipped_blocks),
         )
         loop = asyncio.get_running_loop()
         job = PrefillJob(
@@ -225,17 +227,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         prompt = list(request.prompt_token_ids)
         self._check_destination(prompt, job)
         if params.structured is not None:  # off the engine thread; invalid: INVALID_ARGUMENT
-            vocab = self.core.model_config.vocab_size
-            await compile_async(self.core.tokenizer, vocab, params.structured)
-        job.push = push = self.sender.open(job.destination, self.core.kv_pool)
-        req = await self.thread.call(
-            partial(
-                EngineCore.add_request,
-                prompt_token_ids=prompt,
-                params=params,
-                request_id=job.request_id,
-            )
-        )
+            await compile_async(self.info.tokenizer, self.info.vocab_size, params.structured)
+        job.push = push = self.sender.open(job.destination, self.info.kv_pool)
+        req = await self.thread.call(AddRequest(prompt, params, job.request_id))
         sent_bytes, messages = await self._drain(job, push)
         job.sent = True
         first = await job.first_token
@@ -270,6 +264,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 f"first_block_index {job.first_block_index}; a {len(prompt)}-token prompt "
                 f"needs {want}"
             )
+        skip = skipped_problem(job.destination.skipped, self.layout.num_layers, want)
+        if skip is not None:
+            raise RequestRejected(f"destination.{skip}")
 
     async def _drain(self, job: PrefillJob, push: KvPush) -> tuple[int, int]:
         """Send the request's messages as the layer hook queues them, up to SEND_WINDOW in
@@ -306,7 +303,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
 
     def _post(self, push: KvPush, item: KvMessage) -> asyncio.Future[int]:
         fut = push.post(item)
-        header = proto.header_size(len(item.blocks))
+        header = protocol.header_size(len(item.blocks))
         fut.add_done_callback(
             lambda f: (
                 f.cancelled()
@@ -347,9 +344,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             await job.push.quiesce(PUSH_QUIESCE_S)
         if self.thread is not None:
             # the job holds its request id until this returns, so the id is still this job's
-            release = partial(EngineCore.context_pushed, request_id=job.request_id, ok=ok)
             with contextlib.suppress(RuntimeError):  # the engine is stopping: it releases all
-                await self.thread.call(release)
+                await self.thread.call(ContextPushed(job.request_id, ok))
 
 
 def _continues(first: KvMessage, nxt: KvMessage | None) -> bool:

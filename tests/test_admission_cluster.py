@@ -89,14 +89,14 @@ async def _hold_engine(c: PdCluster, commands: int) -> tuple[threading.Event, as
     between (nothing finishes), so what is admitted, queued and refused is exact."""
     thread = c.decodes[0].thread
     gate = threading.Event()
-    thread.submit(lambda core: gate.wait(60))
+    thread.inspect_soon(lambda core: gate.wait(60))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60
     while len(thread._commands) < commands:
         assert loop.time() < deadline, f"only {len(thread._commands)} requests arrived"
         await asyncio.sleep(0.01)
     probe = asyncio.wrap_future(
-        thread.submit(lambda core: (len(core.requests), len(core.admission)))
+        thread.inspect_soon(lambda core: (len(core.requests), len(core.admission)))
     )
     return gate, probe
 
@@ -199,7 +199,7 @@ def test_cancel_in_the_queue_frees_nothing_and_leaves_it(reference: LLM) -> None
 
             # only the long request is left holding anything (a count of blocks in use would
             # race it: it takes a new block every 16 tokens it decodes)
-            assert await c.decodes[0].thread.call(holders) == (1, 1, 0)
+            assert await c.decodes[0].thread.inspect(holders) == (1, 1, 0)
             assert len((await first).token_ids) == 1500
             again = await generate(c.targets[0], prompt, max_tokens=6, timeout=60)
             assert again.token_ids == want

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from shared.cdiv import cdiv
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError, compute_block_hashes
-from shared.engine.utils import cdiv
 
 
 def test_cdiv() -> None:

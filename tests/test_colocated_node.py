@@ -18,7 +18,6 @@ from pdserve.cli import build_parser
 from pdserve.client import generate, generate_stream, get_model_info
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.config import EngineConfig
-from shared.engine.core import EngineCore
 from shared.engine.llm import LLM
 from shared.engine.request import LlmRequestState
 from shared.engine.sampling_params import SamplingParams
@@ -44,7 +43,7 @@ async def colocated(**overrides: object) -> AsyncIterator[object]:
     cfg = DecodeNodeConfig(
         engine=ENGINE, colocated=True, port=0, metrics_port=0, http_port=0, **overrides
     )
-    node = DecodeNode(cfg, EngineCore(cfg.engine, load_model(MODEL)))
+    node = DecodeNode(cfg, load_model(MODEL))
     await node.start()
     try:
         yield node
@@ -57,7 +56,7 @@ async def _conserved(node) -> None:
         if not node.streams and not node.core.requests:
             break
         await asyncio.sleep(0.05)
-    await node.thread.call(lambda core: core.check_conservation())
+    await node.thread.inspect(lambda core: core.check_conservation())
 
 
 def test_config_and_cli() -> None:

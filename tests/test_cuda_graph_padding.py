@@ -10,15 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.cuda_graph_padding import (
+from shared.cdiv import cdiv
+from shared.model.cuda_graph_padding import (
+    DUMMY_REQUEST_ID,
     DUMMY_TOKEN_ID,
     DecodePadding,
     DecodeRow,
     default_capture_sizes,
     default_kv_buckets,
 )
-from shared.engine.resource_manager import DUMMY_REQUEST_ID
-from shared.engine.utils import cdiv
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 
 BLOCK = 4
@@ -151,5 +151,5 @@ def test_plan_conserves_rows_and_matches_forward_batch(rows: list[DecodeRow]) ->
 
 
 def test_padding_module_imports_no_torch() -> None:
-    code = "import sys; import shared.engine.cuda_graph_padding; sys.exit('torch' in sys.modules)"
+    code = "import sys; import shared.model.cuda_graph_padding; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

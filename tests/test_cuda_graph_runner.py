@@ -13,9 +13,9 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
-from shared.engine.kv_cache import allocate_kv_pool
-from shared.engine.resource_manager import DUMMY_REQUEST_ID
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.pool import allocate_kv_pool
+from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
 from tests.engine_helpers import random_max_tokens, random_prompts
 

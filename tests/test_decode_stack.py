@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from shared.engine.kv_cache import allocate_kv_pool
+from shared.kv.pool import allocate_kv_pool
 from shared.model import decode_stack
 from shared.model.decode_stack import DecodeStack
 from shared.model.forward_batch import ForwardBatch, SeqEntry

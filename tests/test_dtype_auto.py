@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from shared.engine import config as engine_config
-from shared.engine.config import AUTO_DTYPE_ENV, EngineConfig, auto_dtype, resolve_dtype
+from shared.engine.config import EngineConfig
+from shared.model import device as engine_config
+from shared.model.device import AUTO_DTYPE_ENV, auto_dtype, resolve_dtype
 from shared.model.loader import default_dtype, load_model
 
 

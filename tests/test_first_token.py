@@ -45,10 +45,10 @@ def test_early_first_delta_is_the_engines(
     finishes = set()
     for name, params in _cases(core, token).items():
         rid = f"r-{name}"
-        core.reserve_for_transfer(prompt, params, rid)
-        core.start_transfer(rid)
+        core.role.reserve_for_transfer(prompt, params, rid)
+        core.role.start_transfer(rid)
         early = early_first_delta(core.outputs, rid, prompt, params, (token, None, None, []))
-        engine = core.complete_transfer_all(rid, token)
+        engine = core.role.complete_transfer_all(rid, token)
         assert early is not None
         got = (early.token_ids, early.text, early.finish_reason, early.index)
         assert got == (engine[0].token_ids, engine[0].text, engine[0].finish_reason, 0), name

@@ -184,7 +184,7 @@ def test_model_through_the_fused_kernels_matches_the_torch_ops(
 ) -> None:
     """The tiny model: a prefill and decode steps through the kernels and through the torch ops
     give logits that differ by rounding noise only and pick the same tokens (fp32: every one)."""
-    from shared.engine.kv_cache import allocate_kv_pool
+    from shared.kv.pool import allocate_kv_pool
     from shared.model.forward_batch import ForwardBatch, SeqEntry
     from shared.model.loader import load_model
 

@@ -310,6 +310,7 @@ def prefill_requests(draw: st.DrawFn, receiver: str, fingerprint: str) -> bytes:
             ),
             first_block_index=first,
             layout_fingerprint=mostly(fingerprint, any_text),
+            skipped_blocks=mostly([], st.lists(st.one_of(st.integers(0, 12), U32), max_size=8)),
         ),
     )
     if draw(MOSTLY):

@@ -12,9 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import allocate_kv_pool
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.gguf_loader import unpermute_rope_rows
 from shared.model.loader import load_model

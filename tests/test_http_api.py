@@ -228,7 +228,7 @@ def test_disconnect_before_first_token_and_timeout(run) -> None:
     async def body(cluster: PdCluster, client: httpx.AsyncClient) -> None:
         prefill = cluster.prefills[0]
         for stream in (True, False):
-            busy = asyncio.ensure_future(prefill.thread.call(lambda core: time.sleep(1.5)))
+            busy = asyncio.ensure_future(prefill.thread.inspect(lambda core: time.sleep(1.5)))
             await asyncio.sleep(0.05)
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(
@@ -238,7 +238,7 @@ def test_disconnect_before_first_token_and_timeout(run) -> None:
                 )
             await _wait_for_streams(cluster, 0)
             await busy
-        busy = asyncio.ensure_future(prefill.thread.call(lambda core: time.sleep(1.5)))
+        busy = asyncio.ensure_future(prefill.thread.inspect(lambda core: time.sleep(1.5)))
         await asyncio.sleep(0.05)
         resp = await client.post(
             "/v1/completions", json=_completion(stream=True), headers={"x-request-timeout": "0.3"}

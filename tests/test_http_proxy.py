@@ -73,7 +73,7 @@ async def _exercise(cluster: PdCluster, client: httpx.AsyncClient, direct: str) 
     await _no_streams(cluster)
 
     # a client that gives up before the first token (the prefill node is busy)
-    busy = asyncio.ensure_future(cluster.prefills[0].thread.call(lambda core: time.sleep(1.5)))
+    busy = asyncio.ensure_future(cluster.prefills[0].thread.inspect(lambda core: time.sleep(1.5)))
     await asyncio.sleep(0.05)
     try:
         await client.post("/v1/completions", json=_completion(stream=True), timeout=0.4)
@@ -92,14 +92,13 @@ def test_http_requests_spread_over_decode_replicas() -> None:
     from dataclasses import replace
 
     from decode_node.server import DecodeNode
-    from shared.engine.core import EngineCore
     from shared.model.loader import load_model
 
     async def main() -> None:
         async with pd_cluster(MODEL, decode_overrides={"http_port": 0}) as cluster:
             first = cluster.decodes[0]
             config = replace(first.config, host="127.0.0.2", http_port=first.http_port)
-            second = DecodeNode(config, EngineCore(config.engine, load_model(MODEL)))
+            second = DecodeNode(config, load_model(MODEL))
             await second.start()
             backends = [f"127.0.0.1:{first.port}", f"127.0.0.2:{second.port}"]
             proxy = Proxy(backends, health_interval=0.5)
@@ -111,7 +110,7 @@ def test_http_requests_spread_over_decode_replicas() -> None:
                 async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
                     await _hold_streams(client, [first, second])
                 await cluster.assert_idle_and_conserved()
-                await second.thread.call(lambda core: core.check_conservation())
+                await second.thread.inspect(lambda core: core.check_conservation())
             finally:
                 await proxy.stop(1.0)
                 conserved = await second.stop(grace=1.0)

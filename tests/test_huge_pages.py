@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine import huge_pages
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool
+from shared.kv import huge_pages
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -10,7 +10,8 @@ import torch
 import uvloop
 
 from decode_node.config import DecodeNodeConfig
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
 from tests.net_probe import listening_sockets, tcp_connects
 from transfer.env import configure_ucx_env, net_device_of
 from transfer.errors import TransferError

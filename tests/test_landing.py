@@ -11,13 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool
-from transfer import protocol as proto
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
+from transfer import protocol
 from transfer.errors import ProtocolError
 from transfer.landing import SEQ_WINDOW, Landing, Landings, LandingState, Progress
 
 LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype="bfloat16")
-FP = proto.fingerprint_bytes(LAYOUT.fingerprint())
+FP = protocol.fingerprint_bytes(LAYOUT.fingerprint())
 
 
 # ---- byte spans ---------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def _header(token: bytes, **kw) -> bytes:
         nbytes = LAYOUT.payload_bytes(fields["n_layers"], len(fields["block_ids"]))
     fp = fields.pop("fingerprint", FP)
     tid = fields.pop("transfer_id", 9)
-    return proto.encode_header(
+    return protocol.encode_header(
         tid,
         token,
         fp,
@@ -82,34 +83,34 @@ def _header(token: bytes, **kw) -> bytes:
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"transfer_id": 10}, proto.REJECT_UNKNOWN_TRANSFER),
-        ({"token": b"x" * 16}, proto.REJECT_BAD_TOKEN),
-        ({"fingerprint": b"y" * 8}, proto.REJECT_LAYOUT),
-        ({"layer": 2, "n_layers": 2}, proto.REJECT_BAD_LAYER),
-        ({"block_ids": (1, 2, 3)}, proto.REJECT_BAD_BLOCK),
-        ({"payload_bytes": 7}, proto.REJECT_BAD_LENGTH),
+        ({"transfer_id": 10}, protocol.REJECT_UNKNOWN_TRANSFER),
+        ({"token": b"x" * 16}, protocol.REJECT_BAD_TOKEN),
+        ({"fingerprint": b"y" * 8}, protocol.REJECT_LAYOUT),
+        ({"layer": 2, "n_layers": 2}, protocol.REJECT_BAD_LAYER),
+        ({"block_ids": (1, 2, 3)}, protocol.REJECT_BAD_BLOCK),
+        ({"payload_bytes": 7}, protocol.REJECT_BAD_LENGTH),
     ],
 )
 def test_validate_header_names_what_is_wrong(change: dict, reason: str) -> None:
     token = secrets.token_bytes(16)
     head = _header(change.pop("token", token), **change)
     with pytest.raises(ProtocolError) as e:
-        proto.validate_header(
+        protocol.validate_header(
             head, transfer_id=9, token=token, layout=LAYOUT, fingerprint=FP, max_blocks=2
         )
     assert e.value.reason == reason
-    assert (reason in proto.NOISE_REASONS) == (reason in {"unknown_transfer", "bad_token"})
+    assert (reason in protocol.NOISE_REASONS) == (reason in {"unknown_transfer", "bad_token"})
 
 
 def test_validate_header_accepts_a_good_one_and_checks_its_length() -> None:
     token = secrets.token_bytes(16)
     head = _header(token, layer=1, n_layers=2)
-    prefix, ids = proto.validate_header(
+    prefix, ids = protocol.validate_header(
         head, transfer_id=9, token=token, layout=LAYOUT, fingerprint=FP, max_blocks=2
     )
     assert ids == (5, 6) and (prefix.layer, prefix.n_layers) == (1, 2)
     with pytest.raises(ProtocolError) as e:
-        proto.validate_header(
+        protocol.validate_header(
             head + bytes(64),
             transfer_id=9,
             token=token,
@@ -117,7 +118,7 @@ def test_validate_header_accepts_a_good_one_and_checks_its_length() -> None:
             fingerprint=FP,
             max_blocks=2,
         )
-    assert e.value.reason == proto.REJECT_BAD_LENGTH
+    assert e.value.reason == protocol.REJECT_BAD_LENGTH
 
 
 # ---- landing bookkeeping ------------------------------------------------------------------------
@@ -136,10 +137,10 @@ def _landing(loop: asyncio.AbstractEventLoop, blocks: tuple[int, ...], seen: lis
 
 
 def _prefix(layer: int, n_layers: int, ids: tuple[int, ...], seq: int, last: bool = False):
-    head = proto.encode_header(
+    head = protocol.encode_header(
         7, b"t" * 16, FP, layer, ids, LAYOUT.payload_bytes(n_layers, len(ids)), last, seq, n_layers
     )
-    return proto.decode_prefix(head)
+    return protocol.decode_prefix(head)
 
 
 def test_landing_claims_accounts_and_calls_back_in_layer_order() -> None:
@@ -153,11 +154,11 @@ def test_landing_claims_accounts_and_calls_back_in_layer_order() -> None:
         a = t.check_claims(_prefix(1, 2, (9, 4), 0), (9, 4))  # layers 1-2 first
         t.claim(0, a)
         for bad, reason in (
-            ((_prefix(2, 1, (4,), 1), (4,)), proto.REJECT_DUPLICATE),  # claimed already
-            ((_prefix(0, 1, (5,), 1), (5,)), proto.REJECT_BAD_BLOCK),  # not reserved
-            ((_prefix(0, 1, (4, 4), 1), (4, 4)), proto.REJECT_DUPLICATE),  # listed twice
-            ((_prefix(0, 1, (4,), 0), (4,)), proto.REJECT_BAD_SEQ),  # seq used
-            ((_prefix(0, 1, (4,), SEQ_WINDOW), (4,)), proto.REJECT_BAD_SEQ),  # too far ahead
+            ((_prefix(2, 1, (4,), 1), (4,)), protocol.REJECT_DUPLICATE),  # claimed already
+            ((_prefix(0, 1, (5,), 1), (5,)), protocol.REJECT_BAD_BLOCK),  # not reserved
+            ((_prefix(0, 1, (4, 4), 1), (4, 4)), protocol.REJECT_DUPLICATE),  # listed twice
+            ((_prefix(0, 1, (4,), 0), (4,)), protocol.REJECT_BAD_SEQ),  # seq used
+            ((_prefix(0, 1, (4,), SEQ_WINDOW), (4,)), protocol.REJECT_BAD_SEQ),  # too far ahead
         ):
             with pytest.raises(ProtocolError) as e:
                 t.check_claims(*bad)

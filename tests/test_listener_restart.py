@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.peers.transfer_peer import dest_to_json
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
 from tests.test_transfer import LAYOUT, Peer
 from transfer import listener
 from transfer.errors import TransferReset

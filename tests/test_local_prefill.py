@@ -39,10 +39,17 @@ def _one_thread():
         yield
 
 
-def _set(c: PdCluster, **fields: object) -> None:
-    """Switch the decode node's placement between requests (its config is read per request)."""
+async def _set(c: PdCluster, **fields: object) -> None:
+    """Switch the decode node's placement between requests: the fallback is the node's (read
+    per request), the local-prefill bounds its engine's (shared/engine/placement.py)."""
     node = c.decodes[0]
     node.config = replace(node.config, **fields)
+    policy = node.config.decode_settings(node.slo).placement
+
+    def place(core) -> None:
+        core.role.placement.policy = policy
+
+    await node.thread.inspect(place)
 
 
 async def _decode_metrics(c: PdCluster) -> dict[str, float]:
@@ -60,7 +67,7 @@ async def _decode_conserved(c: PdCluster) -> None:
         if not node.streams and not node.core.requests:
             break
         await asyncio.sleep(0.05)
-    await node.thread.call(lambda core: core.check_conservation())
+    await node.thread.inspect(lambda core: core.check_conservation())
 
 
 def test_local_and_remote_prefill_are_token_exact(checkpoint: Callable[..., Path]) -> None:
@@ -75,7 +82,7 @@ def test_local_and_remote_prefill_are_token_exact(checkpoint: Callable[..., Path
         async with pd_cluster(path, decode_overrides=overrides) as c:
             local = await run_all(c.targets[0])
             assert await _prefills(c) == {"local": len(PARAMS), "remote": 0}
-            _set(c, local_prefill_tokens=0)
+            await _set(c, local_prefill_tokens=0)
             remote = await run_all(c.targets[0])
             assert await _prefills(c) == {"local": len(PARAMS), "remote": len(PARAMS)}
             for a_all, b_all, q in zip(local, remote, PARAMS, strict=True):
@@ -138,7 +145,7 @@ def test_fallback_serves_without_prefill_nodes(checkpoint: Callable[..., Path]) 
             got = await generate(c.targets[0], prompts[0], max_tokens=5, timeout=60)
             assert got.token_ids == hf_greedy(path, prompts[0], 5)
             assert (await _prefills(c))["local"] == 1
-            _set(c, local_prefill_fallback=False)
+            await _set(c, local_prefill_fallback=False)
             for peer in decode.pool.replicas:
                 decode.pool.mark_unhealthy(peer, "test: no prefill node")
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -148,7 +155,7 @@ def test_fallback_serves_without_prefill_nodes(checkpoint: Callable[..., Path]) 
             await _decode_conserved(c)
             # a prefill node that dies under the decode node: the dispatch fails, and the
             # request already admitted for a transfer is prefilled here instead
-            _set(c, local_prefill_fallback=True)
+            await _set(c, local_prefill_fallback=True)
             await c.prefills[0].serving.stop_admitting(0.1)
             got = await generate(c.targets[0], prompts[2], max_tokens=5, timeout=60)
             assert got.token_ids == hf_greedy(path, prompts[2], 5)
@@ -161,28 +168,34 @@ def test_fallback_serves_without_prefill_nodes(checkpoint: Callable[..., Path]) 
 def test_an_idle_engine_takes_a_longer_prompt_than_a_busy_one() -> None:
     """The idle rule: with no live request, a prompt up to `idle_threshold` uncached tokens is
     prefilled here, chunked over steps; beside a live request only the one-step rule holds."""
-    from decode_node.local_prefill import try_local
     from shared.engine.config import EngineConfig
     from shared.engine.core import EngineCore
+    from shared.engine.decode_role import DecodeSettings
+    from shared.engine.placement import PlacementPolicy
 
-    core = EngineCore(EngineConfig(model="tiny", num_kv_blocks=256, max_num_tokens=64))
+    def engine(threshold: int) -> EngineCore:
+        policy = PlacementPolicy(threshold, 1024, max_inflight=8)
+        config = EngineConfig(model="tiny", num_kv_blocks=256, max_num_tokens=64)
+        return EngineCore(config, role=DecodeSettings(policy))
+
+    core, off = engine(32), engine(0)
 
     def ids(n: int, seed: int) -> list[int]:
         return [3 + (seed + 7 * i) % 250 for i in range(n)]  # the tiny model's vocab is 259
 
     params = SamplingParams(max_tokens=2)
 
-    def local(prompt: list[int], rid: str, threshold: int) -> LlmRequest | None:
-        hashes = compute_block_hashes(prompt, core.kv_manager.block_size)
-        return try_local(core, prompt, params, rid, threshold, 8, 1024, hashes)
+    def local(prompt: list[int], rid: str, on: EngineCore) -> LlmRequest | None:
+        hashes = compute_block_hashes(prompt, on.kv_manager.block_size)
+        return on.role.placement.try_local(prompt, params, rid, hashes, 0)  # type: ignore[attr-defined]
 
-    assert local(ids(1100, 2), "x", 32) is None
-    assert local(ids(600, 0), "off", 0) is None  # 0: off
+    assert local(ids(1100, 2), "x", core) is None
+    assert local(ids(600, 0), "off", off) is None  # 0: off
     # 600 tokens: past one 64-token step and the 32-token rule, within the idle bound: taken
-    taken = local(ids(600, 0), "idle", 32)
+    taken = local(ids(600, 0), "idle", core)
     assert taken is not None and taken.prompt_block_hashes  # carried: not hashed again
     # now a request is live: only the one-step rule, and this step's budget is owed to it
-    assert local(ids(600, 1), "busy", 32) is None
-    assert local([5, 6, 7], "short", 32) is None
+    assert local(ids(600, 1), "busy", core) is None
+    assert local([5, 6, 7], "short", core) is None
     core.abort("idle")
     core.check_conservation()

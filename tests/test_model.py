@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdserve.bench.support.checkpoints import load_hf_model
-from shared.engine.kv_cache import allocate_kv_pool
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
+from shared.kv.pool import allocate_kv_pool
 from shared.model.config import RopeScaling
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.llama import rope_inv_freq

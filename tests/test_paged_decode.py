@@ -194,7 +194,7 @@ def test_build_is_cached_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path) 
 def test_bf16_model_decodes_through_the_kernel_like_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny model in bf16, three sequences decoding together: logits through the kernel and
     through gather + SDPA differ by bf16 noise only, and pick the same tokens."""
-    from shared.engine.kv_cache import allocate_kv_pool
+    from shared.kv.pool import allocate_kv_pool
     from shared.model.loader import load_model
 
     loaded = load_model("tiny", torch.device("cpu"), torch.bfloat16)

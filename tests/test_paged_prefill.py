@@ -138,7 +138,7 @@ def test_model_prefills_through_the_kernel_like_sdpa(
     """The tiny model: a fresh prompt, then a prompt continuing its cached prefix in two chunks;
     logits through the kernel and through SDPA differ by rounding noise (bf16: most argmaxes
     equal; fp32: every one)."""
-    from shared.engine.kv_cache import allocate_kv_pool
+    from shared.kv.pool import allocate_kv_pool
     from shared.model.loader import load_model
 
     loaded = load_model("tiny", torch.device("cpu"), dtype)

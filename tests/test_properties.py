@@ -6,7 +6,7 @@ the request lifecycle (docs/seat-system.md §3-§8):
 - `dec`, a colocated / decode-side engine: colocated requests, decode-side P/D requests
   (`reserve_for_transfer` -> `start_transfer` -> `complete_transfer` / `fail_transfer`), aborts in
   every state, steps with chunked prefill, prefix-cache hits and preemption (small pools);
-- `pre`, a prefill-side engine (`context_only=True`): prefill, `_finish_context` (pin + seat
+- `pre`, a prefill-side engine (`PrefillRole`): prefill, `accept_token` (pin + seat
   back), `complete_context` (unpin) ok / failed, aborts in every state.
 
 Only the model is faked, and only its forward: it returns logits whose argmax is the token the
@@ -38,12 +38,13 @@ from hypothesis.stateful import (
     rule,
 )
 
+from shared.cdiv import cdiv
 from shared.engine.block_manager import compute_block_hashes
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
+from shared.engine.prefill_role import PrefillSettings
 from shared.engine.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.utils import cdiv
 from shared.model.forward_batch import ForwardBatch
 from shared.model.loader import LoadedModel, tiny_config
 from shared.model.tokenizer import ByteTokenizer
@@ -78,7 +79,7 @@ class ShadowModel:
 
     def __init__(self) -> None:
         self.shadow: dict[int, tuple[int, ...]] = {}
-        self.scheduled: list = []  # captured through the engine's layer_hook_factory
+        self.scheduled: list = []  # captured through the role's layer hook
         self.next_tokens: list[int] = []
 
     def capture(self, scheduled):
@@ -127,12 +128,20 @@ def make_engine(bs: int, blocks: int, batch: int, budget: int, caching: bool, co
         device="cpu",
         dtype="float32",
     )
-    core = EngineCore(config, loaded, context_only=context_only)
-    core.layer_hook_factory = model.capture
+    if context_only:
+        core = EngineCore(config, loaded, role=PrefillSettings(lambda s, kv: model.capture(s)))
+    else:
+        core = EngineCore(config, loaded)
+        core.role.layer_hook = model.capture  # type: ignore[method-assign]  # the fake's input
     return core, model
 
 
 # ----------------------------------------------------------------------------- the invariants
+def _queued(core: EngineCore) -> set[str]:
+    """Requests waiting in a decode engine's admission queue (a prefill engine has none)."""
+    return set() if core.context_only else set(core.admission.queue.keys())
+
+
 def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest], pins: dict):
     """Everything that must hold between two engine calls. `pins[rid]` is what the test expects
     the request to have pinned (decode: the reserved blocks; prefill: the table at finish)."""
@@ -159,7 +168,7 @@ def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest]
             assert rid not in in_sched, f"{rid} schedulable before its KV arrived"
         elif r.state == S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             assert rid not in in_sched, f"{rid} still scheduled while its KV is pushed"
-        elif rid in core.admission.queue:
+        elif rid in _queued(core):
             assert r.state == S.QUEUED and rid not in in_sched, (rid, r.state)
         else:
             assert rid in in_sched, f"{rid} ({r.state.name}) is live but lost by the scheduler"
@@ -240,7 +249,7 @@ def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest]
             assert len(pins[rid]) == cdiv(r.prompt_len, bs)
             # nobody overwrote the blocks being sent
             assert_content(model, pins[rid], r.all_token_ids, r.prompt_len, bs, rid)
-        elif rid in core.admission.queue:
+        elif rid in _queued(core):
             assert table is None and r.seq_slot is None, f"queued {rid} holds {table}"
             assert rid not in kv.pinned, f"queued {rid} pins blocks"
         elif any(r is w for w in waiting):
@@ -354,11 +363,11 @@ class PdMachine(RuleBasedStateMachine):
         rid = self._rid()
         if not self._fits(self.dec, prompt, max_tokens):
             with pytest.raises(RequestRejected):
-                self.dec.reserve_for_transfer(prompt, params, rid)
+                self.dec.role.reserve_for_transfer(prompt, params, rid)
             return
         free_before = self.dec.kv_manager.num_free_blocks
         try:
-            request, blocks, first = self.dec.reserve_for_transfer(prompt, params, rid)
+            request, blocks, first = self.dec.role.reserve_for_transfer(prompt, params, rid)
         except ResourcesExhausted:
             event("reserve: ResourcesExhausted")
             assert rid not in self.dec.requests and rid not in self.dec.kv_manager.block_tables
@@ -380,10 +389,10 @@ class PdMachine(RuleBasedStateMachine):
         rid = self._rid()
         if not self._fits(self.dec, prompt, max_tokens):
             with pytest.raises(RequestRejected):
-                self.dec.admission.enqueue(self.dec, prompt, params, rid)
+                self.dec.admission.enqueue(prompt, params, rid)
             return
         try:
-            request = self.dec.admission.enqueue(self.dec, prompt, params, rid)
+            request = self.dec.admission.enqueue(prompt, params, rid)
         except ResourcesExhausted:
             event("queue: full")
             assert rid not in self.dec.requests and rid not in self.dec.kv_manager.block_tables
@@ -416,7 +425,7 @@ class PdMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def start_transfer(self, data) -> None:
         rid = data.draw(st.sampled_from(self._in(self.dec, S.DISAGG_GENERATION_INIT)))
-        self.dec.start_transfer(rid)
+        self.dec.role.start_transfer(rid)
         self._land(rid, 0.5)
 
     @precondition(
@@ -428,7 +437,7 @@ class PdMachine(RuleBasedStateMachine):
         self._land(rid, 1.0)
         request = self.dec.requests[rid]
         del self.dec_pins[rid]
-        delta = self.dec.complete_transfer(rid, first_token)
+        delta = self.dec.role.complete_transfer(rid, first_token)
         assert request.output_token_ids == [first_token]
         event(f"complete_transfer: finished at once {delta.finish_reason is not None}")
         if delta.finish_reason is None:
@@ -447,7 +456,7 @@ class PdMachine(RuleBasedStateMachine):
         if mid_transfer:
             self._land(rid, landed)  # whatever arrived before the failure is garbage now
             del self.dec_pins[rid]
-        self.dec.fail_transfer(rid)
+        self.dec.role.fail_transfer(rid)
         assert rid not in self.dec.requests and request.finish_reason == FinishReason.ABORTED
         if mid_transfer or request.history[-2][0] in (S.QUEUED, S.CONTEXT_INIT):
             assert request.state == S.DISAGG_TRANS_ERROR
@@ -566,7 +575,7 @@ class PdMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.pre.requests)))
         request = self.pre.requests[rid]
         pushing = request.state == S.DISAGG_CONTEXT_TRANS_IN_PROGRESS
-        self.pre.complete_context(rid, ok)
+        self.pre.role.complete_context(rid, ok)
         self.pre_pins.pop(rid, None)
         assert rid not in self.pre.requests and request.seq_slot is None
         event(f"complete_context: pushing={pushing} ok={ok}")
@@ -609,13 +618,13 @@ def test_waiting_head_does_not_deadlock_behind_transferred_requests() -> None:
     of them that does not fit must not keep them (and so itself) from ever running."""
     core, _ = make_engine(bs=4, blocks=4, batch=4, budget=64, caching=True, context_only=False)
     for rid, prompt in (("D1", [5, 6, 7, 8]), ("D2", [9, 10, 11, 12])):
-        core.reserve_for_transfer(prompt, SamplingParams(max_tokens=4, ignore_eos=True), rid)
-        core.start_transfer(rid)  # 2 of the 4 blocks reserved and pinned
+        core.role.reserve_for_transfer(prompt, SamplingParams(max_tokens=4, ignore_eos=True), rid)
+        core.role.start_transfer(rid)  # 2 of the 4 blocks reserved and pinned
     # 9 tokens = 3 blocks: valid for the pool, but only 2 are free now, so it waits
     core.add_request(list(range(20, 29)), SamplingParams(max_tokens=1, ignore_eos=True), "R")
     assert core.step() == []
     for rid in ("D1", "D2"):
-        core.complete_transfer(rid, 65)  # queued behind R, still holding 1 block each
+        core.role.complete_transfer(rid, 65)  # queued behind R, still holding 1 block each
     for _ in range(50):
         core.step()
     assert not core.has_work, (
@@ -627,7 +636,8 @@ def test_waiting_head_does_not_deadlock_behind_transferred_requests() -> None:
 def test_complete_transfer_before_start_keeps_blocks_pinned() -> None:
     """A misordered complete_transfer raises without dropping the pins of the transfer."""
     core, _ = make_engine(bs=4, blocks=4, batch=4, budget=64, caching=True, context_only=False)
-    _, blocks, _ = core.reserve_for_transfer([5, 6, 7, 8, 9], SamplingParams(max_tokens=4), "D")
+    params = SamplingParams(max_tokens=4)
+    _, blocks, _ = core.role.reserve_for_transfer([5, 6, 7, 8, 9], params, "D")
     with pytest.raises(RuntimeError):  # IllegalStateTransition
-        core.complete_transfer("D", 65)
+        core.role.complete_transfer("D", 65)
     assert core.kv_manager.pinned.get("D") == blocks, "the failed call dropped the pins"

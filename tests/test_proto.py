@@ -124,6 +124,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "block_ids": (4, _T.TYPE_UINT32, True),
         "first_block_index": (5, _T.TYPE_UINT32, False),
         "layout_fingerprint": (6, _T.TYPE_STRING, False),
+        "skipped_blocks": (7, _T.TYPE_UINT32, True),
     },
     "PrefillRequest": {
         "request_id": (1, _T.TYPE_STRING, False),

@@ -114,7 +114,6 @@ def test_http_completions_sharing_a_prefix_follow_it() -> None:
     """Two decode replicas on one HTTP port (127.0.0.1 and 127.0.0.2, as replicas behind one
     service name) behind the proxy's HTTP side."""
     from decode_node.server import DecodeNode
-    from shared.engine.core import EngineCore
     from shared.model.loader import load_model
 
     rng = random.Random(15)
@@ -125,7 +124,7 @@ def test_http_completions_sharing_a_prefix_follow_it() -> None:
         async with pd_cluster(MODEL, decode_overrides=overrides) as cluster:
             first = cluster.decodes[0]
             config = replace(first.config, host="127.0.0.2", http_port=first.http_port)
-            second = DecodeNode(config, EngineCore(config.engine, load_model(MODEL)))
+            second = DecodeNode(config, load_model(MODEL))
             await second.start()
             decodes = [("127.0.0.1", first), ("127.0.0.2", second)]
             backends = [f"127.0.0.1:{first.port}", f"127.0.0.2:{second.port}"]
@@ -136,7 +135,7 @@ def test_http_completions_sharing_a_prefix_follow_it() -> None:
                 async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                     await _exercise_http(client, proxy, decodes, backends, system)
                 await cluster.assert_idle_and_conserved()
-                await second.thread.call(lambda core: core.check_conservation())
+                await second.thread.inspect(lambda core: core.check_conservation())
                 assert all(r.load == 0 for r in proxy.pool.replicas)
                 assert not proxy.router.outstanding
             finally:

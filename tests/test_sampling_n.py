@@ -181,20 +181,20 @@ def test_fork_without_a_free_block_recomputes_and_matches(checkpoint: Callable[.
     prompt = random_prompts(1, 512, min_len=40, max_len=40, seed=23)[0]  # 2 full blocks + 8
     params = SamplingParams(max_tokens=6, n=2)
     want = hf_greedy(path, prompt, 6)
-    core.reserve_for_transfer(prompt, params, "P")
-    core.start_transfer("P")
-    core.reserve_for_transfer([5, 6, 7, 8, 9] * 6, SamplingParams(max_tokens=2), "Q")  # 2
-    core.start_transfer("Q")
+    core.role.reserve_for_transfer(prompt, params, "P")
+    core.role.start_transfer("P")
+    core.role.reserve_for_transfer([5, 6, 7, 8, 9] * 6, SamplingParams(max_tokens=2), "Q")  # 2
+    core.role.start_transfer("Q")
     assert core.kv_manager.num_free_blocks == 0
     # the KV "landed": write the prompt's K/V as the prefill node would have
     batch = ForwardBatch.build(
         [SeqEntry(prompt, 0, core.kv_manager.block_table("P"))], 16, core.device
     )
     core.model.forward(batch, core.kv_pool)
-    deltas = core.complete_transfer_all("P", want[0], choices=[(want[0], None)])
+    deltas = core.role.complete_transfer_all("P", want[0], choices=[(want[0], None)])
     assert [d.index for d in deltas] == [0, 1]
     assert core.kv_manager.block_table("P#1") == []  # nothing free for the copy
-    core.fail_transfer("Q")
+    core.role.fail_transfer("Q")
     tokens: dict[int, list[int]] = {0: [want[0]], 1: [want[0]]}
     while core.has_work:
         for d in core.step():

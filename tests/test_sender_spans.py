@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
 from transfer import ucp
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvMessage, KvSender

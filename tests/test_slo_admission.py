@@ -75,6 +75,20 @@ def test_ttft_check_refuses_with_a_retry_hint_or_records_the_prediction() -> Non
     assert err.value.retry_after_s == 60  # clamped
 
 
+def test_predictions_add_the_p90_of_past_errors_not_their_mean() -> None:
+    """Admitted at the target's edge, a request must meet it at p90: with 2 of 20 past requests
+    0.4 s later than modelled, a mean (+0.04 s) would admit a 0.7 s prediction against 1 s."""
+    slo = SloPolicy(ttft_slo_ms=1000)
+    slo.rate.ewma.update(1000.0)  # tokens/s
+    for i in range(20):
+        slo.check_ttft(f"r{i}", 100, 0, ServiceLevel())  # modelled 0.1 s
+        slo.first_token(f"r{i}", ttft=0.5 if i in (3, 11) else 0.1, now=1.0)
+    assert slo.bias.value == pytest.approx(0.4)
+    with pytest.raises(SloMiss):
+        slo.check_ttft("late", 100, 600, ServiceLevel())  # 0.7 + 0.4 > 1 s
+    assert slo.check_ttft("fits", 100, 400, ServiceLevel()) == pytest.approx(0.9)
+
+
 def test_step_times_measure_busy_step_to_step_gaps() -> None:
     steps = StepTimes()
     steps.tick(num_steps=0, batch=0, now=0.0)

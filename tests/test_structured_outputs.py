@@ -232,11 +232,11 @@ def test_first_token_the_grammar_rejects_is_refused() -> None:
 
     core = EngineCore(ENGINE)
     params = SamplingParams(structured=StructuredOutput("choice", '["yes"]'))
-    check_first_tokens(core, params, (ord("y"), None, None, []))
+    check_first_tokens(core.info, params, (ord("y"), None, None, []))
     with pytest.raises(GenerateError, match="not allowed"):
-        check_first_tokens(core, params, (ord("n"), None, None, []))
+        check_first_tokens(core.info, params, (ord("n"), None, None, []))
     with pytest.raises(GenerateError, match="not allowed"):  # another completion's, n > 1
-        check_first_tokens(core, params, (ord("y"), None, None, [(ord("x"), None)]))
+        check_first_tokens(core.info, params, (ord("y"), None, None, [(ord("x"), None)]))
 
 
 class Pet(pydantic.BaseModel):

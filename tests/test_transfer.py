@@ -21,8 +21,9 @@ import torch
 
 from pdserve.bench.peers.transfer_peer import dest_from_json, dest_to_json, sender_pool
 from pdserve.bench.support.util import REPLY_PREFIX
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool
-from transfer import protocol as proto
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
+from transfer import protocol
 from transfer.errors import TransferCancelled, TransferError, TransferTimeout
 from transfer.protocol import TransferDestination
 
@@ -36,11 +37,11 @@ BLOCK_BYTES = LAYOUT.block_bytes_per_layer
 # ---- pure protocol ---------------------------------------------------------------------------
 def test_header_round_trip_and_alignment() -> None:
     token = secrets.token_bytes(16)
-    fp = proto.fingerprint_bytes(LAYOUT.fingerprint())
+    fp = protocol.fingerprint_bytes(LAYOUT.fingerprint())
     ids = (7, 3, 200_000, 0)
-    raw = proto.encode_header(2**64 - 1, token, fp, 2, ids, 4 * BLOCK_BYTES, last=True)
-    assert len(raw) == proto.header_size(len(ids)) and len(raw) % 64 == 0
-    prefix = proto.decode_prefix(raw)
+    raw = protocol.encode_header(2**64 - 1, token, fp, 2, ids, 4 * BLOCK_BYTES, last=True)
+    assert len(raw) == protocol.header_size(len(ids)) and len(raw) % 64 == 0
+    prefix = protocol.decode_prefix(raw)
     assert (prefix.transfer_id, prefix.token, prefix.layer, prefix.n_blocks) == (
         2**64 - 1,
         token,
@@ -48,17 +49,17 @@ def test_header_round_trip_and_alignment() -> None:
         4,
     )
     assert prefix.last and prefix.payload_bytes == 4 * BLOCK_BYTES
-    assert proto.decode_block_ids(raw, prefix) == ids
-    assert [proto.header_size(n) for n in (0, 1, 16, 17)] == [64, 128, 128, 192]
-    with pytest.raises(proto.ProtocolError) as bad:
-        proto.decode_prefix(b"XXXX" + raw[4:])
-    assert bad.value.reason == proto.REJECT_BAD_HEADER
+    assert protocol.decode_block_ids(raw, prefix) == ids
+    assert [protocol.header_size(n) for n in (0, 1, 16, 17)] == [64, 128, 128, 192]
+    with pytest.raises(protocol.ProtocolError) as bad:
+        protocol.decode_prefix(b"XXXX" + raw[4:])
+    assert bad.value.reason == protocol.REJECT_BAD_HEADER
 
 
 def test_destination_validation() -> None:
     dest = TransferDestination("10.0.0.1:5000", 5, b"x" * 16, [1, 2], "fp")  # type: ignore[arg-type]
     assert dest.block_ids == (1, 2) and hash(dest)
-    assert proto.split_address("[::1]:70") == ("::1", 70)
+    assert protocol.split_address("[::1]:70") == ("::1", 70)
     for bad in (("nohost", 1, b"x" * 16), ("h:1", -1, b"x" * 16), ("h:1", 1, b"short")):
         with pytest.raises(ValueError):
             TransferDestination(bad[0], bad[1], bad[2], (1,), "fp")
@@ -189,10 +190,10 @@ def forged(
 ) -> tuple[int, bytes]:
     """A KV header built by hand, any field overridable: (tag, bytes)."""
     ids = ids if ids is not None else dest.block_ids[:1]
-    header = proto.encode_header(
+    header = protocol.encode_header(
         dest.transfer_id if transfer_id is None else transfer_id,
         dest.token if token is None else token,
-        proto.fingerprint_bytes(dest.layout_fingerprint),
+        protocol.fingerprint_bytes(dest.layout_fingerprint),
         layer,
         ids,
         len(ids) * BLOCK_BYTES if payload_bytes is None else payload_bytes,
@@ -203,7 +204,7 @@ def forged(
 
 def payload(dest: TransferDestination, seq: int, nbytes: int, token: bytes | None = None):
     """A payload message for header `seq` (tag derived from the token): (tag, bytes)."""
-    tag = proto.payload_tag(dest.token if token is None else token, dest.transfer_id, seq)
+    tag = protocol.payload_tag(dest.token if token is None else token, dest.transfer_id, seq)
     return tag, os.urandom(nbytes)
 
 
@@ -267,10 +268,10 @@ def test_noise_is_dropped_and_the_transfer_goes_on(h: Harness) -> None:
         await h.raw((tid, os.urandom(1 << 20)))  # larger than any header of this transfer
         assert same(h.pool, before)
         assert _delta(counts, h.receiver.rejected_by_reason) == {
-            proto.REJECT_BAD_TOKEN: 1,
-            proto.REJECT_UNKNOWN_TRANSFER: 4,
-            proto.REJECT_BAD_HEADER: 1,
-            proto.REJECT_BAD_LENGTH: 2,
+            protocol.REJECT_BAD_TOKEN: 1,
+            protocol.REJECT_UNKNOWN_TRANSFER: 4,
+            protocol.REJECT_BAD_HEADER: 1,
+            protocol.REJECT_BAD_LENGTH: 2,
         }
         messages = [[layer, [0, 1, 2], [1, 2, 4]] for layer in range(LAYOUT.num_layers)]
         landed = asyncio.ensure_future(h.receiver.wait(tid, 20))
@@ -312,13 +313,13 @@ async def _until(condition: Callable[[], bool]) -> None:
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
-        ("block_outside_reservation", proto.REJECT_BAD_BLOCK),
-        ("wrong_byte_count", proto.REJECT_BAD_LENGTH),
-        ("duplicate_block", proto.REJECT_DUPLICATE),
-        ("bad_layer", proto.REJECT_BAD_LAYER),
-        ("seq_reused", proto.REJECT_BAD_SEQ),
-        ("seq_far_ahead", proto.REJECT_BAD_SEQ),
-        ("payload_size", proto.REJECT_BAD_LENGTH),
+        ("block_outside_reservation", protocol.REJECT_BAD_BLOCK),
+        ("wrong_byte_count", protocol.REJECT_BAD_LENGTH),
+        ("duplicate_block", protocol.REJECT_DUPLICATE),
+        ("bad_layer", protocol.REJECT_BAD_LAYER),
+        ("seq_reused", protocol.REJECT_BAD_SEQ),
+        ("seq_far_ahead", protocol.REJECT_BAD_SEQ),
+        ("payload_size", protocol.REJECT_BAD_LENGTH),
     ],
 )
 def test_bad_data_from_the_sender_fails_the_transfer(h: Harness, case: str, reason: str) -> None:
@@ -362,11 +363,11 @@ def test_timeout_fires_without_sender_and_late_message_is_dropped(h: Harness) ->
         with pytest.raises(TransferTimeout, match="6 of 6"):
             await h.receiver.wait(dest.transfer_id, 0.3)
         assert 0.25 < time.monotonic() - started < 2
-        late = h.receiver.rejected_by_reason.get(proto.REJECT_LATE, 0)
+        late = h.receiver.rejected_by_reason.get(protocol.REJECT_LATE, 0)
         reply = await h.send(dest, [[0, [0, 1], [10, 11]]])
         assert reply["ok"], reply  # drained by the receiver: the sender is not left hanging
         await h.settle()
-        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 2  # header, payload
+        assert h.receiver.rejected_by_reason[protocol.REJECT_LATE] == late + 2  # header, payload
         assert same(h.pool, before)
         await _valid_transfer(h, [10, 11])  # no stale receive swallows the next transfer
 
@@ -383,10 +384,10 @@ def test_cancel(h: Harness) -> None:
         with pytest.raises(TransferCancelled):
             await waiter
         before = snapshot(h.pool)
-        late = h.receiver.rejected_by_reason.get(proto.REJECT_LATE, 0)
+        late = h.receiver.rejected_by_reason.get(protocol.REJECT_LATE, 0)
         assert (await h.send(dest, [[0, [0], [13]]]))["ok"]
         await h.settle()
-        assert h.receiver.rejected_by_reason[proto.REJECT_LATE] == late + 2  # header, payload
+        assert h.receiver.rejected_by_reason[protocol.REJECT_LATE] == late + 2  # header, payload
         assert same(h.pool, before)
         h.receiver.cancel(12345)  # unknown: ignored
 
@@ -476,10 +477,10 @@ def test_stalled_sender_mid_payload_holds_the_fence_until_endpoints_reset(h: Har
         try:
             dest = receiver.expect("fenced", [0, 1, 2, 3])
             landed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 60))
-            header = proto.encode_header(
+            header = protocol.encode_header(
                 dest.transfer_id,
                 dest.token,
-                proto.fingerprint_bytes(big.fingerprint()),
+                protocol.fingerprint_bytes(big.fingerprint()),
                 0,
                 (0, 1, 2, 3),
                 nbytes,

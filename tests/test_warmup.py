@@ -31,7 +31,7 @@ def test_warm_up_changes_no_token_and_no_cache(checkpoint: Callable[..., Path]) 
     cold = [o.token_ids for o in LLM(config, loaded).generate(prompts, params)]
 
     llm = LLM(config, loaded)
-    assert warm_up(llm.core) == WarmupShape(512, 4)  # the step budget; batch limited to 4
+    assert _warm_up(llm) == WarmupShape(512, 4)  # the step budget; batch limited to 4
     llm.core.check_conservation()
     assert llm.core.num_steps == 0 and not llm.core.requests
     assert [o.token_ids for o in llm.generate(prompts, params)] == cold
@@ -47,13 +47,13 @@ def test_warmup_shape_respects_context_and_pool(checkpoint: Callable[..., Path])
     small_pool = LLM(
         EngineConfig(model=str(path), num_kv_blocks=3, block_size=16, max_batch_size=2), loaded
     )
-    assert warmup_shape(small_pool.core) == WarmupShape(48, 2)
-    assert warm_up(small_pool.core).prefill_tokens == 48
+    assert _shape(small_pool) == WarmupShape(48, 2)
+    assert _warm_up(small_pool).prefill_tokens == 48
     short = LLM(EngineConfig(model=str(path), num_kv_blocks=96, max_model_len=100), loaded)
-    assert warmup_shape(short.core) == WarmupShape(100, WARMUP_DECODE_BATCH)
+    assert _shape(short) == WarmupShape(100, WARMUP_DECODE_BATCH)
     big_budget = LLM(EngineConfig(model=str(path), num_kv_blocks=1024, max_num_tokens=8192), loaded)
-    assert warmup_shape(big_budget.core).prefill_tokens == WARMUP_MAX_TOKENS
-    assert warm_up(short.core).prefill_tokens == 100
+    assert _shape(big_budget).prefill_tokens == WARMUP_MAX_TOKENS
+    assert _warm_up(short).prefill_tokens == 100
 
 
 def test_warm_up_refuses_a_busy_engine(checkpoint: Callable[..., Path]) -> None:
@@ -61,4 +61,12 @@ def test_warm_up_refuses_a_busy_engine(checkpoint: Callable[..., Path]) -> None:
     llm = LLM(EngineConfig(model=str(path), num_kv_blocks=32), load_model(str(path)))
     llm.add_request([5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
-        warm_up(llm.core)
+        _warm_up(llm)
+
+
+def _warm_up(llm: LLM) -> WarmupShape:
+    return warm_up(llm.core.parts, llm.core.max_model_len)
+
+
+def _shape(llm: LLM) -> WarmupShape:
+    return warmup_shape(llm.core.parts, llm.core.max_model_len)

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transfer import protocol as proto
+from transfer import protocol
 from transfer.errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class TransferStats:
     num_blocks: int
     num_layers: int
     expected_at: float
+    skipped_pairs: int = 0  # (layer, block) pairs the sender was told to leave out
     bytes: int = 0  # payload bytes written into the pool
     messages: int = 0  # accepted messages (header + payload)
     first_message_at: float | None = None
@@ -104,6 +105,7 @@ class Landing:
         on_layer: Callable[[int], None] | None,
         done: asyncio.Future[TransferStats],
         quiesced: asyncio.Future[None],
+        skipped: tuple[int, ...] = (),
     ) -> None:
         self.transfer_id = transfer_id
         self.request_id = request_id
@@ -113,7 +115,7 @@ class Landing:
         self.on_layer = on_layer
         self.done = done
         self.quiesced = quiesced  # no write into the pool (or staging) is posted any more
-        self.max_header = proto.header_size(len(block_ids))
+        self.max_header = protocol.header_size(len(block_ids))
         self.state = LandingState.LIVE
         self.deadline: asyncio.TimerHandle | None = None  # set by the receiver's `wait`
         self.writing = 0  # payload receives posted and not completed: the fence
@@ -129,6 +131,11 @@ class Landing:
         self._claimed = [bytearray(len(block_ids)) for _ in range(num_layers)]
         self._layer_missing = [len(block_ids)] * num_layers
         self.missing = len(block_ids) * num_layers
+        for layer, n in enumerate(skipped):  # never sent: claimed up front, so one that comes
+            self._claimed[layer][:n] = bytes([1]) * n  # anyway is a duplicate
+            self._layer_missing[layer] -= n
+            self.missing -= n
+            self.stats.skipped_pairs += n
         self.tags: dict[int, int] = {}  # registered payload tag -> seq
         self.window_end = 0  # payload tags are registered for seq < window_end
         self._seen: set[int] = set()  # seqs of validated headers
@@ -145,25 +152,25 @@ class Landing:
         return len(self.block_ids) * self.num_layers
 
     # ---- headers and claims -------------------------------------------------------------------
-    def check_claims(self, prefix: proto.HeaderPrefix, ids: tuple[int, ...]) -> Announced:
+    def check_claims(self, prefix: protocol.HeaderPrefix, ids: tuple[int, ...]) -> Announced:
         """What a structurally valid header announces, if its seq is fresh and its blocks are
         reserved here and not yet claimed for its layers; raises ProtocolError otherwise."""
         if prefix.seq in self._seen or prefix.seq >= self.window_end:
             raise ProtocolError(
-                proto.REJECT_BAD_SEQ, f"seq {prefix.seq} (window ends at {self.window_end})"
+                protocol.REJECT_BAD_SEQ, f"seq {prefix.seq} (window ends at {self.window_end})"
             )
         layers = range(prefix.layer, prefix.layer + prefix.n_layers)
         listed: set[int] = set()
         for b in ids:
             pos = self._position.get(b)
             if pos is None:
-                raise ProtocolError(proto.REJECT_BAD_BLOCK, f"block {b} is not reserved")
+                raise ProtocolError(protocol.REJECT_BAD_BLOCK, f"block {b} is not reserved")
             if b in listed:
-                raise ProtocolError(proto.REJECT_DUPLICATE, f"block {b} listed twice")
+                raise ProtocolError(protocol.REJECT_DUPLICATE, f"block {b} listed twice")
             listed.add(b)
             for layer in layers:
                 if self._claimed[layer][pos]:
-                    raise ProtocolError(proto.REJECT_DUPLICATE, f"layer {layer} block {b}")
+                    raise ProtocolError(protocol.REJECT_DUPLICATE, f"layer {layer} block {b}")
         return Announced(prefix.layer, prefix.n_layers, ids, prefix.payload_bytes, prefix.last)
 
     def claim(self, seq: int, announced: Announced) -> None:
@@ -177,9 +184,9 @@ class Landing:
 
     def extend_window(self, end: int) -> list[tuple[int, int]]:
         """Open payload seqs up to `end` (exclusive); returns the new (tag, seq) pairs."""
-        end = min(end, proto.MAX_SEQ + 1)
+        end = min(end, protocol.MAX_SEQ + 1)
         new = [
-            (proto.payload_tag(self.token, self.transfer_id, seq), seq)
+            (protocol.payload_tag(self.token, self.transfer_id, seq), seq)
             for seq in range(self.window_end, end)
         ]
         self.tags.update(new)
@@ -304,12 +311,20 @@ class Landings:
         on_layer: Callable[[int], None] | None,
         loop: asyncio.AbstractEventLoop,
         now: float,
+        skipped: tuple[int, ...] = (),
     ) -> Landing:
-        """A new live transfer (fresh id and token) with its first payload tags registered."""
-        token = secrets.token_bytes(proto.TOKEN_BYTES)
+        """A new live transfer (fresh id and token) with its first payload tags registered;
+        `skipped`: per layer, how many of `block_ids` (from the first) will not be sent."""
+        if skipped and (
+            len(skipped) != num_layers or not 0 <= min(skipped) <= max(skipped) < len(block_ids)
+        ):
+            raise ValueError(
+                f"skipped {skipped} does not fit {num_layers} layers of {len(block_ids)} blocks"
+            )
+        token = secrets.token_bytes(protocol.TOKEN_BYTES)
         t = Landing(
             self.new_transfer_id(now), request_id, token, block_ids, num_layers, now, on_layer,
-            done=loop.create_future(), quiesced=loop.create_future(),
+            done=loop.create_future(), quiesced=loop.create_future(), skipped=skipped,
         )  # fmt: skip
         self.add(t)
         return t

@@ -8,7 +8,7 @@ import asyncio
 
 import torch
 
-from shared.engine.kv_cache import KvLayout
+from shared.kv.layout import KvLayout
 from transfer import ucp
 from transfer.landing import Announced
 from transfer.ucp import Probe

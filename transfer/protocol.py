@@ -14,9 +14,9 @@ back:
     ...        zero padding up to header_len = header_size(n_blocks)
 
 2. the payload, tag = `payload_tag(token, transfer_id, seq)`: exactly payload_bytes of raw KV,
-   kv_pool[layer : layer + n_layers][:, :, block_ids] in the layout (n_layers, 2, n_blocks,
-   block_size, kv_heads, head_dim), payload_bytes = n_layers x n_blocks x
-   KvLayout.block_bytes_per_layer.
+   kv_pool[layer : layer + n_layers][:, :, block_ids] in the layout (n_layers, planes, n_blocks,
+   block_size, kv_heads, head_dim) (planes: 2, K and V; 1, a latent pool), payload_bytes =
+   n_layers x n_blocks x KvLayout.block_bytes_per_layer.
 
 Why two: the receiver lands the payload straight in the pool blocks the header names (one UCX
 receive scattered over those blocks, no staging copy), so it must have validated the header
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from transfer.errors import ProtocolError
 
 if TYPE_CHECKING:  # the wire format itself needs no torch
-    from shared.engine.kv_cache import KvLayout
+    from shared.kv.layout import KvLayout
 
 MAGIC = b"PDKV"
 VERSION = 2
@@ -155,6 +155,10 @@ class TransferDestination:
     token: bytes  # 16 random bytes, one-time; every KV message must carry it
     block_ids: tuple[int, ...]  # decode-side block ids to fill, in prompt order
     layout_fingerprint: str  # KvLayout.fingerprint() of the decode node
+    # per layer, how many of block_ids (from the first) that layer does not send: positions
+    # out of its sliding window before the decode node's first query (shared/engine/
+    # kv_window.py); empty: every layer sends every block
+    skipped: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         split_address(self.address)
@@ -165,6 +169,7 @@ class TransferDestination:
         # gRPC hands over repeated fields as lists; keep the dataclass hashable and immutable
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
         object.__setattr__(self, "token", bytes(self.token))
+        object.__setattr__(self, "skipped", tuple(int(n) for n in self.skipped))
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from shared.engine.kv_cache import KvLayout
-from transfer import protocol as proto
+from shared.kv.layout import KvLayout
+from transfer import protocol
 from transfer.errors import (
     ProtocolError,
     TransferCancelled,
@@ -76,7 +76,7 @@ class KvReceiver:
         self._writer = PoolWriter(kv_pool, layout)
         self._pool = kv_pool
         self._layout = layout
-        self._fingerprint = proto.fingerprint_bytes(layout.fingerprint())
+        self._fingerprint = protocol.fingerprint_bytes(layout.fingerprint())
         self._host = host
         self._bind_host = host if bind_host is None else bind_host
         self._port = port
@@ -104,14 +104,14 @@ class KvReceiver:
         self._net.add_hook(self._drain_unexpected)
 
     @property
-    def _engine(self) -> UcxWorker | None:  # the listener's (a restart replaces it)
+    def _worker(self) -> UcxWorker | None:  # the listener's (a restart replaces it)
         return None if self._net is None else self._net.worker
 
     @property
     def address(self) -> str:
         if self._net is None:
             raise RuntimeError("KvReceiver not started")
-        return proto.join_address(self._host, self._net.port)
+        return protocol.join_address(self._host, self._net.port)
 
     @property
     def bound(self) -> tuple[str, int]:
@@ -137,22 +137,21 @@ class KvReceiver:
         request_id: str,
         block_ids: Sequence[int],
         on_layer: Callable[[int], None] | None = None,
+        skipped: Sequence[int] = (),
     ) -> TransferDestination:
-        """Register a transfer: every layer must deliver every one of `block_ids` exactly once.
-        `on_layer(layer)` is called once per layer, in layer order, when all of that layer's
-        blocks have landed. The deadline starts with `wait`."""
-        if self._engine is None:
+        """Register a transfer: every layer must deliver every one of `block_ids` exactly once
+        but the first `skipped[layer]` (empty: none), which it must not. `on_layer(layer)` is
+        called once per layer, in layer order, when all of that layer's blocks have landed.
+        The deadline starts with `wait`."""
+        if self._worker is None:
             raise RuntimeError("KvReceiver not started")
         ids = tuple(int(b) for b in block_ids)
         check_reservation(ids, self._pool.shape[2])
         layers, now = self._layout.num_layers, time.monotonic()
-        t = self._landings.open(request_id, ids, layers, on_layer, self._loop, now)
-        return proto.TransferDestination(
-            address=self.address,
-            transfer_id=t.transfer_id,
-            token=t.token,
-            block_ids=ids,
-            layout_fingerprint=self._layout.fingerprint(),
+        skip = tuple(int(n) for n in skipped)
+        t = self._landings.open(request_id, ids, layers, on_layer, self._loop, now, skip)
+        return protocol.TransferDestination(
+            self.address, t.transfer_id, t.token, ids, self._layout.fingerprint(), skip
         )
 
     async def wait(self, transfer_id: int, timeout: float) -> TransferStats:
@@ -249,34 +248,34 @@ class KvReceiver:
 
     # ---- UCX side -----------------------------------------------------------------------------
     def _drain_unexpected(self) -> None:
-        engine = self._engine
-        while engine is not None and (probe := engine.probe()) is not None:
+        worker = self._worker
+        while worker is not None and (probe := worker.probe()) is not None:
             self._dispatch(probe)
 
     def _dispatch(self, probe: Probe) -> None:
         t = self._landings.live.get(probe.tag)
         if t is not None:
-            if proto.FIXED_HEADER_BYTES <= probe.length <= t.max_header:
+            if protocol.FIXED_HEADER_BYTES <= probe.length <= t.max_header:
                 self._receive_header(t, probe)
             else:
-                self._drop(probe, proto.REJECT_BAD_LENGTH)
+                self._drop(probe, protocol.REJECT_BAD_LENGTH)
             return
         t = self._landings.payload_owner(probe.tag)
         if t is not None:
             self._on_payload(t, t.tags[probe.tag], probe)
             return
         dead = self._landings.is_dead(probe.tag)
-        self._drop(probe, proto.REJECT_LATE if dead else proto.REJECT_UNKNOWN_TRANSFER)
+        self._drop(probe, protocol.REJECT_LATE if dead else protocol.REJECT_UNKNOWN_TRANSFER)
 
     def _drop(self, probe: Probe, reason: str) -> None:
         """Count and drain an unwanted message without reading it (truncating receive)."""
         self._count_reject(reason)
-        self._engine.recv_probed(probe, self._sink).add_done_callback(retrieve_exception)
+        self._worker.recv_probed(probe, self._sink).add_done_callback(retrieve_exception)
 
     # ---- headers ------------------------------------------------------------------------------
     def _receive_header(self, t: Landing, probe: Probe) -> None:
         buf = np.empty(probe.length, dtype=np.uint8)
-        fut = self._engine.recv_probed(probe, buf)
+        fut = self._worker.recv_probed(probe, buf)
         if fut.done():  # eager messages complete in place: keep the arrival order
             self._on_header(t, buf, fut)
         else:
@@ -285,13 +284,13 @@ class KvReceiver:
     def _on_header(self, t: Landing, buf: np.ndarray, fut: asyncio.Future) -> None:
         error = None if fut.cancelled() else fut.exception()
         if not t.live:
-            self._count_reject(proto.REJECT_LATE)
+            self._count_reject(protocol.REJECT_LATE)
             return
         if error is not None or fut.cancelled():
             self._fail_recv(t, error)
             return
         try:
-            prefix, ids = proto.validate_header(
+            prefix, ids = protocol.validate_header(
                 buf.tobytes(),
                 transfer_id=t.transfer_id,
                 token=t.token,
@@ -302,7 +301,7 @@ class KvReceiver:
             announced = t.check_claims(prefix, ids)
         except ProtocolError as e:
             self._count_reject(e.reason)
-            if e.reason not in proto.NOISE_REASONS:  # from this transfer's own sender
+            if e.reason not in protocol.NOISE_REASONS:  # from this transfer's own sender
                 self._fail_bad(t, str(e))
             return
         t.claim(prefix.seq, announced)
@@ -316,23 +315,23 @@ class KvReceiver:
         announced = t.take_announced(seq)
         if announced is None:
             if t.is_repeat(seq):
-                self._drop(probe, proto.REJECT_DUPLICATE)
-                self._fail_bad(t, f"{proto.REJECT_DUPLICATE}: payload {seq} twice")
+                self._drop(probe, protocol.REJECT_DUPLICATE)
+                self._fail_bad(t, f"{protocol.REJECT_DUPLICATE}: payload {seq} twice")
             else:
                 t.early[seq] = probe  # its header has not been validated yet
             return
         self._landings.forget_tag(t, probe.tag, time.monotonic())
         if probe.length != announced.nbytes:
-            self._drop(probe, proto.REJECT_BAD_LENGTH)
+            self._drop(probe, protocol.REJECT_BAD_LENGTH)
             self._fail_bad(
                 t,
-                f"{proto.REJECT_BAD_LENGTH}: payload {seq} is {probe.length} B, its header "
+                f"{protocol.REJECT_BAD_LENGTH}: payload {seq} is {probe.length} B, its header "
                 f"announced {announced.nbytes} B",
             )
             return
         t.writing += 1
         self._writing += 1
-        fut, staging = self._writer.post(self._engine, probe, announced)
+        fut, staging = self._writer.post(self._worker, probe, announced)
         fut.add_done_callback(lambda f: self._on_written(t, announced, staging, f))
 
     def _on_written(
@@ -374,7 +373,7 @@ class KvReceiver:
         t.done.set_result(t.stats)
 
     def _fail_recv(self, t: Landing, error: BaseException | None) -> None:
-        self._count_reject(proto.REJECT_RECV_ERROR)
+        self._count_reject(protocol.REJECT_RECV_ERROR)
         self._fail(t, TransferError(f"transfer {t.transfer_id:#x}: receive failed: {error}"))
 
     def _fail_bad(self, t: Landing, what: str) -> None:
@@ -385,7 +384,7 @@ class KvReceiver:
             return
         self.failed_total += 1
         for probe in t.finish(LandingState.FAILED).values():
-            self._drop(probe, proto.REJECT_LATE)
+            self._drop(probe, protocol.REJECT_LATE)
         self._landings.retire(t, time.monotonic())
         t.done.set_exception(error)
         t.done.exception()  # marks it retrieved: nobody may be waiting

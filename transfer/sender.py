@@ -28,9 +28,8 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shared.engine.kv_cache import KvLayout
-from transfer import protocol as proto
-from transfer import ucp
+from shared.kv.layout import KvLayout
+from transfer import protocol, ucp
 from transfer.errors import TransferError, TransferTimeout, retrieve_exception
 from transfer.protocol import TransferDestination
 from transfer.worker import UCXError, UcxWorker
@@ -72,7 +71,7 @@ class _Send:
     """One posted message (header + payload) of a transfer: completion, errors, deadline."""
 
     push: KvPush
-    engine: UcxWorker
+    worker: UcxWorker
     seq: int
     header: np.ndarray
     iov: np.ndarray | None  # None: `source` is a packed contiguous payload
@@ -92,16 +91,16 @@ class _Send:
     def start(self) -> None:
         if self.result.done():
             return  # the caller gave up while a CUDA pack was finishing
-        push, engine, dest = self.push, self.engine, self.push.dest
+        push, worker, dest = self.push, self.worker, self.push.dest
         try:
-            self.peer = peer = push.sender._peer(engine, dest.address)
+            self.peer = peer = push.sender._peer(worker, dest.address)
             ep = peer.endpoint
-            tag = proto.payload_tag(dest.token, dest.transfer_id, self.seq)
-            ops = [engine.send(ep, self.header, proto.message_tag(dest.transfer_id))]
+            tag = protocol.payload_tag(dest.token, dest.transfer_id, self.seq)
+            ops = [worker.send(ep, self.header, protocol.message_tag(dest.transfer_id))]
             if self.iov is None:
-                ops.append(engine.send(ep, self.source, tag))
+                ops.append(worker.send(ep, self.source, tag))
             else:
-                ops.append(engine.send_iov(ep, self.iov, self.source, tag))
+                ops.append(worker.send_iov(ep, self.iov, self.source, tag))
         except TransferError as e:
             self.result.set_exception(e)
             return
@@ -114,7 +113,7 @@ class _Send:
             self.timer = asyncio.get_running_loop().call_later(self.limit, self._on_timeout)
 
     def _on_done(self, op: asyncio.Future) -> None:
-        error = op.exception()  # engine futures are never cancelled
+        error = op.exception()  # UCX futures are never cancelled
         if self.result.done():
             return
         if error is not None:
@@ -174,11 +173,11 @@ class KvPush:
         or raises like `send`. Pool blocks are read in place until then: the caller keeps them
         unchanged and allocated. CUDA pools are packed first (one layer per message)."""
         ids, iov, source = self._prepare(message)
-        engine = self.sender._ensure_engine(source.device)
+        worker = self.sender._ensure_worker(source.device)
         seq = self._next_seq
         self._next_seq += 1
         nbytes = self.sender.layout.payload_bytes(message.n_layers, len(ids))
-        header = proto.encode_header(
+        header = protocol.encode_header(
             self.dest.transfer_id,
             self.dest.token,
             self.sender.fingerprint_bytes,
@@ -191,7 +190,7 @@ class KvPush:
         )
         send = _Send(
             self,
-            engine,
+            worker,
             seq,
             np.frombuffer(header, dtype=np.uint8),
             iov,
@@ -300,9 +299,9 @@ class KvSender:
 
     def __init__(self, layout: KvLayout, send_timeout: float = DEFAULT_SEND_TIMEOUT_S) -> None:
         self.layout = layout
-        self.fingerprint_bytes = proto.fingerprint_bytes(layout.fingerprint())
+        self.fingerprint_bytes = protocol.fingerprint_bytes(layout.fingerprint())
         self.send_timeout = send_timeout
-        self._engine: UcxWorker | None = None
+        self._worker: UcxWorker | None = None
         self._closed = False
         self._peers: dict[str, _Peer] = {}
         self.bytes_sent_total = 0
@@ -324,7 +323,7 @@ class KvSender:
     def start(self, device: torch.device) -> None:
         """Create the UCX worker now (for pools on `device`) rather than inside the first push:
         that takes 5-200 ms, on the event loop, in the GIL, while the first prompt computes."""
-        self._ensure_engine(device)
+        self._ensure_worker(device)
 
     def open(self, dest: TransferDestination, kv_pool: torch.Tensor | None = None) -> KvPush:
         """A push into `dest`, reading `src` blocks from `kv_pool`. Raises TransferError if the
@@ -341,37 +340,37 @@ class KvSender:
     async def close(self) -> None:
         """Close every endpoint (bounded wait), then the UCX worker."""
         self._closed = True
-        engine = self._engine
-        if engine is None:
+        worker = self._worker
+        if worker is None:
             return
-        self._engine = None
-        closing = [engine.close_endpoint(p.endpoint) for p in self._peers.values()]
+        self._worker = None
+        closing = [worker.close_endpoint(p.endpoint) for p in self._peers.values()]
         self._peers.clear()
         for fut in closing:
             fut.add_done_callback(retrieve_exception)
         if closing:
             await asyncio.wait(closing, timeout=_CLOSE_TIMEOUT_S)
-        engine.close()
+        worker.close()
 
     # ---- internals ----------------------------------------------------------------------------
-    def _ensure_engine(self, device: torch.device) -> UcxWorker:
+    def _ensure_worker(self, device: torch.device) -> UcxWorker:
         if self._closed:
             raise TransferError("KvSender is closed")
-        if self._engine is None:
+        if self._worker is None:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # UCX needs the CUDA context current here
-            self._engine = UcxWorker()
-        return self._engine
+            self._worker = UcxWorker()
+        return self._worker
 
-    def _peer(self, engine: UcxWorker, address: str) -> _Peer:
+    def _peer(self, worker: UcxWorker, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is not None and peer.broken:
             self._discard(peer)
             peer = None
         if peer is None:
-            host, port = proto.split_address(address)
+            host, port = protocol.split_address(address)
             try:
-                endpoint = engine.connect(host, port)
+                endpoint = worker.connect(host, port)
             except UCXError as e:
                 self.errors_total += 1
                 raise TransferError(f"cannot connect to decode node {address}: {e}") from e
@@ -386,8 +385,8 @@ class KvSender:
             return  # already discarded
         del self._peers[peer.address]
         peer.broken = True
-        if self._engine is not None:
-            self._engine.close_endpoint(peer.endpoint).add_done_callback(retrieve_exception)
+        if self._worker is not None:
+            self._worker.close_endpoint(peer.endpoint).add_done_callback(retrieve_exception)
 
 
 def _mark_broken(peer: _Peer) -> None:

@@ -183,7 +183,7 @@ class UcxWorker:
             _resolve(op)
             return future
         if self._closed:
-            future.set_exception(UCXError("UCX engine closed"))
+            future.set_exception(UCXError("UCX worker closed"))
             return future
         self._pending.append(op)
         self._last_progress = time.monotonic()  # a new request gets a fresh spin budget
@@ -207,7 +207,7 @@ class UcxWorker:
             self._complete()
         for op in self._pending:
             if not op.future.done():
-                op.future.set_exception(UCXError("UCX engine closed"))
+                op.future.set_exception(UCXError("UCX worker closed"))
         self._pending.clear()
         self._worker = None
         self._context = None

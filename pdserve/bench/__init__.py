@@ -1,0 +1,16 @@
+"""`pdserve bench NAME`: each benchmark is a module with a `main(argv)`."""
+
+from __future__ import annotations
+
+BENCHMARKS = {
+    "transfer": "pdserve.bench.transfer",
+    "serve": "pdserve.bench.serve",
+    "ttft": "pdserve.bench.ttft",
+    "engine": "pdserve.bench.engine",
+    "roofline": "pdserve.bench.roofline",
+    "peer": "pdserve.bench.peer",
+    "tracing": "pdserve.bench.tracing",
+    "structured": "pdserve.bench.structured",
+    "profile": "pdserve.bench.profile",
+    "plan-check": "pdserve.bench.plan_check",
+}

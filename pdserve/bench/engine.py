@@ -8,7 +8,9 @@ a request ends. Both are measured in the same run; the headline is their ratio.
     python -m pdserve.bench.engine [--quick] [--out bench_out]
 
 `--moe` measures a mixture-of-experts model instead (pdserve/bench/engine_moe.py: batched
-experts vs a per-token loop); the other flags then are that module's.
+experts vs a per-token loop); the other flags then are that module's. `--mla` likewise measures
+latent attention (pdserve/bench/engine_mla.py: KV bytes per token against full K/V, decode in
+latent space vs expanded).
 """
 
 from __future__ import annotations
@@ -101,18 +103,32 @@ def run_transformers(path: Path, prompts: list[list[int]], outputs: list[int], b
     return sum(outputs) / elapsed
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
-    args = sys.argv[1:] if argv is None else list(argv)
+def _variant(args: list[str]) -> dict[str, object] | None:
+    """`--moe` / `--mla`: that module's benchmark on the other flags; else None."""
     if "--moe" in args:
         from pdserve.bench import engine_moe
 
         return engine_moe.main([x for x in args if x != "--moe"])
+    if "--mla" in args:
+        from pdserve.bench import engine_mla
+
+        return engine_mla.main([x for x in args if x != "--mla"])
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    variant = _variant(sys.argv[1:] if argv is None else list(argv))
+    if variant is not None:
+        return variant
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny workload (CI smoke test)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument(
         "--moe", action="store_true", help="a mixture-of-experts model (batched vs per-token)"
+    )
+    parser.add_argument(
+        "--mla", action="store_true", help="latent attention: KV bytes per token, decode paths"
     )
     a = parser.parse_args(argv)
     n, prange, orange = (8, (16, 64), (4, 16)) if a.quick else (64, (16, 512), (8, 128))

@@ -114,12 +114,14 @@ def use_experts(loaded: LoadedModel, per_token: bool) -> None:
             mlp.experts = PerTokenExperts(bank) if per_token else bank
 
 
-def decode_rate(llm: LLM, batch: int, steps: int) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s at `batch` sequences (timed from the step after every prompt has its
-    first token) and the tokens generated."""
+def decode_rate(
+    llm: LLM, batch: int, steps: int, prompt_len: int = PROMPT_LEN
+) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s at `batch` sequences of `prompt_len`-token prompts (timed from the step
+    after every prompt has its first token) and the tokens generated."""
     gen = torch.Generator().manual_seed(batch)
     vocab = llm.core.model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     ids = [llm.add_request(p, params).request_id for p in prompts]
     tokens: dict[str, list[int]] = {i: [] for i in ids}

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.support.util import PeerError, PeerProcess, child_env
-from shared.engine.kv_cache import KvLayout
+from shared.kv.layout import KvLayout
 
 IDLE_S = 2.0
 HOST = "127.0.0.1"

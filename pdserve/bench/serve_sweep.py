@@ -6,11 +6,11 @@ the SLOs and TTFT p99 against the offered rate. With the admission queue, past s
 extra requests wait (TTFT grows with the queue) instead of failing, goodput stays flat, and
 only what overflows `--max-queued` is refused (RESOURCE_EXHAUSTED).
 
-Then SLO-aware admission off vs on (shared/engine/slo.py), in the same run: at capacity (the
-sweep's finite rate with the highest goodput) and at twice it, the same workload against the
-sweep's decode node (off) and against a fresh pair whose decode node runs `--ttft-slo-ms` at the
-goodput TTFT target (on): a request predicted to miss it is refused at once instead of being
-admitted to miss it and make those behind it miss too.
+Then SLO-aware admission off vs on (shared/engine/slo.py), in the same run: at half capacity,
+at capacity (the sweep's finite rate with the highest goodput) and at twice it, the same workload
+against the sweep's decode node (off) and against a fresh pair whose decode node runs
+`--ttft-slo-ms` at the goodput TTFT target (on): a request predicted to miss it is refused at
+once instead of being admitted to miss it and make those behind it miss too.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ async def measure(
     records, duration = await run_requests(target, workload(a, model, rate))
     m = metrics_of(records, duration, slos)
     refused = sum(1 for r in records if r.error and "RESOURCE_EXHAUSTED" in r.error)
-    return {"rate": str(rate), "refused": refused, **m}
+    admitted = [r.ttft for r in records if r.ok]  # the acceptance reads p90 of these
+    p90 = float(np.percentile(admitted, 90)) * 1e3 if admitted else None
+    return {"rate": str(rate), "refused": refused, "ttft_p90_ms": p90, **m}
 
 
 def capacity(points: list[dict[str, Any]]) -> float | None:
@@ -75,20 +77,24 @@ def slo_comparison(
     points: list[dict[str, Any]],
     slos: dict[str, float],
 ) -> dict[str, Any] | None:
-    """Goodput at capacity and at 2x, SLO-aware admission off (the sweep's nodes) vs on."""
+    """Goodput at half capacity (where nothing may be refused), at capacity and at 2x, SLO-aware
+    admission off (the sweep's nodes) vs on."""
     cap = capacity(points)
     if cap is None or "ttft" not in slos:
         return None
-    rates, ttft_ms = [cap, 2 * cap], slos["ttft"] * 1e3
+    rates, ttft_ms = [cap / 2, cap, 2 * cap], slos["ttft"] * 1e3
     off = [asyncio.run(measure(a, model, off_target, r, slos)) for r in rates]
     specs = pd_sweep_specs(model, a.max_queued, ttft_slo_ms=ttft_ms)
     with bench_nodes.running(specs, a.out / "logs" / "serve_sweep_slo") as nodes:
         on = [asyncio.run(measure(a, model, nodes.target("decode"), r, slos)) for r in rates]
-    for label, r_off, r_on in zip(("capacity", "2x capacity"), off, on, strict=True):
+    labels = ("half capacity", "capacity", "2x capacity")
+    for label, r_off, r_on in zip(labels, off, on, strict=True):
         print(
             f"SLO-aware admission at {label} ({r_off['rate']} req/s): goodput off "
             f"{r_off['goodput']['request_goodput']:.2f}, on "
-            f"{r_on['goodput']['request_goodput']:.2f} req/s ({r_on['refused']} refused)"
+            f"{r_on['goodput']['request_goodput']:.2f} req/s ({r_on['refused']} refused); "
+            f"TTFT p90 of admitted off {r_off['ttft_p90_ms'] or 0:.0f}, "
+            f"on {r_on['ttft_p90_ms'] or 0:.0f} ms"
         )
     return {"ttft_slo_ms": ttft_ms, "rates": rates, "off": off, "on": on}
 

@@ -57,7 +57,7 @@ from pdserve.bench.support.util import (
     ratio,
     write_json,
 )
-from shared.engine.kv_cache import KvLayout
+from shared.kv.layout import KvLayout
 
 SHAPES: dict[str, KvLayout] = {
     # the built-in tiny model as a CPU node holds it (float32)

@@ -15,7 +15,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
 
 BlockHash = bytes
 
@@ -65,6 +65,8 @@ class BlockManager:
         self._num_pinned = 0
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
+        # blocks lacking some layers' rows (window-aware transfer): never published, until freed
+        self._partial: set[int] = set()
 
     # ---- counts ---------------------------------------------------------------------------
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -119,6 +121,7 @@ class BlockManager:
                 self._release(block)
 
     def _release(self, block: int) -> None:
+        self._partial.discard(block)
         if block in self._hash_of:
             self._evictable[block] = None
         else:
@@ -176,10 +179,15 @@ class BlockManager:
                 raise AssertionError(f"sharing KV block {block} that nobody holds")
             self._ref[block] += 1
 
+    def mark_partial(self, block_ids: Iterable[int]) -> None:
+        """Blocks whose KV some layers never received: `cache_block` skips them while they are
+        held (a prefix match would read the missing rows)."""
+        self._partial.update(block_ids)
+
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Publish a full, computed block for reuse. If another block already holds this content,
         keep that one: the duplicate simply stays private and is freed normally."""
-        if not self.enable_prefix_caching or block_id in self._hash_of:
+        if not self.enable_prefix_caching or block_id in self._hash_of or block_id in self._partial:
             return
         if block_hash in self._block_of:
             return

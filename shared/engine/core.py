@@ -1,9 +1,11 @@
-"""The engine core shared by every role; the role-specific halves are mixed in from
-`context_role` (prefill node) and `transfer_role` (decode node).
+"""The engine: one model, its KV pool, its seats, and the continuous batch over them.
 
 `EngineCore.step()` is one iteration of continuous batching: schedule, prepare resources (seats
 in order, KV last), one batched forward over the paged pool, one batched sample, then output
-processing and release of finished requests in the seat-system order (sampler, KV, seat).
+processing and release of finished requests in the seat-system order (sampler, KV, seat). What a
+sampled token means (the prompt's KV handed to a push, or the next token of a completion) and
+the commands beyond the common ones belong to the engine's role (shared/engine/role.py). Nodes
+drive an engine only through commands (shared/engine/commands.py) on its thread.
 """
 
 from __future__ import annotations
@@ -11,28 +13,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
+from functools import cached_property
+from typing import Any
 
 import torch
 
 from shared.engine import cpu_threads, malloc_policy
-from shared.engine.config import EngineConfig, resolve_device, resolve_dtype
-from shared.engine.context_role import ContextRole
+from shared.engine.commands import Abort, AddRequest, Shutdown, WarmUp
+from shared.engine.config import EngineConfig
+from shared.engine.decode_role import DecodeRole, DecodeSettings
 from shared.engine.errors import RequestRejected, ResourcesExhausted
-from shared.engine.fork import fork_completions, fork_id
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool, dtype_name
-from shared.engine.logprobs import TokenLogprobs, fill_prompt_logprobs
+from shared.engine.info import EngineInfo
+from shared.engine.model_runner import ModelRunner
 from shared.engine.output import OutputProcessor, RequestOutput, TokenDelta
-from shared.engine.request import (
-    ALLOWED_TRANSITIONS,
-    FinishReason,
-    IllegalStateTransition,
-    LlmRequest,
-    LlmRequestState,
-)
+from shared.engine.prefill_role import PrefillSettings
+from shared.engine.request import LlmRequest, LlmRequestState
 from shared.engine.request_limits import RequestLimits
+from shared.engine.request_table import RequestTable
 from shared.engine.resource_manager import (
     KVCacheManager,
     ResourceManager,
@@ -41,82 +39,69 @@ from shared.engine.resource_manager import (
     compute_max_num_sequences,
     validate_seq_slot_pool_covers_admission,
 )
+from shared.engine.role import EngineParts, Role, RoleSettings
 from shared.engine.sampler import SampleOutput, Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from shared.engine.transfer_admission import TransferAdmission
-from shared.engine.transfer_role import TransferRole
-from shared.model import paged_decode
-from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
-from shared.model.forward_batch import ForwardBatch, SeqEntry
+from shared.engine.warmup import warm_up
+from shared.kv.layout import KvLayout, dtype_name
+from shared.model.device import resolve_device, resolve_dtype
 from shared.model.loader import LoadedModel, load_model
 
 __all__ = ["EngineCore", "RequestOutput", "RequestRejected", "ResourcesExhausted"]
 
 log = logging.getLogger(__name__)
-
-# Called with the step's scheduled requests (before their counters advance); returns a hook that
-# the model calls after each layer's K/V are written, or None.
-LayerHookFactory = Callable[[Sequence[ScheduledRequest]], Callable[[int], None] | None]
-History = tuple[str, list[tuple[LlmRequestState, int | None]]]  # a request's states, their steps
+S = LlmRequestState
 
 
-class EngineCore(ContextRole, TransferRole):
+class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
         loaded: LoadedModel | None = None,
         *,
-        context_only: bool = False,
+        role: RoleSettings | None = None,
     ):
         config.validate()
         malloc_policy.apply()  # once per process: shared/engine/malloc_policy.py
+        settings: RoleSettings = role or DecodeSettings()
         self.config = config
-        # a prefill node: a request ends after its first token, its blocks pinned for the push
-        self.context_only = context_only
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.loaded = loaded or load_model(config.model, self.device, self.dtype)
-        self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.layout: KvLayout = self.model_config.kv_layout(config.block_size, self.dtype)
-        self.ragged = paged_decode.reads_ragged(self.device, self.dtype)  # decode rows: one group
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
         block = self.layout.payload_bytes(self.layout.num_layers, 1)  # one block, every layer
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mb * 2**20 // block)
-        self._build_pools(num_blocks)
+        self._build_managers(num_blocks)
         self.sampler = Sampler(
             self.max_num_sequences, self.device, self.loaded.eos_token_ids, self.tokenizer
         )
-        self.decode_runner = self._build_decode_runner(num_blocks)
+        self.runner = self._build_runner(num_blocks, settings.context_only)
+        decode_tokens = 0 if settings.context_only else 1
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_size, config.max_num_tokens, 0 if context_only else 1),
+            SchedulerConfig(config.max_batch_size, config.max_num_tokens, decode_tokens),
             self.kv_manager,
             self.seq_slot_manager,
             self.free_request_resources,
         )
-        self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
-        self.admission = TransferAdmission()  # decode side: Generate requests waiting for blocks
-        self.requests: dict[str, LlmRequest] = {}
-        # n > 1: parent id -> its forks' ids, until every completion of the group has ended
-        self.forks: dict[str, list[str]] = {}
-        self.layer_hook_factory: LayerHookFactory | None = None
-        self.num_steps = 0
-        self.recent_history: deque[History] = deque(maxlen=1024)  # ended ones: tests, debugging
+        self.table = self._build_table(num_blocks, settings.context_only)
+        self.parts = EngineParts(config, self.table, self.kv_manager, self.scheduler, self.runner)
+        self.role: Role = settings.build(self.parts)
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            AddRequest: lambda c: self.add_request(c.prompt, c.params, c.request_id),
+            Abort: lambda c: self.abort(c.request_id),
+            WarmUp: lambda c: warm_up(self.parts, self.max_model_len),
+            Shutdown: lambda c: self.shutdown(),
+            **self.role.handlers(),
+        }
 
-    @property
-    def _uses_cuda_graphs(self) -> bool:
-        on_gpu = self.config.cuda_graphs and self.device.type == "cuda" and not self.context_only
-        return on_gpu and self.model_config.moe is None  # MoE GEMMs are sized per step's routing
-
-    def _build_pools(self, num_blocks: int) -> None:
-        """The KV pool and the two managers over it: blocks (KV) and seats."""
-        # CUDA graphs pad decode batches with dummy rows whose K/V land in one scratch block
-        # past the BlockManager's blocks (never allocated, never counted); CPU runs eagerly
-        scratch = int(self._uses_cuda_graphs)
-        self.kv_pool = allocate_kv_pool(self.layout, num_blocks + scratch, self.device)
+    def _build_managers(self, num_blocks: int) -> None:
+        """The two managers over the pool: blocks (KV) and seats."""
         self.kv_manager = KVCacheManager(
             num_blocks,
             self.config.block_size,
@@ -132,17 +117,34 @@ class EngineCore(ContextRole, TransferRole):
             }
         )
 
-    def _build_decode_runner(self, num_blocks: int) -> DecodeGraphRunner | None:
-        if not self._uses_cuda_graphs:
-            return None
-        return engine_decode_runner(
-            self.model,
-            self.kv_pool,
-            max_batch_size=self.config.max_batch_size,
+    def _build_runner(self, num_blocks: int, context_only: bool) -> ModelRunner:
+        # CUDA graphs on a GPU only, not on a prefill node (its steps carry a layer hook), not
+        # for MoE (its GEMMs are sized per step by the routing)
+        graphs = self.config.cuda_graphs and self.device.type == "cuda" and not context_only
+        return ModelRunner(
+            self.loaded,
+            self.config,
+            self.layout,
+            num_blocks,
+            self.device,
+            cuda_graphs=graphs and self.model_config.moe is None,
             max_model_len=self.max_model_len,
-            block_size=self.config.block_size,
             dummy_slot_row=self.sampler.dummy_slot_row,
-            scratch_block=num_blocks,
+        )
+
+    def _build_table(self, num_blocks: int, context_only: bool) -> RequestTable:
+        """The live requests, and the limits every new one is checked against."""
+        self.limits = RequestLimits(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.config.block_size,
+            num_blocks,
+            self.max_num_sequences,
+            context_only,
+        )
+        outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
+        return RequestTable(
+            self.limits, self.scheduler, self.kv_manager, outputs, self.free_request_resources
         )
 
     def _resolve_max_model_len(self) -> int:
@@ -153,6 +155,75 @@ class EngineCore(ContextRole, TransferRole):
             )
         return self.config.max_model_len or model_max
 
+    # ---- the door -------------------------------------------------------------------------
+    def execute(self, command: object) -> Any:
+        """Run one command (shared/engine/commands.py); engine thread only."""
+        handler = self._handlers.get(type(command))
+        if handler is None:
+            raise TypeError(f"{type(command).__name__} is not a command this engine runs")
+        return handler(command)
+
+    @cached_property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            loaded=self.loaded,
+            architecture=self.model_config.architecture,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.loaded.eos_token_ids,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_kv_blocks=self.kv_manager.blocks.num_blocks,
+            layout=self.layout,
+            kv_pool=self.runner.kv_pool,
+            device_type=self.device.type,
+            limits=self.limits,
+        )
+
+    # ---- the parts, by name (tests, benchmarks, the engine thread) ------------------------
+    @property
+    def context_only(self) -> bool:
+        return self.role.context_only
+
+    @property
+    def requests(self) -> dict[str, LlmRequest]:
+        return self.table.requests
+
+    @property
+    def forks(self) -> dict[str, list[str]]:
+        return self.table.forks
+
+    @property
+    def outputs(self) -> OutputProcessor:
+        return self.table.outputs
+
+    @property
+    def recent_history(self):
+        return self.table.recent_history
+
+    @property
+    def num_steps(self) -> int:
+        return self.parts.num_steps
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        return self.runner.kv_pool
+
+    @property
+    def decode_runner(self):
+        return self.runner.decode_runner
+
+    @property
+    def admission(self) -> TransferAdmission:
+        """A decode role's admission queue (shared/engine/transfer_admission.py)."""
+        role = self.role
+        if not isinstance(role, DecodeRole):
+            raise TypeError("a prefill engine has no admission queue")
+        return role.admission
+
     @property
     def kv_dtype_name(self) -> str:
         return dtype_name(self.dtype)
@@ -160,38 +231,12 @@ class EngineCore(ContextRole, TransferRole):
     # ---- admission ------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field; nothing is allocated before this passes."""
-        limits = RequestLimits(
-            self.model_config.vocab_size,
-            self.max_model_len,
-            self.config.block_size,
-            self.kv_manager.blocks.num_blocks,
-            self.max_num_sequences,
-            self.context_only,
-        )
-        limits.check(prompt_token_ids, params)
-
-    def new_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str = "",
-        state: LlmRequestState = LlmRequestState.CONTEXT_INIT,
-    ) -> LlmRequest:
-        self.validate_request(prompt_token_ids, params)
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests or fork_id(request_id, 1) in self.requests:
-            raise RequestRejected(f"request_id {request_id!r} is already in flight")
-        request = LlmRequest(
-            request_id, list(prompt_token_ids), params.with_resolved_seed(), state=state
-        )
-        self.requests[request_id] = request
-        self.outputs.add(request)
-        return request
+        self.limits.check(prompt_token_ids, params)
 
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
     ) -> LlmRequest:
-        request = self.new_request(prompt_token_ids, params, request_id, LlmRequestState.QUEUED)
+        request = self.table.new(prompt_token_ids, params, request_id, S.QUEUED)
         self.scheduler.add_request(request)  # QUEUED there until its blocks are free
         return request
 
@@ -203,13 +248,12 @@ class EngineCore(ContextRole, TransferRole):
             to_sample, logits = self._run_model(scheduled)  # one forward over the paged pool
             sampled = self._sample(to_sample, logits)  # one batched sample
             deltas = self._process(to_sample, sampled)  # tokens out, finished requests freed
-        self.admit_queued()  # finished or preempted requests freed blocks
+        self.role.after_step()  # finished or preempted requests freed blocks
         return deltas
 
     def admit_queued(self) -> None:
-        """Admit what the freed blocks now allow from the decode-side queue (engine thread,
-        after every step and command: the only moments blocks free up)."""
-        self.admission.admit(self)
+        """What the role does whenever blocks may have freed up (after steps and commands)."""
+        self.role.after_step()
 
     def _schedule(self) -> list[ScheduledRequest]:
         scheduled = self.scheduler.schedule().scheduled
@@ -217,8 +261,8 @@ class EngineCore(ContextRole, TransferRole):
             return []
         self.resource_manager.prepare_resources([s.request for s in scheduled])
         for s in scheduled:
-            if s.request.state == LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE:
-                s.request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
+            if s.request.state == S.DISAGG_GENERATION_TRANS_COMPLETE:
+                s.request.transition(S.GENERATION_IN_PROGRESS)
         return scheduled
 
     def _run_model(
@@ -229,14 +273,13 @@ class EngineCore(ContextRole, TransferRole):
         if not scheduled:
             return [], None
         batch = [s.request for s in scheduled]
-        hook = self.layer_hook_factory(scheduled) if self.layer_hook_factory else None
-        entries = [self._entry(s) for s in scheduled]
-        logits = self._forward(scheduled, entries, hook)
+        hook = self.role.layer_hook(scheduled)
+        logits = self.runner.forward(scheduled, self.kv_manager.block_table, hook)
         sample_rows = [i for i, s in enumerate(scheduled) if s.completes_context]
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         self.resource_manager.update_resources(batch)
-        self.num_steps += 1
+        self.parts.num_steps += 1
         if not sample_rows:
             return [], None
         if len(sample_rows) == len(batch):  # every row samples (decode steps): no 6 MB copy
@@ -260,59 +303,15 @@ class EngineCore(ContextRole, TransferRole):
             return []
         deltas: list[TokenDelta] = []
         n = len(to_sample)
+        now = time.monotonic()
         for r, t, lp, choices in zip(
             to_sample, sampled.tokens[:n], sampled.logprobs[:n], sampled.choices[:n], strict=True
         ):
             r.choice_first_tokens = choices
-            deltas.extend(self._accept_token(r, t, lp))
+            if r.first_token_time is None:
+                r.first_token_time = now
+            deltas.extend(self.role.accept_token(r, t, lp))
         return deltas
-
-    def _forward(
-        self,
-        scheduled: Sequence[ScheduledRequest],
-        entries: list[SeqEntry],
-        hook: Callable[[int], None] | None,
-    ) -> torch.Tensor:
-        """Logits of each sequence's last new token (a CUDA-graph step appends its padding rows
-        after them); when a request wants prompt logprobs, every token's logits are computed
-        and its prompt entries filled from them."""
-        if not any(s.request.needs_prompt_logits for s in scheduled):
-            if self.decode_runner is not None and hook is None:
-                logits = self.decode_runner.run([s.request for s in scheduled], entries)
-                if logits is not None:
-                    return logits
-            forward = ForwardBatch.build(entries, self.config.block_size, self.device, self.ragged)
-            return self.model.forward(forward, self.kv_pool, layer_hook=hook)
-        forward = ForwardBatch.build(entries, self.config.block_size, self.device, self.ragged)
-        every = self.model.forward(forward, self.kv_pool, all_logits=True, layer_hook=hook)
-        fill_prompt_logprobs(scheduled, every)
-        return every[forward.last_token_index]
-
-    def _entry(self, s: ScheduledRequest) -> SeqEntry:
-        r = s.request
-        start = r.num_computed_tokens
-        return SeqEntry(
-            token_ids=r.all_token_ids[start : start + s.num_new_tokens],
-            num_computed=start,
-            block_table=self.kv_manager.block_table(r.request_id),
-        )
-
-    def _accept_token(
-        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None = None
-    ) -> list[TokenDelta]:
-        now = time.monotonic()
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if self.context_only:
-            return [self._finish_context(request, token, logprobs)]
-        if request.state == LlmRequestState.CONTEXT_INIT:
-            request.transition(LlmRequestState.GENERATION_IN_PROGRESS)
-        # forks first: they share the prompt's blocks, which a finishing parent gives back
-        forks = fork_completions(self, request) if request.choice_first_tokens else []
-        delta = self.outputs.process(request, token, logprobs)
-        if delta.finish_reason is not None:
-            self.finish_request(request, delta.finish_reason)
-        return [delta, *forks]
 
     # ---- release --------------------------------------------------------------------------
     def free_request_resources(self, request: LlmRequest) -> None:
@@ -320,57 +319,9 @@ class EngineCore(ContextRole, TransferRole):
         self.sampler.release_request(request)
         self.resource_manager.free_resources(request)
 
-    def finish_request(
-        self,
-        request: LlmRequest,
-        reason: FinishReason,
-        state: LlmRequestState = LlmRequestState.GENERATION_COMPLETE,
-    ) -> None:
-        self.scheduler.remove(request)
-        self.admission.forget(request.request_id)
-        self.kv_manager.unpin_request(request.request_id)
-        self.free_request_resources(request)
-        request.finish_reason = reason
-        request.finish_time = time.monotonic()
-        if not request.is_finished:
-            request.transition(self._terminal_state(request, state))
-        self.requests.pop(request.request_id, None)
-        self.outputs.forget(request.request_id)
-        self.recent_history.append((request.request_id, list(request.history)))
-        group = request.group_id
-        members = self.forks.get(group)
-        if members is not None and not any(m in self.requests for m in (group, *members)):
-            del self.forks[group]
-
-    @staticmethod
-    def _terminal_state(request: LlmRequest, wanted: LlmRequestState) -> LlmRequestState:
-        """`wanted` where the transition table allows it from here, else where an abort ends."""
-        allowed = ALLOWED_TRANSITIONS[request.state]
-        for state in (
-            wanted,
-            LlmRequestState.GENERATION_COMPLETE,
-            LlmRequestState.DISAGG_TRANS_ERROR,
-        ):
-            if state in allowed:
-                return state
-        raise IllegalStateTransition(
-            f"request {request.request_id} cannot end from {request.state}"
-        )
-
-    def abort_forks(self, request_id: str) -> None:
-        """n > 1: end every completion forked from `request_id`."""
-        for fork in list(self.forks.get(request_id, ())):
-            if fork in self.requests:
-                self.finish_request(self.requests[fork], FinishReason.ABORTED)
-
     def abort(self, request_id: str) -> LlmRequest | None:
         """End the request and, for n > 1, every completion forked from it."""
-        self.abort_forks(request_id)
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        self.finish_request(request, FinishReason.ABORTED)
-        return request
+        return self.table.abort(request_id)
 
     # ---- introspection --------------------------------------------------------------------
     @property
@@ -379,8 +330,7 @@ class EngineCore(ContextRole, TransferRole):
 
     def check_conservation(self) -> None:
         """All seats and blocks back in their pools (cached blocks stay evictable)."""
-        assert not self.requests, f"requests still live: {sorted(self.requests)[:10]}"
-        assert not self.forks, f"completion groups still tracked: {sorted(self.forks)[:10]}"
+        self.table.check_empty()
         self.seq_slot_manager.slot_manager.check_conservation()
         assert self.sampler.seats_in_use() == 0, "sampler rows still owned"
         self.kv_manager.check_conservation()
@@ -400,3 +350,8 @@ class EngineCore(ContextRole, TransferRole):
         with contextlib.suppress(AssertionError):  # already reported; now force-free the rest
             self.resource_manager.shutdown()
         return conserved
+
+
+def prefill_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
+    """An engine whose requests end with their first token (a prefill node's, no layer hook)."""
+    return EngineCore(config, loaded, role=PrefillSettings())

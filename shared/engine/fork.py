@@ -10,24 +10,19 @@ is free for the copy, the fork holds nothing and recomputes its prompt when admi
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequest
+from shared.engine.request_table import fork_id
+from shared.engine.role import EngineParts
 from shared.engine.sampler import choice_seed
 
-if TYPE_CHECKING:
-    from shared.engine.core import EngineCore
-    from shared.engine.output import TokenDelta
 
-
-def fork_id(parent_id: str, index: int) -> str:
-    return f"{parent_id}#{index}"
-
-
-def fork_completions(core: EngineCore, parent: LlmRequest) -> list[TokenDelta]:
+def fork_completions(parts: EngineParts, parent: LlmRequest) -> list[TokenDelta]:
     """Fork the parent's pending completions; returns their first-token deltas."""
     choices, parent.choice_first_tokens = parent.choice_first_tokens, []
     seed = parent.sampling_params.seed or 0
+    table = parts.requests
     deltas = []
     for index, (token, logprobs) in enumerate(choices, start=1):
         params = replace(
@@ -43,18 +38,15 @@ def fork_completions(core: EngineCore, parent: LlmRequest) -> list[TokenDelta]:
         )
         child.cached_tokens = parent.cached_tokens
         child.first_token_time = parent.first_token_time
-        core.requests[child.request_id] = child
-        core.forks.setdefault(parent.request_id, []).append(child.request_id)
-        core.outputs.add(child)
-        copies = core.kv_manager.fork(parent.request_id, child.request_id, parent.prompt_len)
+        table.add_fork(child)
+        copies = parts.kv_manager.fork(parent.request_id, child.request_id, parent.prompt_len)
         if copies is not None:
-            for src, dst in copies:
-                core.kv_pool[:, :, dst].copy_(core.kv_pool[:, :, src])
+            parts.runner.copy_blocks(copies)
             child.num_computed_tokens = parent.prompt_len
-        delta = core.outputs.process(child, token, logprobs)
+        delta = table.outputs.process(child, token, logprobs)
         if delta.finish_reason is not None:
-            core.finish_request(child, delta.finish_reason)
+            table.finish(child, delta.finish_reason)
         else:
-            core.scheduler.add_request(child)
+            parts.scheduler.add_request(child)
         deltas.append(delta)
     return deltas

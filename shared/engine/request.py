@@ -116,6 +116,9 @@ class LlmRequest:
     # check) or from the first prefix match; the prefix cache extends from them instead of
     # hashing the prompt again
     prompt_block_hashes: list[bytes] = field(default_factory=list)
+    # its blocks that some layers' KV never reached (window-aware transfer: shared/engine/
+    # kv_window.py), set before the transfer; the prefix cache never publishes them
+    partial_blocks: tuple[int, ...] = ()
     # (state entered, seat held at that moment): the debug trail tests read the lifecycle from
     history: list[tuple[LlmRequestState, int | None]] = field(default_factory=list)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared.cdiv import cdiv
 from shared.engine.errors import RequestRejected
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,14 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from shared.cdiv import cdiv
 from shared.engine.block_manager import (
     BlockHash,
     BlockManager,
     extend_block_hashes,
 )
 from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.utils import cdiv
-
-DUMMY_REQUEST_ID = "__pdserve_dummy__"
+from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 
 
 class NoFreeSlotsError(ValueError):
@@ -291,6 +290,9 @@ class KVCacheManager(BaseResourceManager):
         table = self.block_tables.get(request.request_id)
         if not table:
             return
+        if request.partial_blocks:  # once: they stay unpublished until freed
+            self.blocks.mark_partial(request.partial_blocks)
+            request.partial_blocks = ()
         hashes = self.block_hashes.setdefault(request.request_id, [])
         done = len(hashes)
         if request.num_computed_tokens // self.block_size <= done:

@@ -12,8 +12,10 @@ the RPC hop and the KV transfer are inside it (they stand between admission and 
 When free KV blocks, not prefill, bound the queue's drain, the requests queued ahead at the
 queue's measured admission rate give the wait instead (the larger of the two is taken). With no
 rate sample yet nothing is refused: there is no basis for a prediction. What this model leaves
-out (the prefill node's own queue, the first token's hand-offs) is learnt online: an EWMA of
-actual minus predicted TTFT over admitted requests is added to every prediction.
+out (the prefill node's own queue, the first token's hand-offs) is learnt online: the 90th
+percentile of actual minus modelled TTFT over the last admitted requests is added to every
+prediction (a mean would let half of the requests admitted at their target's edge miss it; the
+target is read at p90).
 
 Step time by batch size (for the ITL bound) is measured between consecutive engine steps while
 the batch was non-empty (no idle gap inside), an EWMA per batch size.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from shared.engine.admission_queue import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S
@@ -33,6 +35,8 @@ from shared.engine.service_level import ServiceLevel
 
 S = LlmRequestState
 EWMA_ALPHA = 0.2
+ERROR_QUANTILE = 0.9  # of actual - modelled TTFT, added to predictions
+ERRORS_KEPT = 64  # the last admitted requests' errors that quantile is taken over
 _MAX_TRACKED = 4096  # predictions and in-flight prefills remembered (oldest dropped first)
 # states in which a request's prompt still stands between it and its first token
 _PREFILLING = (
@@ -55,6 +59,28 @@ class Ewma:
     def update(self, sample: float) -> None:
         v = self.value
         self.value = sample if v is None else v + self.alpha * (sample - v)
+
+
+class ErrorQuantile:
+    """The `quantile` of the last `kept` samples. `update` runs on the event loop, `value` on the
+    engine thread: hence the lock."""
+
+    def __init__(self, quantile: float = ERROR_QUANTILE, kept: int = ERRORS_KEPT):
+        self.quantile = quantile
+        self._samples: deque[float] = deque(maxlen=kept)
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> float | None:
+        with self._lock:
+            ordered = sorted(self._samples)
+        if not ordered:
+            return None
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+    def update(self, sample: float) -> None:
+        with self._lock:
+            self._samples.append(sample)
 
 
 class PrefillRate:
@@ -127,7 +153,7 @@ class SloPolicy:
         self.rate = PrefillRate()
         self.steps = StepTimes()
         self.on_error: Callable[[float], None] | None = None  # predicted - actual TTFT, s
-        self.bias = Ewma()  # actual - modelled TTFT of admitted requests, s
+        self.bias = ErrorQuantile()  # actual - modelled TTFT of admitted requests, s
         self._predicted: OrderedDict[str, tuple[float, float]] = OrderedDict()  # (with, w/o)
 
     def ttft_target_s(self, service: ServiceLevel) -> float | None:

@@ -1,8 +1,9 @@
 """Runs an EngineCore on a thread of its own, driven from an asyncio event loop.
 
 The engine thread owns every piece of engine state (scheduler, seats, blocks, requests). The
-event loop never touches it directly: it submits commands (`call`), which the thread runs between
-steps, and receives token deltas through a callback scheduled onto the loop. While there is no
+event loop never touches it directly: it submits commands (`call`, shared/engine/commands.py),
+which the thread runs between steps, and receives token deltas (and, on a decode node, admission
+grants) through callbacks scheduled onto the loop. While there is no
 work the thread sleeps on a condition variable, so an idle node burns no CPU; deadlines are
 enforced by timers on the event loop, never by the engine noticing new work.
 """
@@ -18,15 +19,18 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from shared.engine import openmp
+from shared.engine.commands import Command, WarmUp
 from shared.engine.core import EngineCore
+from shared.engine.decode_role import DecodeRole
+from shared.engine.info import EngineInfo
 from shared.engine.output import TokenDelta
 from shared.engine.request import LlmRequestState
-from shared.engine.warmup import warm_up
+from shared.engine.transfer_admission import TransferGrant
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,9 +71,17 @@ class EngineThread:
         loop: asyncio.AbstractEventLoop,
         on_deltas: Callable[[list[TokenDelta]], None],
         name: str = "engine",
+        on_admission: Callable[[str, TransferGrant | None], None] | None = None,
     ):
         self.core = core
+        self.info: EngineInfo = core.info
         self._loop = loop
+        if on_admission is not None:
+            if not isinstance(core.role, DecodeRole):
+                raise TypeError("admission grants come from a decode engine only")
+            core.role.set_admission_callback(
+                lambda rid, grant: loop.call_soon_threadsafe(on_admission, rid, grant)
+            )
         self._on_deltas = on_deltas
         self._commands: deque[tuple[Callable[[EngineCore], object], Future[object]]] = deque()
         self._cv = threading.Condition()
@@ -90,7 +102,7 @@ class EngineThread:
         """`start`, then run the start-up warm-up (shared/engine/warmup.py) on the thread, so
         that a node reports ready only once its first request would run at full speed."""
         self.start()
-        await self.call(warm_up)
+        await self.call(WarmUp())
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -101,7 +113,24 @@ class EngineThread:
             self._torch_threads = 0
             openmp.give_back()
 
-    def submit(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+    def submit(self, command: Command) -> Future[Any]:
+        """Queue a command for the engine thread; its result (or error) on the future."""
+        return self._submit(lambda core: core.execute(command))
+
+    async def call(self, command: Command) -> Any:
+        """Run `command` on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self.submit(command))
+
+    async def inspect(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(core)` on the engine thread: for tests and benchmarks that look inside a
+        running engine; nodes use commands only."""
+        return await asyncio.wrap_future(self.inspect_soon(fn))
+
+    def inspect_soon(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """`inspect` without waiting: the future of `fn(core)`."""
+        return self._submit(fn)
+
+    def _submit(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         fut: Future[T] = Future()
         with self._cv:
             if self._stopping:
@@ -110,10 +139,6 @@ class EngineThread:
             self._commands.append((fn, fut))  # type: ignore[arg-type]
             self._cv.notify()
         return fut
-
-    async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(core)` on the engine thread between steps and return its result."""
-        return await asyncio.wrap_future(self.submit(fn))
 
     def _run(self) -> None:
         torch.set_num_threads(self._torch_threads)

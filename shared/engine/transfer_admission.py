@@ -2,7 +2,7 @@
 for its prompt and first generated token are free, then gets them reserved and pinned for the
 incoming KV transfer (DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS).
 
-Runs on the engine thread, driven by the EngineCore after every step and command (the only
+Runs on the engine thread, driven by the decode role after every step and command (the only
 moments blocks can free up). Admission is in `AdmissionQueue`'s order (priority, aged; FIFO
 when every priority is 0), and leaves free the
 blocks that requests the scheduler itself holds QUEUED wait for (preempted for recompute, or a
@@ -18,17 +18,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from shared.cdiv import cdiv
 from shared.engine.admission_queue import AdmissionQueue, QueueEntry, QueueFull
 from shared.engine.block_manager import BlockHash
+from shared.engine.errors import ResourcesExhausted
 from shared.engine.request import FinishReason, LlmRequest, LlmRequestState
+from shared.engine.resource_manager import KVCacheManager
+from shared.engine.role import EngineParts
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.slo import SloPolicy, tokens_still_to_prefill
-from shared.engine.utils import cdiv
-
-if TYPE_CHECKING:
-    from shared.engine.core import EngineCore
 
 S = LlmRequestState
 DEFAULT_MAX_QUEUED = 1024
@@ -54,7 +53,13 @@ AdmissionCallback = Callable[[str, TransferGrant | None], None]
 
 
 class TransferAdmission:
-    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED, max_admitted: int | None = None):
+    def __init__(
+        self,
+        parts: EngineParts,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        max_admitted: int | None = None,
+    ):
+        self.parts = parts
         self.queue: AdmissionQueue[LlmRequest] = AdmissionQueue(max_queued)
         self.max_admitted = max_admitted  # requests past the queue at once (--max-inflight)
         self.on_admission: AdmissionCallback | None = None
@@ -75,7 +80,6 @@ class TransferAdmission:
 
     def enqueue(
         self,
-        core: EngineCore,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         request_id: str,
@@ -85,36 +89,35 @@ class TransferAdmission:
         """Validate, create the request QUEUED and queue it (then try to admit at once).
         Raises RequestRejected (bad input, or a request the pool could never hold) or
         ResourcesExhausted (queue full, or its TTFT target out of reach: `retry_after_s`)."""
-        from shared.engine.core import ResourcesExhausted
-
         if self.closed:
             raise AdmissionClosed("node is shutting down: retry on another node")
-        core.validate_request(prompt_token_ids, params)
+        table = self.parts.requests
+        table.limits.check(prompt_token_ids, params)
         now = time.monotonic()
-        self.predict_ttft(core, request_id, len(prompt_token_ids), params, now)
-        request = core.new_request(prompt_token_ids, params, request_id, S.QUEUED)
+        self.predict_ttft(request_id, len(prompt_token_ids), params, now)
+        request = table.new(prompt_token_ids, params, request_id, S.QUEUED)
         request.prompt_block_hashes = list(prompt_hashes)  # the prefix match hashes nothing
         entry = QueueEntry(request_id, request, now, deadline)
-        if not self.queue and self._admit_now(core, entry):
+        if not self.queue and self._admit_now(entry):
             return request  # it fits now: it never counts against the queue's bound
         try:
             priority = params.service.priority
             self.queue.push(request.request_id, request, now, deadline, priority)
         except QueueFull as e:
-            core.finish_request(request, FinishReason.ABORTED)
+            table.finish(request, FinishReason.ABORTED)
             raise ResourcesExhausted(str(e), e.retry_after_s) from None
-        self.admit(core)
+        self.admit()
         return request
 
     def predict_ttft(
-        self, core: EngineCore, rid: str, tokens: int, params: SamplingParams, now: float
+        self, rid: str, tokens: int, params: SamplingParams, now: float
     ) -> float | None:
         """The TTFT this request would see if queued now (slo.py); raises SloMiss (a
         ResourcesExhausted) when that misses its target. Allocates nothing."""
         order = self.queue.order_key(now, params.service.priority)
         before = [e.item.prompt_len for e in self.queue.entries() if e.order < order]
         queued = set(self.queue.keys())
-        live = (r for r in core.requests.values() if r.request_id not in queued)
+        live = (r for r in self.parts.requests if r.request_id not in queued)
         ahead = sum(before) + tokens_still_to_prefill(live)
         # when blocks, not prefill, bound the drain: those ahead at the queue's admission rate
         rate = self.queue.admission_rate(now)
@@ -127,51 +130,53 @@ class TransferAdmission:
         self.queue.remove(request_id)
         self.slo.forget(request_id)
 
-    def drain(self, core: EngineCore) -> list[str]:
+    def drain(self) -> list[str]:
         """Shutting down: end every queued request (ABORTED) and queue no more; returns their
         ids."""
         self.closed = True
         ids = self.queue.keys()
         for rid in ids:
-            request = core.requests.get(rid)
+            request = self.parts.requests.get(rid)
             if request is not None:
-                core.finish_request(request, FinishReason.ABORTED)
+                self.parts.requests.finish(request, FinishReason.ABORTED)
         return ids
 
-    def admit(self, core: EngineCore) -> None:
+    def admit(self) -> None:
         now = time.monotonic()
-        self.slo.steps.tick(core.num_steps, len(core.scheduler.running), now)
+        parts = self.parts
+        self.slo.steps.tick(parts.num_steps, len(parts.scheduler.running), now)
         if not self.queue:
             return
         for entry in self.queue.pop_expired(now):
-            core.finish_request(entry.item, FinishReason.ABORTED)
+            parts.requests.finish(entry.item, FinishReason.ABORTED)
             if self.on_admission is not None:
                 self.on_admission(entry.key, None)
-        for entry in self.queue.admit(lambda e: self._try_admit(core, e, now), now):
+        for entry in self.queue.admit(lambda e: self._try_admit(e, now), now):
             grant = self._grants.pop(entry.key)
             if self.on_admission is not None:
                 self.on_admission(entry.key, grant)
 
-    def _admit_now(self, core: EngineCore, entry: QueueEntry[LlmRequest]) -> bool:
-        if not self._try_admit(core, entry, entry.enqueued_at, queued=False):
+    def _admit_now(self, entry: QueueEntry[LlmRequest]) -> bool:
+        if not self._try_admit(entry, entry.enqueued_at, queued=False):
             return False
         grant = self._grants.pop(entry.key)
         if self.on_admission is not None:
             self.on_admission(entry.key, grant)
         return True
 
-    def _try_admit(
-        self, core: EngineCore, entry: QueueEntry[LlmRequest], now: float, queued: bool = True
-    ) -> bool:
+    def _try_admit(self, entry: QueueEntry[LlmRequest], now: float, queued: bool = True) -> bool:
+        parts = self.parts
         if self.max_admitted is not None:
             # every live request not waiting here (the candidate itself excluded)
-            admitted = len(core.requests) - len(self.queue) - (0 if queued else 1)
+            admitted = len(parts.requests) - len(self.queue) - (0 if queued else 1)
             if admitted >= self.max_admitted:
                 return False
         request = entry.item
-        if self.slo.batch_too_slow(self._past_queue(core, request), request):
+        if self.slo.batch_too_slow(self._past_queue(request), request):
             return False
-        grant = reserve_transfer_blocks(core, request, core.scheduler.queued_block_need())
+        grant = reserve_transfer_blocks(
+            parts.kv_manager, request, parts.scheduler.queued_block_need()
+        )
         if grant is None:
             return False
         grant.queue_seconds = now - entry.enqueued_at
@@ -179,23 +184,20 @@ class TransferAdmission:
         self._grants[entry.key] = grant
         return True
 
-    def _past_queue(self, core: EngineCore, candidate: LlmRequest) -> list[LlmRequest]:
+    def _past_queue(self, candidate: LlmRequest) -> list[LlmRequest]:
         """The live requests past admission (the decode batch, and those about to join it)."""
         return [
-            r
-            for r in core.requests.values()
-            if r is not candidate and r.request_id not in self.queue
+            r for r in self.parts.requests if r is not candidate and r.request_id not in self.queue
         ]
 
 
 def reserve_transfer_blocks(
-    core: EngineCore, request: LlmRequest, owed: int = 0
+    kv: KVCacheManager, request: LlmRequest, owed: int = 0
 ) -> TransferGrant | None:
     """QUEUED -> DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS when the prompt's blocks (minus
     this node's prefix hit) and room for the first decoded token are free beside the `owed`
     blocks the scheduler's own QUEUED requests wait for: the prompt's blocks are reserved and
     pinned; otherwise nothing is taken and None is returned."""
-    kv = core.kv_manager
     cached = kv.acquire_prefix(request)
     held = len(kv.block_table(request.request_id))
     # the first decoded token's slot only where one comes (max_tokens 1 ends at the transfer)

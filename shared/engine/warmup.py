@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.core import EngineCore
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
+from shared.engine.role import EngineParts
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 
 log = logging.getLogger(__name__)
@@ -42,22 +42,24 @@ class WarmupShape:
     decode_batch: int  # rows of one decode step over that context
 
 
-def warmup_shape(core: EngineCore) -> WarmupShape:
+def warmup_shape(parts: EngineParts, max_model_len: int) -> WarmupShape:
     """The engine's largest prefill chunk up to WARMUP_MAX_TOKENS, bounded by the context and
     the pool."""
-    block_size = core.config.block_size
-    capacity = core.kv_manager.get_max_resource_count() * block_size
-    tokens = min(core.config.max_num_tokens, WARMUP_MAX_TOKENS, core.max_model_len, capacity)
-    return WarmupShape(tokens, min(WARMUP_DECODE_BATCH, core.config.max_batch_size))
+    config = parts.config
+    capacity = parts.kv_manager.get_max_resource_count() * config.block_size
+    tokens = min(config.max_num_tokens, WARMUP_MAX_TOKENS, max_model_len, capacity)
+    return WarmupShape(tokens, min(WARMUP_DECODE_BATCH, config.max_batch_size))
 
 
-def warm_up(core: EngineCore) -> WarmupShape:
+def warm_up(parts: EngineParts, max_model_len: int) -> WarmupShape:
     """Run one prefill chunk and one decode step (engine thread, before the first request).
     Raises RuntimeError if the engine already holds requests or blocks."""
-    if core.requests or core.kv_manager.num_free_blocks != core.kv_manager.get_max_resource_count():
+    kv = parts.kv_manager
+    if len(parts.requests) or kv.num_free_blocks != kv.get_max_resource_count():
         raise RuntimeError("warm_up runs on an idle engine only, before the first request")
-    shape = warmup_shape(core)
-    block_size = core.config.block_size
+    shape = warmup_shape(parts, max_model_len)
+    block_size = parts.config.block_size
+    runner = parts.runner
     table = list(range(cdiv(shape.prefill_tokens, block_size)))
     prefill = SeqEntry([_WARMUP_TOKEN] * shape.prefill_tokens, 0, table)
     # one new token each at the chunk's last position (its slot rewritten by every row)
@@ -65,10 +67,10 @@ def warm_up(core: EngineCore) -> WarmupShape:
     started = time.perf_counter()
     with torch.inference_mode():
         for entries in ([prefill], decode):
-            batch = ForwardBatch.build(entries, block_size, core.device)
-            core.model.forward(batch, core.kv_pool)
-    if core.device.type == "cuda":
-        torch.cuda.synchronize(core.device)
+            batch = ForwardBatch.build(entries, block_size, runner.device)
+            runner.model.forward(batch, runner.kv_pool)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
     log.info(
         "warm-up: a %d-token prefill and a %d-row decode step in %.2f s",
         shape.prefill_tokens,

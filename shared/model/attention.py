@@ -1,4 +1,4 @@
-"""Batched paged attention over the KV pool (layout in `shared.engine.kv_cache`), per group of a
+"""Batched paged attention over the KV pool (layout in `shared.kv.layout`), per group of a
 `ForwardBatch` (shared/model/forward_batch.py).
 
 * A decode or continued-prefill group gathers its sequences' K/V from the pool into a padded
@@ -108,7 +108,7 @@ def _gather_kv(
     return kv
 
 
-def _padded_rows(x: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+def padded_rows(x: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """[G, heads, Qmax, head_dim] view of the group's rows of a [T, heads, head_dim] tensor."""
     rows = x if group.query_rows is None else x.index_select(0, group.query_rows)
     return rows.view(len(group.seq_ids), group.query_len, *x.shape[1:]).transpose(1, 2)
@@ -127,14 +127,14 @@ def _pool_attention(
     kv = _gather_kv(layer_pool, group.kv_blocks, scratch).to(q.dtype)
     kv = kv.view(2, len(group.seq_ids), group.kv_len, kv_heads, head_dim).transpose(2, 3)
     attn = F.scaled_dot_product_attention(
-        _padded_rows(q, group),
+        padded_rows(q, group),
         kv[0],
         kv[1],
         attn_mask=group.mask(window, q.dtype),
         scale=scale,
         enable_gqa=q.shape[1] != kv_heads,
     )
-    return _valid_rows(attn, group)
+    return valid_rows(attn, group)
 
 
 def softcap_attention(
@@ -151,14 +151,14 @@ def softcap_attention(
     """transformers' eager attention with logit soft-capping, over this step's K/V (fresh
     groups) or the gathered pool: scores * scale, cap * tanh(/ cap), + mask, fp32 softmax."""
     if group.fresh:
-        keys, values = _padded_rows(k, group), _padded_rows(v, group)
+        keys, values = padded_rows(k, group), padded_rows(v, group)
     else:
         assert group.kv_blocks is not None
         kv_heads, head_dim = layer_pool.shape[-2:]
         kv = _gather_kv(layer_pool, group.kv_blocks, scratch).to(q.dtype)
         kv = kv.view(2, len(group.seq_ids), group.kv_len, kv_heads, head_dim).transpose(2, 3)
         keys, values = kv[0], kv[1]
-    queries = _padded_rows(q, group)  # [G, heads, Qmax, D]
+    queries = padded_rows(q, group)  # [G, heads, Qmax, D]
     n_seqs, kv_heads, kv_len, head_dim = keys.shape
     groups = queries.shape[1] // kv_heads  # transformers' repeat_kv
     keys = keys[:, :, None].expand(n_seqs, kv_heads, groups, kv_len, head_dim)
@@ -169,7 +169,7 @@ def softcap_attention(
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores + group.mask(window, q.dtype)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return _valid_rows(torch.matmul(probs, values), group)
+    return valid_rows(torch.matmul(probs, values), group)
 
 
 def _fresh_attention(
@@ -183,18 +183,18 @@ def _fresh_attention(
     # Queries and keys share positions 0..Qmax-1, so SDPA's top-left causal mode is exact for
     # real queries; padded keys sit after every real query and are never attended.
     attn = F.scaled_dot_product_attention(
-        _padded_rows(q, group),
-        _padded_rows(k, group),
-        _padded_rows(v, group),
+        padded_rows(q, group),
+        padded_rows(k, group),
+        padded_rows(v, group),
         attn_mask=None if window is None else group.mask(window, q.dtype),
         is_causal=window is None,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return _valid_rows(attn, group)
+    return valid_rows(attn, group)
 
 
-def _valid_rows(attn: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+def valid_rows(attn: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """[G, heads, Qmax, head_dim] -> [real queries, heads * head_dim], dropping padding."""
     n_seqs, num_heads, q_max, head_dim = attn.shape
     flat = attn.transpose(1, 2).reshape(n_seqs * q_max, num_heads * head_dim)

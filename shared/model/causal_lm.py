@@ -125,12 +125,13 @@ class Model(nn.Module):
     def _check_pool(self, kv_pool: torch.Tensor) -> None:
         c = self.config
         shape = tuple(kv_pool.shape)
-        expected = (c.num_layers, 2, c.num_kv_heads, c.head_dim)
+        planes, heads, dim = c.kv_row_shape
+        expected = (c.num_layers, planes, heads, dim)
         if len(shape) != 6 or (*shape[:2], *shape[4:]) != expected:
             raise ValueError(
                 f"kv_pool shape {shape} does not match the model: expected "
-                f"(layers={c.num_layers}, 2, blocks, block_size, kv_heads={c.num_kv_heads}, "
-                f"head_dim={c.head_dim})"
+                f"(layers={c.num_layers}, {planes}, blocks, block_size, kv_heads={heads}, "
+                f"head_dim={dim})"
             )
         if kv_pool.device != self.device:
             raise ValueError(f"kv_pool is on {kv_pool.device}, model on {self.device}")

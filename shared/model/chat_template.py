@@ -7,6 +7,7 @@ environment options and globals transformers uses, so a rendered prompt is the s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,6 +31,20 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter: jinja2's own sorts keys and escapes HTML, so tools and tool-call
+    # arguments would render differently
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
@@ -37,11 +52,14 @@ def _compile(source: str) -> jinja2.Template:
     )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
 
 
 # the variables `render` itself passes; a caller's extra variables may not replace them
-RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+RESERVED_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 @dataclass(frozen=True)
@@ -54,12 +72,14 @@ class ChatTemplate:
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
         try:
             return _compile(self.source).render(
                 messages=list(messages),
+                tools=None if tools is None else list(tools),  # transformers passes None
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

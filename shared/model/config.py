@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from shared.engine.kv_cache import KvLayout, dtype_name
+from shared.kv.layout import KvLayout, dtype_name
+from shared.model.mla_config import MlaConfig
 from shared.model.moe_config import MoeConfig
 
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 # "rms": x / rms(x) cast to the model dtype, times weight (Llama). "rms_unit_offset": the whole
 # product x / rms(x) * (1 + weight) in fp32, then cast (Gemma).
@@ -30,13 +31,21 @@ DEFAULT_RMS_NORM_EPS = 1e-6
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: `default` (none), `linear` (frequencies / factor) or `llama3`."""
+    """RoPE frequency scaling: `default` (none), `linear` (frequencies / factor), `llama3` or
+    `yarn` (DeepSeek-V2/V3; cos and sin times `attention_factor`)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+    # yarn: the ramp between extrapolated and interpolated frequencies, and the cos/sin factor
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    # DeepSeek's `mscale_all_dim`: the softmax scale also takes yarn's mscale of it, squared
+    mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -45,14 +54,15 @@ class RopeScaling:
             )
         if self.rope_type != "default" and self.factor <= 0:
             raise ValueError(f"{self.rope_type} rope factor must be positive, got {self.factor}")
-        if self.rope_type == "llama3":
-            if self.high_freq_factor <= self.low_freq_factor:
-                raise ValueError(
-                    "llama3 rope needs high_freq_factor > low_freq_factor, got "
-                    f"{self.high_freq_factor} <= {self.low_freq_factor}"
-                )
-            if self.original_max_position_embeddings <= 0:
-                raise ValueError("llama3 rope needs a positive original_max_position_embeddings")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                "llama3 rope needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                f"{self.rope_type} rope needs a positive original_max_position_embeddings"
+            )
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,9 @@ class ModelConfig:
     rotary_dim: int | None = None
     # Mixture-of-experts MLPs (Mixtral, Qwen3-MoE); None: a dense MLP in every layer.
     moe: MoeConfig | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3): head_dim is then the rope dims
+    # (qk_rope_head_dim, as transformers sets it) and the pool holds one latent per token.
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -203,6 +216,7 @@ class ModelConfig:
             and self.local_rope_theta is None
             and self.rotated_dims == self.head_dim
             and self.moe is None
+            and self.mla is None
         )
 
     @property
@@ -211,13 +225,22 @@ class ModelConfig:
 
     def kv_layout(self, block_size: int, dtype: torch.dtype | str) -> KvLayout:
         name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        planes, heads, dim = self.kv_row_shape
         return KvLayout(
             num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
+            num_kv_heads=heads,
+            head_dim=dim,
             block_size=block_size,
             dtype=name,
+            planes=planes,
         )
+
+    @property
+    def kv_row_shape(self) -> tuple[int, int, int]:
+        """(planes, heads, dim) of one token's entry in one layer of the pool."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_kv_heads, self.head_dim
 
 
 def _check_choice(name: str, value: str, supported: Iterable[str]) -> None:

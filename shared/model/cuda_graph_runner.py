@@ -19,19 +19,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.cuda_graph_padding import (
+from shared.cdiv import cdiv
+from shared.model.attention import GatherScratch
+from shared.model.cuda_graph_padding import (
     DecodePadding,
     DecodeRow,
     PaddingPlan,
     default_capture_sizes,
     default_kv_buckets,
 )
-from shared.engine.utils import cdiv
-from shared.model.attention import GatherScratch
-from shared.model.forward_batch import AttentionGroup, ForwardBatch, SeqEntry
+from shared.model.forward_batch import AttentionGroup, ForwardBatch
 
 if TYPE_CHECKING:
-    from shared.engine.request import LlmRequest
     from shared.model.llama import Model
 
 
@@ -74,18 +73,10 @@ class DecodeGraphRunner:
         self.last_plan: PaddingPlan | None = None
 
     # ---- the step -------------------------------------------------------------------------
-    def run(
-        self, requests: Sequence[LlmRequest], entries: Sequence[SeqEntry]
-    ) -> torch.Tensor | None:
+    def run(self, rows: Sequence[DecodeRow]) -> torch.Tensor | None:
         """fp32 logits `[padded_size, vocab]` (real rows first, padding after), or None when
         no captured shape fits this batch. The tensor is the graph's static output: read it
         before the next step."""
-        if any(len(e.token_ids) != 1 for e in entries):
-            return None  # a prefill chunk is in the batch
-        rows = [
-            DecodeRow(r.request_id, r.seq_slot, e.token_ids[0], e.num_computed, e.block_table)
-            for r, e in zip(requests, entries, strict=True)
-        ]
         plan = self.padding.plan(rows)
         if plan is None:
             return None

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.mla import LatentAttention
 from shared.model.moe import build_mlp
 from shared.model.norms import make_norm
 from shared.model.self_attention import Attention
@@ -23,7 +24,11 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         h, eps, kind = config.hidden_size, config.rms_norm_eps, config.norm
-        self.self_attn = Attention(config, layer, device, dtype)
+        self.self_attn: Attention | LatentAttention = (
+            Attention(config, layer, device, dtype)
+            if config.mla is None
+            else LatentAttention(config, layer, device, dtype)
+        )
         self.mlp = build_mlp(config, layer, device, dtype)
         self.input_layernorm = make_norm(kind, h, eps, device, dtype)
         self.post_attention_layernorm = make_norm(kind, h, eps, device, dtype)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
 from shared.model import native, panel_gemm
 from shared.model.native import cpu_vendor
 

@@ -130,7 +130,7 @@ def _int_if_whole(value: float) -> float | int:
 FAMILY = Family(
     name="gemma",
     hf_architectures=(GEMMA2, GEMMA3),
-    gguf_architectures={},  # GGUF gemma2 / gemma3: not yet
+    gguf_architectures={"gemma2": GEMMA2, "gemma3": GEMMA3},  # see gguf_arch.py
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
 )

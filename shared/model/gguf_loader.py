@@ -1,9 +1,11 @@
 """Serve a GGUF file (llama.cpp's format): config from metadata, weights dequantized by `gguf`.
 
 Architectures `llama` (Llama, Mistral-style, SmolLM2), `qwen2` and `qwen3` (per-head q/k norms as
-`attn_q_norm` / `attn_k_norm`); shared/model/registry.py lists them. The config comes from the
-`{arch}.*` metadata (context length, sizes, heads, KV heads, rope base, norm epsilon); biases and
-tied embeddings from which tensors exist (no `output.weight`: the head reuses `token_embd`).
+`attn_q_norm` / `attn_k_norm`), and `gemma2`, `gemma3`, `phi3` (their metadata and tensor
+conventions: shared/model/gguf_arch.py); shared/model/registry.py lists them. The config comes
+from the `{arch}.*` metadata (context length, sizes, heads, KV heads, rope base, norm epsilon);
+biases and tied embeddings from which tensors exist (no `output.weight`: the head reuses
+`token_embd`).
 Tensors of every type `gguf.quants` can dequantize are expanded to fp32 and cast to the node's
 dtype. llama.cpp stores llama's Q/K projection rows permuted for its interleaved rope
 (convert_hf_to_gguf.py's `permute`); the permutation is undone exactly, row for row, so the
@@ -20,6 +22,7 @@ import os
 import re
 import sys
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -30,10 +33,11 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import _type_traits, dequantize
 from tqdm import tqdm
 
+from shared.model import gguf_arch
 from shared.model.causal_lm import Model
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import GgufFile
-from shared.model.registry import GGUF_ARCHITECTURES
+from shared.model.registry import GGUF_ARCHITECTURES, config_from_hf
 
 ARCHITECTURES = GGUF_ARCHITECTURES
 # Only F32 and F16 are handled outside `_type_traits` by `gguf.quants.dequantize`.
@@ -80,6 +84,11 @@ def gguf_model_config(gguf: GgufFile, *, eos_token_ids: tuple[int, ...] = ()) ->
     arch = gguf.architecture
     if arch not in ARCHITECTURES:
         raise gguf.error(f"unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
+    if arch in gguf_arch.ARCHES:
+        try:
+            return config_from_hf(gguf_arch.hf_config(gguf, eos_token_ids))
+        except ValueError as exc:
+            raise gguf.error(f"describes an unsupported model: {exc}") from exc
     _check_rope_scaling(gguf, arch)
     heads = int(gguf.require(f"{arch}.attention.head_count"))
     hidden = int(gguf.require(f"{arch}.embedding_length"))
@@ -171,16 +180,20 @@ def load_gguf_weights(model: Model, gguf: GgufFile, *, progress: bool = True) ->
         disable=not progress, mininterval=0.5, leave=False,
     )  # fmt: skip
 
-    def store(tensor: ReaderTensor, hf_name: str) -> None:
-        values = _dequantized(gguf, tensor, model.config)
-        param = params[hf_name]
-        if tuple(values.shape) != tuple(param.shape):
+    def store(tensor: ReaderTensor, hf_names: list[str]) -> None:
+        values = torch.from_numpy(_dequantized(gguf, tensor, model.config))
+        parts = [params[name] for name in hf_names]
+        # a fused tensor (Phi-3's attn_qkv) stacks its parameters' rows
+        expected = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        if tuple(values.shape) != expected:
             raise gguf.error(
                 f"tensor {tensor.name!r} has shape {tuple(values.shape)}, the metadata "
-                f"implies {tuple(param.shape)} for {hf_name}"
+                f"implies {expected} for {hf_names}"
             )
+        rows = values.split([p.shape[0] for p in parts])
         with torch.no_grad():
-            param.copy_(torch.from_numpy(values))  # rows of a fused buffer never overlap
+            for param, part in zip(parts, rows, strict=True):
+                param.copy_(part)  # rows of a fused buffer never overlap
 
     workers = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="gguf-load") as pool:
@@ -203,16 +216,17 @@ def load_gguf_weights(model: Model, gguf: GgufFile, *, progress: bool = True) ->
 
 def _tensor_plan(
     gguf: GgufFile, params: dict[str, Any], config: ModelConfig
-) -> list[tuple[ReaderTensor, str]]:
-    plan: list[tuple[ReaderTensor, str]] = []
+) -> list[tuple[ReaderTensor, list[str]]]:
+    plan: list[tuple[ReaderTensor, list[str]]] = []
     unknown: list[str] = []
+    targets = _targets(gguf, params, config)
     for name, tensor in gguf.tensors.items():
         if name == ROPE_FREQS:
             continue
-        hf_name = hf_tensor_name(name)
-        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+        hf_names = targets(name)
+        if hf_names == ["lm_head.weight"] and config.tie_word_embeddings:
             continue
-        if hf_name is None or hf_name not in params:
+        if not hf_names or any(n not in params for n in hf_names):
             unknown.append(name)
             continue
         if tensor.tensor_type not in DEQUANTIZABLE:
@@ -220,10 +234,10 @@ def _tensor_plan(
                 f"tensor {name!r} has type {tensor.tensor_type.name}, which gguf cannot "
                 f"dequantize; supported: {sorted(t.name for t in DEQUANTIZABLE)}"
             )
-        plan.append((tensor, hf_name))
+        plan.append((tensor, hf_names))
     if unknown:
         raise gguf.error(f"has tensor(s) the {gguf.architecture} model does not use: {unknown[:5]}")
-    missing = sorted(set(params) - {hf for _, hf in plan})
+    missing = sorted(set(params) - {hf for _, names in plan for hf in names})
     if missing:
         raise gguf.error(
             f"lacks tensor(s) for {missing[:5]}" + (" ..." if len(missing) > 5 else "")
@@ -231,9 +245,24 @@ def _tensor_plan(
     return plan
 
 
+def _targets(
+    gguf: GgufFile, params: dict[str, Any], config: ModelConfig
+) -> Callable[[str], list[str]]:
+    """GGUF tensor name -> the parameters it fills ([] for none)."""
+    if gguf.architecture not in gguf_arch.ARCHES:
+        return lambda name: [hf] if (hf := hf_tensor_name(name)) else []
+    try:
+        targets = gguf_arch.tensor_targets(gguf.architecture, config.architecture, params)
+    except ValueError as exc:
+        raise gguf.error(str(exc)) from exc
+    return lambda name: targets.get(name, [])
+
+
 def _dequantized(gguf: GgufFile, tensor: ReaderTensor, config: ModelConfig) -> np.ndarray:
     values = dequantize(tensor.data, tensor.tensor_type)
     values = values.reshape([int(d) for d in reversed(tensor.shape)])
+    if gguf.architecture in gguf_arch.NORM_SHIFTED and tensor.name.endswith("norm.weight"):
+        values = values - 1.0  # stored as 1 + weight (gguf_arch.py)
     if gguf.architecture == "llama" and tensor.name.startswith("blk."):
         part = tensor.name.split(".")[2]
         if part == "attn_q":

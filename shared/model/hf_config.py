@@ -18,6 +18,7 @@ from shared.model.config import (
     RopeScaling,
     eos_ids_from_value,
 )
+from shared.model.rotary import yarn_mscale
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -90,6 +91,8 @@ def rope_from_params(params: Mapping[str, Any], d: Mapping[str, Any]) -> tuple[f
     try:
         if rope_type == "linear":
             return theta, RopeScaling(rope_type="linear", factor=float(params["factor"]))
+        if rope_type == "yarn":
+            return theta, yarn_from_params(params, d)
         return theta, RopeScaling(
             rope_type="llama3",
             factor=float(params["factor"]),
@@ -103,6 +106,31 @@ def rope_from_params(params: Mapping[str, Any], d: Mapping[str, Any]) -> tuple[f
         )
     except KeyError as exc:
         raise ValueError(f"{rope_type} rope scaling lacks {exc.args[0]!r}") from None
+
+
+def yarn_from_params(params: Mapping[str, Any], d: Mapping[str, Any]) -> RopeScaling:
+    """yarn's parameters as transformers' `_compute_yarn_parameters` reads them: `factor`
+    defaults to max / original positions, the cos/sin factor to the mscale ratio."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(factor) if factor else int(d.get("max_position_embeddings", 0)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return RopeScaling(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
 
 
 def full_rotary_rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling]:
@@ -159,6 +187,17 @@ def common_to_hf(c: ModelConfig, model_type: str) -> dict[str, Any]:
 def rope_scaling_to_hf(s: RopeScaling) -> dict[str, Any]:
     if s.rope_type == "linear":
         return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            "truncate": s.truncate,
+            "attention_factor": s.attention_factor,
+            "mscale_all_dim": s.mscale_all_dim,
+        }
     return {
         "rope_type": s.rope_type,
         "factor": s.factor,

@@ -88,7 +88,7 @@ def tiny_config() -> ModelConfig:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """`--dtype auto`: bf16 on CUDA and on CPUs with AMX / AVX-512 BF16, else fp32."""
-    from shared.engine.config import auto_dtype
+    from shared.model.device import auto_dtype
 
     return auto_dtype(torch.device(device).type)
 

@@ -1,14 +1,16 @@
 """What a mixture-of-experts model adds to `ModelConfig`: its router and its experts.
 
-Built by a family from its config.json (Mixtral, Qwen3-MoE; DeepSeek's router fields are mapped
-too, though DeepSeek's latent attention is not served). Every field a family changes says which.
+Built by a family from its config.json (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3). Every field a
+family changes says which.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOFTMAX, SIGMOID = "softmax", "sigmoid"
+# DeepSeek-V2's "softmax_grouped": an fp32 router, softmax, greedy or group-limited top-k
+SOFTMAX, SIGMOID, SOFTMAX_GROUPED = "softmax", "sigmoid", "softmax_grouped"
+SCORINGS = (SOFTMAX, SIGMOID, SOFTMAX_GROUPED)
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,8 @@ class MoeConfig:
     # each routed expert's SwiGLU width (Mixtral: `intermediate_size`; Qwen, DeepSeek:
     # `moe_intermediate_size`)
     intermediate_size: int
-    # softmax over the router logits (Mixtral, Qwen) or DeepSeek-V3's sigmoid scores
+    # softmax over the router logits (Mixtral, Qwen), DeepSeek-V3's sigmoid scores or
+    # DeepSeek-V2's fp32 softmax (greedy, or group-limited by each group's best score)
     scoring: str = SOFTMAX
     # the chosen weights divided by their sum (Mixtral: always; Qwen, DeepSeek: `norm_topk_prob`)
     norm_topk_prob: bool = True
@@ -27,7 +30,8 @@ class MoeConfig:
     # fp32 (Mixtral)
     weights_in_model_dtype: bool = False
     # DeepSeek-V3: experts in `n_group` groups; a token picks among the `topk_group` groups
-    # whose two best corrected scores sum highest
+    # whose two best corrected scores sum highest (V2's group_limited_greedy: whose best score
+    # is highest; V2's greedy: one group)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -46,9 +50,9 @@ class MoeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MoeConfig.{name} must be a positive int, got {value!r}")
-        if self.scoring not in (SOFTMAX, SIGMOID):
+        if self.scoring not in SCORINGS:
             raise ValueError(f"unsupported router scoring {self.scoring!r}; supported: "
-                             f"{[SOFTMAX, SIGMOID]}")  # fmt: skip
+                             f"{list(SCORINGS)}")  # fmt: skip
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise ValueError(
                 f"{self.num_experts} experts cannot form {self.n_group} groups of which "
@@ -59,7 +63,7 @@ class MoeConfig:
             raise ValueError(
                 f"top_k {self.top_k} exceeds the {experts_in_groups} experts a token can reach"
             )
-        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+        if self.scoring == SIGMOID and self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError("grouped routing scores each group by its two best experts")
 
     def check_layers(self, num_layers: int) -> None:

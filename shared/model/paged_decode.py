@@ -61,6 +61,7 @@ def usable(q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup) -> 
         and not group.fresh
         and reads_ragged(q.device, q.dtype)
         and layer_pool.dtype == q.dtype
+        and layer_pool.shape[0] == 2  # K and V planes; a latent pool attends in torch (mla.py)
         and layer_pool.is_contiguous()
         and q.stride(-1) == 1
     )

@@ -74,6 +74,7 @@ def usable(q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup) -> 
         group.seq_starts is not None
         and q.device.type == "cpu"
         and layer_pool.dtype == q.dtype
+        and layer_pool.shape[0] == 2  # K and V planes; a latent pool attends in torch (mla.py)
         and layer_pool.is_contiguous()
         and q.stride(-1) == 1
         and head_dim % 16 == 0

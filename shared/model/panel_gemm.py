@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
 from shared.model import native
 from shared.model.native import cpu_flags, cpu_vendor
 

@@ -69,7 +69,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
 FAMILY = Family(
     name="phi3",
     hf_architectures=(PHI3,),
-    gguf_architectures={},  # GGUF phi3: not yet
+    gguf_architectures={"phi3": PHI3},  # see gguf_arch.py
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     fused_tensors=FUSED_TENSORS,

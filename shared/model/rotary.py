@@ -1,6 +1,6 @@
-"""Rotary position embedding: inverse frequencies (default, linear and llama3 scaling), the
+"""Rotary position embedding: inverse frequencies (default, linear, llama3 and yarn scaling), the
 cos / signed-sin tables, and their application to all of a head or its leading dims (partial
-rotary, Phi-3's `partial_rotary_factor`).
+rotary, Phi-3's `partial_rotary_factor`), or to interleaved pairs (DeepSeek-V2/V3).
 
 Numerics follow transformers: fp32 `inv_freq` computed on CPU, cos/sin cast to the model dtype,
 `rotate_half` over the rotated dims.
@@ -25,7 +25,34 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
         inv_freq = _llama3_scale(inv_freq, scaling)
     elif scaling.rope_type == "linear":
         inv_freq /= scaling.factor
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_inv_freq(dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    # Transcribes transformers' `_compute_yarn_parameters`: frequencies that turn more than
+    # `beta_fast` times over the original context are kept, those turning fewer than `beta_slow`
+    # times divided by `factor`, a linear ramp in between.
+    def correction_dim(rotations: float) -> float:
+        old_len = s.original_max_position_embeddings
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's Eq. 21, `0.1 * mscale * log(scale) + 1` (1 for scale <= 1), as transformers."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -63,6 +90,8 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq = rope_inv_freq(config.rotated_dims, theta, RopeScaling())
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        # yarn scales cos and sin (in fp32, before the cast); 1.0 elsewhere, where no multiply runs
+        self.attention_factor = 1.0 if theta is not None else config.rope_scaling.attention_factor
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -71,9 +100,11 @@ class RotaryEmbedding(nn.Module):
         the sin's first half is negated, as `rotate_half` negates the half it moves there."""
         freqs = positions[:, None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         sin[:, : sin.shape[-1] // 2].neg_()
-        return emb.cos().to(dtype)[:, None], sin.to(dtype)[:, None]
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -97,3 +128,17 @@ def apply_partial_rotary(
     if dims == x.shape[-1]:
         return apply_rotary(x, cos, signed_sin)
     return torch.cat((apply_rotary(x[..., :dims], cos, signed_sin), x[..., dims:]), dim=-1)
+
+
+def apply_interleaved_rotary(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate x's pairs (x0, x1), (x2, x3), ... each by one frequency, returning the rotated
+    evens then the rotated odds: transformers' `apply_rotary_pos_emb_interleave` (DeepSeek-V3).
+    DeepSeek-V2's complex rotation yields the same values interleaved; queries and keys both
+    rotate here, so their dot products are the same sums. cos / signed_sin: this module's tables
+    (both halves hold the same angles; the second half of the signed sin is +sin)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], signed_sin[..., half:]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

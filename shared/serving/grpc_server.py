@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from proto.pdserve.v1 import generation_pb2
 from shared.engine import cpu_threads
-from shared.engine.core import EngineCore
-from shared.engine.kv_cache import KvLayout
+from shared.engine.info import EngineInfo
 from shared.engine.thread import EngineSnapshot
+from shared.kv.layout import KvLayout
 from shared.serving import tracing
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import (
@@ -29,6 +29,7 @@ from shared.serving.metrics import (
 )
 from shared.serving.port_in_use import check_port_free
 from shared.serving.reflection import enable_reflection
+from shared.serving.status import Status
 from shared.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class GenerateError(Exception):
     `retry_after_s` a hint for refusals (gRPC trailing metadata "retry-after", HTTP
     Retry-After)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: int | None = None):
+    def __init__(self, code: Status, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.code = code
         self.retry_after_s = retry_after_s
@@ -69,16 +70,16 @@ def describe_layout_info(info: generation_pb2.KvLayoutInfo) -> str:
     )
 
 
-def model_info(core: EngineCore, role: int) -> generation_pb2.ModelInfo:
+def model_info(info: EngineInfo, role: int) -> generation_pb2.ModelInfo:
     return generation_pb2.ModelInfo(
-        name=core.loaded.name,
-        architecture=core.model_config.architecture,
-        vocab_size=core.model_config.vocab_size,
-        max_context=core.max_model_len,
-        block_size=core.config.block_size,
+        name=info.loaded.name,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        max_context=info.max_model_len,
+        block_size=info.block_size,
         node_role=role,
-        kv_layout=layout_info(core.layout),
-        num_kv_blocks=core.kv_manager.blocks.num_blocks,
+        kv_layout=layout_info(info.layout),
+        num_kv_blocks=info.num_kv_blocks,
     )
 
 

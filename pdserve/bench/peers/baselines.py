@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.engine.kv_cache import KvLayout
+from shared.kv.layout import KvLayout
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 
 GRPC_METHOD = "/pdbench.Kv/Push"

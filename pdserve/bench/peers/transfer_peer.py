@@ -31,7 +31,8 @@ import torch
 
 from pdserve.bench.peers.baselines import ReceiverBaselines, SenderBaselines
 from pdserve.bench.support.util import peer_main_loop
-from shared.engine.kv_cache import KvLayout, allocate_kv_pool
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
 
 SEED = 1234
 

@@ -27,7 +27,7 @@ ARCHES: tuple[str, ...] = ("llama", "llama3", "qwen2", "mistral")
 # the other families' tiny checkpoints (tests/test_families_parity.py, test_families_moe.py)
 FAMILY_ARCHES: tuple[str, ...] = (
     *("qwen3", "gemma2", "gemma3", "phi3"),
-    *("mixtral", "qwen3_moe", "qwen2_moe"),
+    *("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"),
 )
 
 BOS_TOKEN = "<s>"
@@ -117,6 +117,8 @@ def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
 
 def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]) -> Any:
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
         MixtralConfig,
@@ -134,6 +136,8 @@ def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]) -
         "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
         "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
         "phi3": (Phi3Config, "Phi3ForCausalLM"),
+        "deepseek_v2": (DeepseekV2Config, "DeepseekV2ForCausalLM"),
+        "deepseek_v3": (DeepseekV3Config, "DeepseekV3ForCausalLM"),
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES + FAMILY_ARCHES}")
@@ -154,6 +158,10 @@ def _perturb_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+        # DeepSeek-V3's router correction is a buffer, zero at init: random, it takes part
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 
 
 def build_checkpoint(

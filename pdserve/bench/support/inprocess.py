@@ -12,7 +12,6 @@ from pathlib import Path
 from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
 from shared.engine.config import EngineConfig
-from shared.engine.core import EngineCore
 from shared.model.loader import load_model
 from shared.serving.metrics import parse_prometheus_text
 
@@ -53,7 +52,7 @@ class PdCluster:
                 raise AssertionError(f"nodes still hold resources: {busy}")
             await asyncio.sleep(0.05)
         for node in [*self.prefills, *self.decodes]:
-            await node.thread.call(lambda core: core.check_conservation())
+            await node.thread.inspect(lambda core: core.check_conservation())
 
 
 @contextlib.asynccontextmanager
@@ -85,9 +84,7 @@ async def pd_cluster(
         for _ in range(num_prefill):
             cfg = PrefillNodeConfig(engine=prefill_engine or base, port=0, metrics_port=0)
             cfg = replace(cfg, **(prefill_overrides or {}))
-            node = PrefillNode(
-                cfg, EngineCore(cfg.engine, load_model(str(model)), context_only=True)
-            )
+            node = PrefillNode(cfg, load_model(str(model)))
             await node.start()
             prefills.append(node)
         targets = tuple(f"127.0.0.1:{p.port}" for p in prefills)
@@ -107,7 +104,7 @@ async def pd_cluster(
                 colocated=colocated,
             )
             cfg = replace(cfg, **(decode_overrides or {}))
-            node = DecodeNode(cfg, EngineCore(cfg.engine, load_model(str(model))))
+            node = DecodeNode(cfg, load_model(str(model)))
             await node.start()
             decodes.append(node)
         yield PdCluster(prefills, decodes)

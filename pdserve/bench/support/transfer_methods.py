@@ -14,8 +14,8 @@ from tqdm import tqdm
 from pdserve.bench.peers.baselines import GRPC_CHUNK
 from pdserve.bench.support.net import NetPlan, perftest
 from pdserve.bench.support.util import PeerError, PeerProcess, summarize
-from shared.engine.kv_cache import KvLayout
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
+from shared.kv.layout import KvLayout
 
 PDSERVE_PARTS = ["sender_pack", "sender_awaiting_sends", "after_last_send"]
 PERFTEST_MAX_MESSAGE = 16 << 20  # larger messages with a full window thrash UCX (measured)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("ucx_address", "transfer_id", "transfer_token", "block_ids", "first_block_index", "layout_fingerprint")
+    __slots__ = ("ucx_address", "transfer_id", "transfer_token", "block_ids", "first_block_index", "layout_fingerprint", "skipped_blocks")
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     transfer_id: int
     transfer_token: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     first_block_index: int
     layout_fingerprint: str
-    def __init__(self, ucx_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    skipped_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ucx_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., skipped_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "destination", "layerwise", "deadline_unix")

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import importlib.metadata
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -26,7 +27,6 @@ from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
 from shared.serving.http.render import Renderer, Rendering, merge_logprobs
 from shared.serving.http.schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,12 +46,14 @@ from shared.serving.http.service import (
 from shared.serving.http.sse import SSE_HEADERS, ChunkWriter, sse_stream
 from shared.serving.http.structured import compile_structured
 from shared.serving.http.tokenization import (
-    DetokenizeRequest,
     detokenize,
     parse_tokenize,
     tokenize,
     tokenizer_info,
 )
+from shared.serving.http.tokenization_schemas import DetokenizeRequest
+from shared.serving.http.tool_parsers import ToolParser
+from shared.serving.http.tools import assistant_message, tool_parser
 from shared.serving.metrics import metrics_routes
 
 T = TypeVar("T")
@@ -122,15 +124,16 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
         jobs = service.jobs(body, service.completion_prompts(body))
-        await compile_structured(body, jobs[0].params.structured, backend.core)
+        await compile_structured(body, jobs[0].params.structured, backend.info)
         return await _answer(service, request, body, jobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
+        tools = tool_parser(body, config.tool_call_parser)
         jobs = service.jobs(body, [service.chat_prompt(body)])
-        await compile_structured(body, jobs[0].params.structured, backend.core)
-        return await _answer(service, request, body, jobs, chat=True)
+        await compile_structured(body, jobs[0].params.structured, backend.info)
+        return await _answer(service, request, body, jobs, chat=True, tools=tools)
 
     @app.post("/tokenize")
     async def tokenize_text(body: dict[str, Any]) -> dict[str, object]:
@@ -154,12 +157,14 @@ async def _answer(
     jobs: list[Job],
     *,
     chat: bool,
+    tools: Callable[[], ToolParser] | None = None,
 ) -> Response:
     rid = new_id("chatcmpl" if chat else "cmpl")
     created = int(time.time())
     deadline = service.deadline(request.headers.get("x-request-timeout"))
     tracing.set_incoming(request.headers)  # the caller's traceparent, for decode.generate
-    renderer = Renderer(Rendering.of(body), service.token_texts, jobs)
+    rendering = replace(Rendering.of(body), tool_parser=tools)
+    renderer = Renderer(rendering, service.token_texts, jobs)
     pieces = service.pieces(rid, jobs, deadline)
     if not body.stream:
         collect = _collect(service, rid, created, pieces, renderer, jobs)
@@ -196,6 +201,8 @@ async def _collect(
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     logprobs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
     prompt_logprobs: dict[int, list[Any] | None] = {}
+    tool_calls: dict[int, list[dict[str, Any]]] = {i: [] for i in range(n)}
+    finish: dict[int, str | None] = {}
     last: dict[int, Piece] = {}
     async with contextlib.aclosing(pieces):  # type: ignore[type-var]
         async for piece in pieces:
@@ -205,6 +212,8 @@ async def _collect(
                 logprobs[piece.index].append(shown.logprobs)
             if shown.prompt_logprobs is not None:
                 prompt_logprobs[piece.index] = shown.prompt_logprobs
+            tool_calls[piece.index] += shown.tool_calls or []
+            finish[piece.index] = shown.finish_reason
             last[piece.index] = piece
     usage = usage_of(last)
     common = {"id": rid, "created": created, "model": service.model_name, "usage": usage}
@@ -213,9 +222,9 @@ async def _collect(
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content="".join(texts[i])),
+                message=assistant_message("".join(texts[i]), tool_calls[i]),
                 logprobs=merge_logprobs(True, logprobs[i]),
-                finish_reason=last[i].finish_reason,
+                finish_reason=finish[i],
             )
             for i in range(n)
         ]

@@ -12,7 +12,6 @@ import logging
 import re
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -33,14 +32,6 @@ _TYPES = {
     502: "bad_gateway",
     503: "service_unavailable",
     504: "timeout_error",
-}
-
-_GRPC_TO_HTTP = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
 # "sampling.max_tokens must be ..." names the wire field; the HTTP API spells it without prefix
@@ -85,7 +76,7 @@ class ApiError(Exception):
 
 
 def from_generate_error(e: GenerateError) -> ApiError:
-    status = _GRPC_TO_HTTP.get(e.code, 500)
+    status = e.code.http_status
     message = str(e)
     match = _FIELD_RE.search(message)
     param = match.group(1) if match else ("prompt" if "prompt" in message else None)

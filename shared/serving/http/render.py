@@ -1,9 +1,11 @@
 """What each piece of a choice shows the client: its text (the prompt first when echoing), its
-logprobs in the endpoint's shape, and vLLM's prompt_logprobs. One renderer per request, used
+logprobs in the endpoint's shape, vLLM's prompt_logprobs, and the tool calls read out of the
+text (tool_parsers.py) with finish_reason tool_calls. One renderer per request, used
 alike by the whole response and the SSE chunks, so that streamed and whole answers agree."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,7 @@ from shared.serving.http.logprobs import (
 )
 from shared.serving.http.schemas import ChatCompletionRequest, CompletionRequest
 from shared.serving.http.service import Job, Piece
+from shared.serving.http.tool_parsers import ToolParser
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class Rendering:
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field, completions only
+    tool_parser: Callable[[], ToolParser] | None = None  # chat with tools: one per choice
 
     @staticmethod
     def of(req: CompletionRequest | ChatCompletionRequest) -> Rendering:
@@ -39,6 +43,8 @@ class Rendered:
     text: str
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas
+    finish_reason: str | None = None
 
 
 class Renderer:
@@ -47,16 +53,19 @@ class Renderer:
         self.jobs = {job.index: job for job in jobs}
         self.started: set[int] = set()
         self.writers: dict[int, CompletionLogprobsWriter] = {}
+        self.parsers: dict[int, ToolParser] = {}
 
     def render(self, piece: Piece) -> Rendered:
         first = piece.index not in self.started
         self.started.add(piece.index)
         r, job = self.rendering, self.jobs[piece.job]
         generated = piece.logprobs or []
-        out = Rendered(piece.text)
+        out = Rendered(piece.text, finish_reason=piece.finish_reason)
         if r.chat:
             if r.logprobs is not None:
                 out.logprobs = {"content": chat_content(self.texts, generated, r.logprobs)}
+            if r.tool_parser is not None:
+                self._tool_calls(piece, r.tool_parser, out)
             return out
         entries: list[tuple[int, TokenLogprobs | None]] = [(lp.token_id, lp) for lp in generated]
         if first and r.echo:
@@ -74,6 +83,16 @@ class Renderer:
                 self.texts, job.prompt, prompt, r.prompt_logprobs
             )
         return out
+
+    def _tool_calls(self, piece: Piece, new: Callable[[], ToolParser], out: Rendered) -> None:
+        parser = self.parsers.get(piece.index) or self.parsers.setdefault(piece.index, new())
+        parsed = parser.feed(piece.text)
+        if piece.finish_reason is not None:
+            parsed = parsed.add(parser.finish())
+            if parser.called and piece.finish_reason == "stop":
+                out.finish_reason = "tool_calls"
+        out.text = parsed.content
+        out.tool_calls = [d.as_dict() for d in parsed.calls] or None
 
     @staticmethod
     def _prompt_entries(

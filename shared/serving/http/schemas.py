@@ -92,8 +92,6 @@ class _Sampling(BaseModel):
         no_ops: dict[str, tuple[object, ...]] = {
             # best_of = n samples exactly the n completions returned; more would need ranking
             "best_of": (None, self.n or 1),
-            "tools": (None, []),
-            "tool_choice": (None, "none"),
             **_VLLM_NO_OPS,
             **self._extra_no_ops(),
         }
@@ -137,7 +135,8 @@ class CompletionRequest(_Sampling):
     add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS before a text prompt
 
     def _extra_no_ops(self) -> dict[str, tuple[object, ...]]:
-        return {"suffix": (None, "")}
+        # tools are chat's (shared/serving/http/tools.py)
+        return {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none")}
 
     @property
     def generated_logprobs(self) -> int | None:
@@ -156,12 +155,26 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    # a JSON string in OpenAI's messages and answers; an object as transformers documents
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    id: StrictStr = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: StrictStr | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -182,6 +195,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: StrictBool = False
     functions: list[Any] | None = None  # OpenAI's deprecated tools
     function_call: Any = None
+    parallel_tool_calls: StrictBool | None = None  # False: at most one call (tool_choice)
     # vLLM's: specials added on top of the rendered template (which writes its own)
     add_special_tokens: StrictBool = False
     echo: Any = None  # vLLM's chat echo and prompt logprobs: not implemented for chat
@@ -192,8 +206,6 @@ class ChatCompletionRequest(_Sampling):
             "continue_final_message": (False,),
             "echo": (None, False),
             "prompt_logprobs": (None,),
-            "functions": (None, []),
-            "function_call": (None, "none"),
         }
 
     @property
@@ -262,7 +274,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):
@@ -283,7 +296,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -15,9 +15,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.engine.core import EngineCore
+from shared.engine.info import EngineInfo
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.output import TokenDelta
 from shared.engine.request import FinishReason
@@ -35,9 +35,10 @@ from shared.serving.http.schemas import (
     ModelList,
     Usage,
 )
+from shared.serving.http.tools import template_message, tool_definitions
 
-if TYPE_CHECKING:  # tokenization.py builds on this module
-    from shared.serving.http.tokenization import TokenizeChatRequest
+if TYPE_CHECKING:
+    from shared.serving.http.tokenization_schemas import TokenizeChatRequest
 
 
 class RequestStats(Protocol):
@@ -49,7 +50,7 @@ class RequestStats(Protocol):
 class Backend(Protocol):
     """What the HTTP API needs from the decode node."""
 
-    core: EngineCore
+    info: EngineInfo
 
     def generate(
         self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
@@ -68,6 +69,7 @@ class HttpApiConfig:
     served_model_name: str = ""  # "": the model's own name
     api_key: str | None = None  # None: no authentication
     chat_template: ChatTemplate | None = None  # overrides the model's own
+    tool_call_parser: str | None = None  # how "auto" tool choice reads calls (tool_parsers.py)
     max_request_bytes: int = 16 * 1024 * 1024
     request_timeout: float | None = None  # seconds; None: no server-side deadline
     # per connection: header and body read deadlines, keep-alive, the connection cap
@@ -120,23 +122,23 @@ class OpenAIService:
     def __init__(self, backend: Backend, config: HttpApiConfig) -> None:
         self.backend = backend
         self.config = config
-        loaded = backend.core.loaded
+        loaded = backend.info.loaded
         self.model_name = config.served_model_name or loaded.name
         self.chat_template = config.chat_template or loaded.chat_template
         self.defaults = dict(loaded.generation_defaults)
         self.created = int(time.time())
-        self.token_texts = TokenTexts(backend.core.tokenizer)
+        self.token_texts = TokenTexts(backend.info.tokenizer)
 
     @property
     def tokenizer(self):
-        return self.backend.core.tokenizer
+        return self.backend.info.tokenizer
 
     def model_card(self) -> ModelCard:
         return ModelCard(
             id=self.model_name,
             created=self.created,
-            root=self.backend.core.loaded.name,
-            max_model_len=self.backend.core.max_model_len,
+            root=self.backend.info.loaded.name,
+            max_model_len=self.backend.info.max_model_len,
         )
 
     def models(self) -> ModelList:
@@ -168,7 +170,11 @@ class OpenAIService:
                 out.append((ids, self.tokenizer.decode(ids) if req.echo else ""))
         return out
 
-    def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
+    def render_chat(
+        self,
+        req: ChatCompletionRequest | TokenizeChatRequest,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if self.chat_template is None:
             raise ApiError(
                 400,
@@ -177,7 +183,7 @@ class OpenAIService:
                 param="messages",
                 code="no_chat_template",
             )
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
         extra = dict(req.chat_template_kwargs or {})
         reserved = sorted(set(extra) & RESERVED_VARIABLES)
         if reserved:
@@ -188,7 +194,7 @@ class OpenAIService:
             )
         try:
             return self.chat_template.render(
-                messages, add_generation_prompt=req.add_generation_prompt, **extra
+                messages, tools=tools, add_generation_prompt=req.add_generation_prompt, **extra
             )
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
@@ -196,7 +202,7 @@ class OpenAIService:
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
         # the template already wrote BOS and the role markers: no second set of specials unless
         # the client asks (vLLM's add_special_tokens)
-        text = self.render_chat(req)
+        text = self.render_chat(req, tool_definitions(req))
         return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text
 
     def jobs(
@@ -204,10 +210,9 @@ class OpenAIService:
         req: CompletionRequest | ChatCompletionRequest,
         prompts: Sequence[tuple[list[int], str]],
     ) -> list[Job]:
-        core = self.backend.core
-        # a default max_tokens must also fit this node's whole KV pool (validate_request)
-        pool_tokens = core.kv_manager.blocks.num_blocks * core.config.block_size
-        limit = min(core.max_model_len, pool_tokens)
+        info = self.backend.info
+        # a default max_tokens must also fit this node's whole KV pool (EngineInfo.validate)
+        limit = min(info.max_model_len, info.pool_tokens)
         jobs = []
         for i, (prompt, text) in enumerate(prompts):
             params = to_sampling_params(req, self.defaults, len(prompt), limit)

@@ -59,7 +59,9 @@ class ChunkWriter:
                 role = {"role": "assistant", "content": ""}
                 out += self._chunk([self._choice(piece.index, role, None, None)])
             body: dict[str, Any] = {"content": shown.text} if shown.text else {}
-            choice = self._choice(piece.index, body, shown.logprobs, piece.finish_reason)
+            if shown.tool_calls:
+                body["tool_calls"] = shown.tool_calls
+            choice = self._choice(piece.index, body, shown.logprobs, shown.finish_reason)
         else:
             choice = {
                 "index": piece.index,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.engine.core import EngineCore
 from shared.engine.grammar_compiler import GrammarError, compile_async
+from shared.engine.info import EngineInfo
 from shared.engine.structured_output import StructuredOutput
 from shared.serving.http.errors import ApiError
 from shared.serving.http.schemas import ChatCompletionRequest, CompletionRequest
+from shared.serving.http.tools import tool_grammar
 
 Request = CompletionRequest | ChatCompletionRequest
 # vLLM's structured_outputs keys -> StructuredOutput kinds
@@ -47,6 +48,8 @@ def _candidates(req: Request) -> list[tuple[str, StructuredOutput | None]]:
         ("guided_grammar", "grammar", req.guided_grammar),
     )
     out += [(name, _spec(name, kind, value)) for name, kind, value in guided]
+    if isinstance(req, ChatCompletionRequest):  # tool_choice "required" or named
+        out.append(("tools", tool_grammar(req)))
     return out
 
 
@@ -115,13 +118,13 @@ def _spec(name: str, kind: str, value: Any) -> StructuredOutput | None:
     return StructuredOutput(kind, value)  # type: ignore[arg-type]
 
 
-async def compile_structured(req: Request, spec: StructuredOutput | None, core: EngineCore) -> None:
+async def compile_structured(req: Request, spec: StructuredOutput | None, info: EngineInfo) -> None:
     """Compile (or find cached) the request's grammar off the engine thread; an invalid one, or
     one that does not compile in time, is a 400 naming the client's field."""
     if spec is None:
         return
     try:
-        await compile_async(core.tokenizer, core.model_config.vocab_size, spec)
+        await compile_async(info.tokenizer, info.vocab_size, spec)
     except GrammarError as e:
         field = structured_field(req)
         raise ApiError(400, f"{field}: {e}", param=field) from None

@@ -16,80 +16,23 @@ files of its own; pdserve serves it whenever the API is on (same API key as /v1)
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import ValidationError
 
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 from shared.serving.http.errors import ApiError
 from shared.serving.http.logprobs import TokenTexts
-from shared.serving.http.schemas import ChatMessage, TokenId
 from shared.serving.http.service import OpenAIService
-
-
-class TokenizeCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: StrictStr | None = None
-    prompt: StrictStr
-    add_special_tokens: StrictBool = True
-    return_token_strs: StrictBool | None = False
-
-
-class TokenizeChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: StrictStr | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: StrictBool = True
-    # the template writes its own specials (vLLM's default: none added on top)
-    add_special_tokens: StrictBool = False
-    chat_template_kwargs: dict[StrictStr, Any] | None = None
-    return_token_strs: StrictBool | None = False
-    # vLLM's, not implemented here (as on /v1/chat/completions): refused when set
-    continue_final_message: StrictBool = False
-    chat_template: StrictStr | None = None  # a client's own Jinja: not run on this server
-    tools: list[Any] | None = None
-
-    def unsupported_fields(self) -> list[str]:
-        no_ops = {
-            "continue_final_message": (False,),
-            "chat_template": (None,),
-            "tools": (None, []),
-        }
-        return [name for name, allowed in no_ops.items() if getattr(self, name) not in allowed]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class TokenizerInfoResponse(BaseModel):
-    """vLLM's shape: tokenizer_config.json's fields (the ones this server knows) plus the
-    chat template."""
-
-    tokenizer_class: str
-    bos_token: str | None
-    eos_token: str | None
-    pad_token: str | None
-    chat_template: str | None
-    model_max_length: int
-    vocab_size: int
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: StrictStr | None = None
-    tokens: list[TokenId]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
+from shared.serving.http.tokenization_schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+)
 
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -121,7 +64,7 @@ def tokenize(
     strs = token_strs(tokenizer, service.token_texts, ids) if request.return_token_strs else None
     return TokenizeResponse(
         count=len(ids),
-        max_model_len=service.backend.core.max_model_len,
+        max_model_len=service.backend.info.max_model_len,
         tokens=ids,
         token_strs=strs,
     )
@@ -130,7 +73,7 @@ def tokenize(
 def detokenize(service: OpenAIService, request: DetokenizeRequest) -> DetokenizeResponse:
     if request.model is not None:
         service.check_model(request.model)
-    vocab = service.backend.core.model_config.vocab_size
+    vocab = service.backend.info.vocab_size
     bad = next((i for i, t in enumerate(request.tokens) if t >= vocab), None)
     if bad is not None:
         raise ApiError(
@@ -168,7 +111,7 @@ def tokenizer_info(service: OpenAIService) -> TokenizerInfoResponse:
         eos_token=eos,
         pad_token=text_of(pad_id),
         chat_template=template.source if template else None,
-        model_max_length=service.backend.core.max_model_len,
+        model_max_length=service.backend.info.max_model_len,
         vocab_size=tokenizer.vocab_size,
     )
 

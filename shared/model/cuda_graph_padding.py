@@ -18,8 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.engine.resource_manager import DUMMY_REQUEST_ID
-from shared.engine.utils import cdiv
+from shared.cdiv import cdiv
+
+# the request id of a padding row: it belongs to nobody, and its seat is the scratch row that
+# SlotManager hands out again and again (shared/engine/resource_manager.py)
+DUMMY_REQUEST_ID = "__pdserve_dummy__"
 
 DUMMY_TOKEN_ID = 0  # any valid id: its logits are discarded
 

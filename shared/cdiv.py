@@ -1,4 +1,4 @@
-"""Small helpers shared by every role."""
+"""Ceiling division, shared by every layer (block counts, kernel tiles)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,45 @@
+"""What a node may read about its engine without a command: facts fixed when the engine is
+built (the model, its limits, the KV layout and the pool's memory), safe from any thread."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.request_limits import RequestLimits
+from shared.engine.sampling_params import SamplingParams
+from shared.kv.layout import KvLayout
+from shared.model.loader import LoadedModel
+from shared.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    loaded: LoadedModel  # name, chat template, generation defaults, tokenizer
+    architecture: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    layout: KvLayout
+    # the pool's memory, for the transfer plane to register with UCX; never read or written
+    # outside the engine thread except by the KV transfer into blocks the engine reserved
+    kv_pool: torch.Tensor
+    device_type: str  # "cpu" or "cuda"
+    limits: RequestLimits
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the whole KV pool holds: a default max_tokens must fit it too."""
+        return self.num_kv_blocks * self.block_size
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestRejected naming the field; nothing is allocated before this passes."""
+        self.limits.check(prompt_token_ids, params)

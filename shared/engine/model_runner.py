@@ -1,0 +1,116 @@
+"""The model side of one engine: the model, the paged KV pool it reads and writes, and the
+CUDA-graph runner for decode steps. It turns a step's scheduled requests into logits; it holds
+no request state (the scheduler and the KV manager own that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.prompt_logprobs import fill_prompt_logprobs
+from shared.engine.scheduler import ScheduledRequest
+from shared.kv.layout import KvLayout
+from shared.kv.pool import allocate_kv_pool
+from shared.model import paged_decode
+from shared.model.cuda_graph_padding import DecodeRow
+from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
+from shared.model.forward_batch import ForwardBatch, SeqEntry
+from shared.model.loader import LoadedModel
+
+LayerHook = Callable[[int], None]  # called after each layer's K/V are written
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        layout: KvLayout,
+        num_blocks: int,
+        device: torch.device,
+        *,
+        cuda_graphs: bool,
+        max_model_len: int,
+        dummy_slot_row: int,
+    ):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = device
+        self.block_size = config.block_size
+        # decode rows as one attention group where the paged decode kernel runs them (K/V
+        # pools only: a latent pool's rows would be padded to the longest context)
+        self.ragged = layout.planes == 2 and paged_decode.reads_ragged(device, layout.torch_dtype)
+        # CUDA graphs pad decode batches with dummy rows whose K/V land in one scratch block
+        # past the BlockManager's blocks (never allocated, never counted); CPU runs eagerly
+        self.kv_pool = allocate_kv_pool(layout, num_blocks + int(cuda_graphs), device)
+        self.decode_runner: DecodeGraphRunner | None = None
+        if cuda_graphs:
+            self.decode_runner = engine_decode_runner(
+                self.model,
+                self.kv_pool,
+                max_batch_size=config.max_batch_size,
+                max_model_len=max_model_len,
+                block_size=config.block_size,
+                dummy_slot_row=dummy_slot_row,
+                scratch_block=num_blocks,
+            )
+
+    def forward(
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        block_table: Callable[[str], list[int]],
+        hook: LayerHook | None,
+    ) -> torch.Tensor:
+        """Logits of each sequence's last new token (a CUDA-graph step appends its padding rows
+        after them); when a request wants prompt logprobs, every token's logits are computed
+        and its prompt entries filled from them. Counters are not yet advanced."""
+        entries = [_entry(s, block_table) for s in scheduled]
+        if not any(s.request.needs_prompt_logits for s in scheduled):
+            if self.decode_runner is not None and hook is None:
+                logits = self._graph_step(scheduled, entries)
+                if logits is not None:
+                    return logits
+            forward = ForwardBatch.build(entries, self.block_size, self.device, self.ragged)
+            return self.model.forward(forward, self.kv_pool, layer_hook=hook)
+        forward = ForwardBatch.build(entries, self.block_size, self.device, self.ragged)
+        every = self.model.forward(forward, self.kv_pool, all_logits=True, layer_hook=hook)
+        fill_prompt_logprobs(scheduled, every)
+        return every[forward.last_token_index]
+
+    def _graph_step(
+        self, scheduled: Sequence[ScheduledRequest], entries: Sequence[SeqEntry]
+    ) -> torch.Tensor | None:
+        """A decode step through the CUDA-graph runner; None when a prefill chunk is in the
+        batch or no captured shape fits it."""
+        assert self.decode_runner is not None
+        if any(len(e.token_ids) != 1 for e in entries):
+            return None
+        rows = [
+            DecodeRow(
+                s.request.request_id,
+                s.request.seq_slot,
+                e.token_ids[0],
+                e.num_computed,
+                e.block_table,
+            )
+            for s, e in zip(scheduled, entries, strict=True)
+        ]
+        return self.decode_runner.run(rows)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V): (source, destination) pairs."""
+        for src, dst in pairs:
+            self.kv_pool[:, :, dst].copy_(self.kv_pool[:, :, src])
+
+
+def _entry(s: ScheduledRequest, block_table: Callable[[str], list[int]]) -> SeqEntry:
+    r = s.request
+    start = r.num_computed_tokens
+    return SeqEntry(
+        token_ids=r.all_token_ids[start : start + s.num_new_tokens],
+        num_computed=start,
+        block_table=block_table(r.request_id),
+    )
