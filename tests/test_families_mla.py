@@ -29,7 +29,12 @@ from shared.model.loader import load_model
 from shared.model.mla import LatentAttention
 from shared.model.registry import config_from_hf
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts, single_torch_thread
-from tests.test_families_parity import CHUNK, VOCAB, engine_config, family_prompts
+from tests.test_families_parity import (
+    VOCAB,
+    engine_config,
+    family_prompts,
+    greedy_matches_transformers,
+)
 from tests.test_families_parity import (
     test_prefill_logits_match_transformers as prefill_logits_match,
 )
@@ -120,22 +125,7 @@ def test_mla_greedy_generation_matches_transformers(
 ) -> None:
     """14 prompts, chunked prefill (some span several chunks), prefix-cache hits, decode in
     latent space: every greedy token equals transformers' `generate`."""
-    path = variant(name)
-    prompts = family_prompts(seed=sum(map(ord, name)))
-    max_tokens = random_max_tokens(len(prompts), lo=1, hi=12, seed=len(name))
-    params = [SamplingParams(max_tokens=m) for m in max_tokens]
-    with single_torch_thread():
-        engine = LLM(engine_config(path), load_model(str(path), dtype=torch.float32))
-        outputs = engine.generate(prompts[:11], params[:11])
-        hits = engine.generate(prompts[11:], params[11:])
-        for prompt, m, out in zip(prompts, max_tokens, outputs + hits, strict=True):
-            want = hf_greedy(path, prompt, m)
-            if out.token_ids != want:
-                tie = closest_router_tie(path, prompt + want)
-                pytest.fail(f"prompt of {len(prompt)}: {out.token_ids} != {want}; {tie}")
-    assert any(len(p) > 2 * CHUNK for p in prompts)
-    assert all(out.cached_tokens >= 40 for out in hits)
-    engine.check_conservation()
+    greedy_matches_transformers(variant(name), name, closest_router_tie)
 
 
 def latent_bytes_per_token(path: Path, itemsize: int) -> int:

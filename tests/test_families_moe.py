@@ -23,18 +23,16 @@ from pdserve.client import generate
 from pdserve.export_hf import export_hf
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.loader import load_model
 from shared.model.moe import SparseMoe
 from shared.model.moe_hf import deepseek_moe
-from tests.engine_helpers import hf_greedy, random_max_tokens, single_torch_thread
+from tests.engine_helpers import hf_greedy, random_max_tokens
 from tests.sampling_reference import pd_generate
 from tests.test_families_parity import (
-    CHUNK,
     WINDOW,
-    engine_config,
     family_prompts,
+    greedy_matches_transformers,
 )
 from tests.test_families_parity import (
     test_prefill_logits_match_transformers as prefill_logits_match,
@@ -149,22 +147,7 @@ def closest_router_tie(path: Path, ids: list[int]) -> str:
 def test_moe_greedy_generation_matches_transformers(
     name: str, variant: Callable[[str], Path]
 ) -> None:
-    path = variant(name)
-    prompts = family_prompts(seed=sum(map(ord, name)))
-    max_tokens = random_max_tokens(len(prompts), lo=1, hi=12, seed=len(name))
-    params = [SamplingParams(max_tokens=m) for m in max_tokens]
-    with single_torch_thread():
-        engine = LLM(engine_config(path), load_model(str(path), dtype=torch.float32))
-        outputs = engine.generate(prompts[:11], params[:11])
-        hits = engine.generate(prompts[11:], params[11:])
-        for prompt, m, out in zip(prompts, max_tokens, outputs + hits, strict=True):
-            want = hf_greedy(path, prompt, m)
-            if out.token_ids != want:
-                tie = closest_router_tie(path, prompt + want)
-                pytest.fail(f"prompt of {len(prompt)}: {out.token_ids} != {want}; {tie}")
-    assert any(len(p) > 2 * CHUNK for p in prompts)
-    assert all(out.cached_tokens >= 40 for out in hits)
-    engine.check_conservation()
+    greedy_matches_transformers(variant(name), name, closest_router_tie)
 
 
 @pytest.mark.parametrize("name", PD_VARIANTS)

@@ -148,22 +148,32 @@ def test_prefill_logits_match_transformers(name: str, variant: Callable[[str], P
     torch.testing.assert_close(continued, expected_tail, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_greedy_generation_matches_transformers(name: str, variant: Callable[[str], Path]) -> None:
-    path = variant(name)
+def greedy_matches_transformers(
+    path: Path, name: str, explain: Callable[[Path, list[int]], str] | None = None
+) -> None:
+    """14 prompts through `LLM` (some over several prefill chunks, the last three sharing the
+    11th's prefix, cached once it is done): every greedy token equals transformers' `generate`.
+    `explain(path, ids)`: what to add to a mismatch's message (a MoE router's nearest tie)."""
     prompts = family_prompts(seed=sum(map(ord, name)))
     max_tokens = random_max_tokens(len(prompts), lo=1, hi=12, seed=len(name))
     params = [SamplingParams(max_tokens=m) for m in max_tokens]
     with single_torch_thread():
         engine = LLM(engine_config(path), load_model(str(path), dtype=torch.float32))
-        # the last three share the 11th's prefix, cached once it is done
         outputs = engine.generate(prompts[:11], params[:11])
         hits = engine.generate(prompts[11:], params[11:])
         for prompt, m, out in zip(prompts, max_tokens, outputs + hits, strict=True):
-            assert out.token_ids == hf_greedy(path, prompt, m), f"prompt of {len(prompt)} tokens"
+            want = hf_greedy(path, prompt, m)
+            if out.token_ids != want:
+                why = explain(path, prompt + want) if explain else ""
+                pytest.fail(f"prompt of {len(prompt)}: {out.token_ids} != {want}; {why}")
     assert any(len(p) > 2 * CHUNK for p in prompts)
     assert all(out.cached_tokens >= 40 for out in hits)
     engine.check_conservation()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_greedy_generation_matches_transformers(name: str, variant: Callable[[str], Path]) -> None:
+    greedy_matches_transformers(variant(name), name)
 
 
 @pytest.mark.parametrize("name", ["qwen3-gqa-untied", "gemma2-softcap", "gemma3-mqa-untied",
