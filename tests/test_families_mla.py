@@ -29,6 +29,7 @@ from shared.model.loader import load_model
 from shared.model.mla import LatentAttention
 from shared.model.registry import config_from_hf
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts, single_torch_thread
+from tests.sampling_reference import pd_generate
 from tests.test_families_parity import (
     VOCAB,
     engine_config,
@@ -38,6 +39,7 @@ from tests.test_families_parity import (
 from tests.test_families_parity import (
     test_prefill_logits_match_transformers as prefill_logits_match,
 )
+from tests.test_sampling_seeded import assert_same, by_request, mixed_params
 
 _MLA = {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}  # fmt: skip
@@ -136,13 +138,17 @@ def latent_bytes_per_token(path: Path, itemsize: int) -> int:
 
 def test_mla_pd_pushes_latents_and_matches_transformers(variant: Callable[[str], Path]) -> None:
     """Two prefill nodes over gRPC push latents layer by layer to a decode node: greedy tokens
-    equal transformers', and the bytes pushed per prompt token are one latent row per layer."""
+    equal transformers', seeded sampling (logprobs, n > 1, penalties, stops) equals the
+    colocated engine's, and the bytes pushed per prompt token are one latent row per layer."""
     path = variant(PD_VARIANT)
     prompts = random_prompts(8, VOCAB, min_len=1, max_len=120, seed=11)
     max_tokens = random_max_tokens(8, hi=12, seed=12)
     prefill = EngineConfig(model=str(path), num_kv_blocks=512, max_num_tokens=48)
     block = prefill.block_size
     measured = random_prompts(1, VOCAB, min_len=4 * block, max_len=4 * block, seed=13)[0]
+    sampled = mixed_params(8, seed=31)
+    llm = LLM(EngineConfig(model=str(path), num_kv_blocks=512), load_model(str(path)))
+    colocated = by_request(llm.generate(prompts, sampled))
 
     async def body() -> None:
         async with pd_cluster(path, num_prefill=2, prefill_engine=prefill) as c:
@@ -153,6 +159,13 @@ def test_mla_pd_pushes_latents_and_matches_transformers(variant: Callable[[str],
             for p, m, r in zip(prompts, max_tokens, results, strict=True):
                 assert r.token_ids == hf_greedy(path, p, m), f"prompt of {len(p)} tokens"
             assert all(node.core.num_steps > 0 for node in c.prefills)  # both took prompts
+            got = await asyncio.gather(
+                *(pd_generate(c.targets[0], p, s) for p, s in zip(prompts, sampled, strict=True))
+            )
+            for g, w in zip(got, colocated, strict=True):
+                assert len(g) == len(w)
+                for a, b in zip(g, w, strict=True):
+                    assert_same(a, b)
             before = (await asyncio.to_thread(c.metrics))[-1]["pdserve_kv_transfer_bytes_total"]
             r = await generate(c.targets[0], measured, max_tokens=2, timeout=120)
             assert r.token_ids == hf_greedy(path, measured, 2)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from pdserve.bench import roofline
-from pdserve.bench.roofline_parts import linear_params, linear_shapes
+from pdserve.bench.roofline_models import linear_params, linear_shapes
 from shared.model import panel_gemm
 from shared.model.loader import tiny_config
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from pdserve.bench.roofline_ceilings import bandwidth, matmul_ceiling
 from pdserve.bench.roofline_decode import (
     DECODE_CONTEXT,
     DECODE_STEPS,
@@ -32,16 +33,13 @@ from pdserve.bench.roofline_decode import (
     measure_batch,
     prompt,
 )
-from pdserve.bench.roofline_parts import (
+from pdserve.bench.roofline_models import (
     DTYPES,
-    bandwidth,
     linear_params,
     load_bench_model,
-    matmul_ceiling,
-    roofline_plot,
-    top_ops,
     weight_bytes_per_step,
 )
+from pdserve.bench.roofline_report import roofline_plot, top_ops
 from pdserve.bench.support.util import environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.roofline_parts import bandwidth
+from pdserve.bench.roofline_ceilings import bandwidth
 from shared.engine.core import EngineCore
 from shared.engine.sampling_params import SamplingParams
 from shared.model import decode_stack
