@@ -46,7 +46,7 @@ def accounting(engine: EngineCore) -> tuple[int, int, int, int]:
     return (
         engine.seq_slot_manager.num_in_use,
         engine.kv_manager.num_free_blocks,
-        engine.sampler.seats_in_use(),
+        engine.sampler.seq_slots_in_use(),
         len(engine.requests),
     )
 

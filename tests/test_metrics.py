@@ -224,7 +224,7 @@ def test_histogram_buckets_are_cumulative() -> None:
 def test_scrape_collectors_are_sampled_at_scrape_time() -> None:
     reg = CollectorRegistry()
     state = {"seats": 2, "blocks": {("prefill", "gpu"): 10, ("decode", "gpu"): 4}, "rej": 0}
-    register_scrape_gauge(reg, "seats_in_use", "Seats.", lambda: state["seats"])
+    register_scrape_gauge(reg, "seq_slots_in_use", "Seats.", lambda: state["seats"])
     register_scrape_gauge(
         reg, "blocks_free", "Free blocks.", lambda: state["blocks"], labelnames=["role", "pool"]
     )
@@ -232,7 +232,7 @@ def test_scrape_collectors_are_sampled_at_scrape_time() -> None:
     register_scrape_counter(reg, "rejected_total", "Rejected.", lambda: state["rej"])
 
     values = parse_prometheus_text(render(reg))
-    assert values["seats_in_use"] == 2
+    assert values["seq_slots_in_use"] == 2
     assert values['blocks_free{pool="gpu",role="prefill"}'] == 10
     assert values['blocks_free{pool="gpu",role="decode"}'] == 4
     assert values['by_role{r="decode"}'] == 1.5
@@ -241,7 +241,7 @@ def test_scrape_collectors_are_sampled_at_scrape_time() -> None:
     state.update(seats=5, blocks={("decode", "gpu"): 0}, rej=7)
     text = render(reg)
     values = parse_prometheus_text(text)
-    assert values["seats_in_use"] == 5
+    assert values["seq_slots_in_use"] == 5
     assert 'blocks_free{pool="gpu",role="prefill"}' not in values
     assert values['blocks_free{pool="gpu",role="decode"}'] == 0
     assert values["rejected_total"] == 7
@@ -284,7 +284,7 @@ def test_label_values_are_escaped_and_round_trip() -> None:
 def test_node_metrics_keep_their_names() -> None:
     """Every name and label dashboards and tests read, exactly as before the move."""
     snap = EngineSnapshot(
-        seats_in_use=1, seats_total=8, blocks_in_use=3, blocks_total=64, blocks_pinned=2,
+        seq_slots_in_use=1, seq_slots_total=8, blocks_in_use=3, blocks_total=64, blocks_pinned=2,
         blocks_cached=1, requests_by_state={"GENERATION_IN_PROGRESS": 1},
     )  # fmt: skip
     m = NodeMetrics(lambda: snap, rejected=lambda: 4)

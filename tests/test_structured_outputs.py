@@ -266,30 +266,30 @@ def test_openai_sdk_parse_with_pydantic(checkpoint: Callable[..., Path], tmp_pat
     run(body())
 
 
-def test_smollm2_pd_matches_colocated() -> None:
-    engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=256, max_batch_size=8)
-    schemas = [SCHEMAS[0], SCHEMAS[3], SCHEMAS[12]]
+def test_smollm2_schema_corpus_pd_matches_colocated() -> None:
+    """The real model on every schema of the corpus, greedy and seeded-sampled: every output
+    that stops validates, and P/D (2 prefill nodes) answers exactly what colocated answers."""
+    engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32)
 
     async def body() -> None:
         async with both(SMOLLM2_SPEC, engine) as clusters:
             outs = []
             for c in clusters:
                 reqs = [
-                    {
-                        "prompt": "Answer in JSON:",
-                        "max_tokens": 24,
-                        "temperature": 0.7,
-                        "seed": 11,
-                        "response_format": fmt(s),
-                    }
-                    for s in schemas
-                ]
+                    {"prompt": "Answer in JSON:", "max_tokens": 40, "response_format": fmt(s),
+                     **mode}
+                    for i, s in enumerate(SCHEMAS)
+                    for mode in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 11 + i})
+                ]  # fmt: skip
                 answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
-                for s, a in zip(schemas, answers, strict=True):
+                stopped = 0
+                for r, a in zip(reqs, answers, strict=True):
                     assert a.status_code == 200, a.text
-                    check(s, a.json()["choices"][0])
+                    schema = r["response_format"]["json_schema"]["schema"]
+                    stopped += check(schema, a.json()["choices"][0])
+                assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
                 outs.append([a.json()["choices"][0]["text"] for a in answers])
-            assert outs[0] == outs[1]
+            assert outs[0] == outs[1], "P/D and colocated disagree"
 
     run(body())
 

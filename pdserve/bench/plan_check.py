@@ -90,7 +90,14 @@ def measured(records: list[RequestRecord], targets: Targets) -> dict[str, Any]:
         "meets_ttft": ttft_q <= targets.ttft_s and failed == 0,
         "meets_itl": itl_mean <= targets.itl_s,
         "meets": ttft_q <= targets.ttft_s and itl_mean <= targets.itl_s and failed == 0,
+        "slowest_first_tokens": [_account(r) for r in sorted(ok, key=lambda r: -r.ttft)[:5]],
     }
+
+
+def _account(r: RequestRecord) -> dict[str, float]:
+    """Where a slow first token's time went: its arrival, the client's TTFT, the nodes' parts."""
+    parts = {f"{k}_ms": v * 1e3 for k, v in r.timing.items() if k != "e2e"}
+    return {"arrival_s": r.spec.arrival, "client_ttft_ms": r.ttft * 1e3, **parts}
 
 
 def _median_ms(xs: list[float]) -> float | None:

@@ -332,7 +332,7 @@ class EngineCore:
         """All seats and blocks back in their pools (cached blocks stay evictable)."""
         self.table.check_empty()
         self.seq_slot_manager.slot_manager.check_conservation()
-        assert self.sampler.seats_in_use() == 0, "sampler rows still owned"
+        assert self.sampler.seq_slots_in_use() == 0, "sampler rows still owned"
         self.kv_manager.check_conservation()
 
     def shutdown(self) -> bool:

@@ -92,7 +92,7 @@ class Sampler:
         assert len(self.logprobs_k) == self.max_num_sequences
         assert self.penalties is None or self.penalties.rows == self.max_num_sequences
 
-    def _seat(self, request: LlmRequest, vocab_size: int) -> int:
+    def _slot_row(self, request: LlmRequest, vocab_size: int) -> int:
         seat = request.seq_slot
         if seat is None:
             raise RuntimeError(f"request {request.request_id} sampled without a seat")
@@ -139,7 +139,7 @@ class Sampler:
         self.owner[seat] = None
         self.new_tokens[:, seat] = 0
 
-    def seats_in_use(self) -> int:
+    def seq_slots_in_use(self) -> int:
         held = zip(self.owner, self.grammars.matchers, strict=True)
         return sum(o is not None or m is not None for o, m in held)
 
@@ -151,7 +151,7 @@ class Sampler:
     ) -> SampleOutput:
         """Logits [rows, vocab]; `None` rows are padding: sampled into the scratch row."""
         vocab = logits.shape[-1]
-        rows = [self.dummy_slot_row if r is None else self._seat(r, vocab) for r in requests]
+        rows = [self.dummy_slot_row if r is None else self._slot_row(r, vocab) for r in requests]
         raw = logits.float()
         live = [i for i, r in enumerate(requests) if r is not None]
         shaped = self.grammars.apply(rows, live, self._apply_penalties(requests, rows, raw), raw)

@@ -66,13 +66,13 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
-        seats: SeqSlotManager,
+        seq_slots: SeqSlotManager,
         release: Callable[[LlmRequest], None],
     ):
         config.validate()
         self.config = config
         self.kv = kv
-        self.seats = seats
+        self.seq_slots = seq_slots
         self._release = release  # the engine's free_request_resources (sampler, KV, seat)
         self.waiting: deque[LlmRequest] = deque()
         self.running: list[LlmRequest] = []
@@ -144,12 +144,12 @@ class Scheduler:
         request that needs a holder's block is preempted at its last block, re-queued at the
         front and admitted again, while the holder never gets the seat (found by
         test_properties' PdLifecycle machine: 1-token blocks, 9 of them, batch 1)."""
-        seats_left = self.seats.num_free
+        free_slots = self.seq_slots.num_free
         fresh_blocked = False
         tables = self.kv.block_tables
         holders = [r for r in self.waiting if r.request_id in tables]
         for request in [*holders, *(r for r in self.waiting if r.request_id not in tables)]:
-            if budget <= 0 or seats_left <= 0 or len(self.running) >= self.config.max_batch_size:
+            if budget <= 0 or free_slots <= 0 or len(self.running) >= self.config.max_batch_size:
                 return
             fresh = request.request_id not in tables
             if fresh and fresh_blocked:
@@ -179,7 +179,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             reserved += need
-            seats_left -= 1
+            free_slots -= 1
 
     def _unwedge(self, out: SchedulerOutput) -> None:
         """Nothing runs and nothing could be scheduled while waiting requests sit on blocks (all

@@ -50,8 +50,8 @@ COMMAND_HANDOFF_S = 5e-5
 class EngineSnapshot:
     """Counters published after every step or command, read by /metrics without locking."""
 
-    seats_in_use: int = 0
-    seats_total: int = 0
+    seq_slots_in_use: int = 0
+    seq_slots_total: int = 0
     blocks_in_use: int = 0
     blocks_total: int = 0
     blocks_pinned: int = 0
@@ -192,8 +192,8 @@ class EngineThread:
             states[request.state.name] += 1
         blocks = core.kv_manager.blocks
         self.snapshot = EngineSnapshot(
-            seats_in_use=core.seq_slot_manager.num_in_use,
-            seats_total=core.max_num_sequences,
+            seq_slots_in_use=core.seq_slot_manager.num_in_use,
+            seq_slots_total=core.max_num_sequences,
             blocks_in_use=blocks.num_used_blocks,
             blocks_total=blocks.num_blocks,
             blocks_pinned=blocks.num_pinned_blocks,

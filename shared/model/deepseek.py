@@ -133,7 +133,8 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
 FAMILY = Family(
     name="deepseek",
     hf_architectures=(DEEPSEEK_V2, DEEPSEEK_V3),
-    gguf_architectures={},  # GGUF deepseek2: not yet
+    # V2 or V3 by the file's expert_gating_func: see gguf_moe.py
+    gguf_architectures={"deepseek2": DEEPSEEK_V3},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
 )

@@ -47,6 +47,17 @@ _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 def hf_config(g: GgufFile, eos_token_ids: tuple[int, ...]) -> dict[str, Any]:
     """The config.json of the model in `g` (architecture in ARCHES)."""
     arch = g.architecture
+    d = base_config(g, eos_token_ids) | {"architectures": [ARCHES[arch]]}
+    heads, hidden = d["num_attention_heads"], d["hidden_size"]
+    layers, head_dim = d["num_hidden_layers"], d["head_dim"]
+    if arch == PHI3:
+        return d | _phi3(g, head_dim)
+    return d | _gemma(g, arch, layers, heads, hidden, head_dim)
+
+
+def base_config(g: GgufFile, eos_token_ids: tuple[int, ...]) -> dict[str, Any]:
+    """The config.json keys every architecture's `{arch}.*` metadata gives alike."""
+    arch = g.architecture
     heads = int(g.require(f"{arch}.attention.head_count"))
     hidden = int(g.require(f"{arch}.embedding_length"))
     layers = int(g.require(f"{arch}.block_count"))
@@ -55,8 +66,7 @@ def hf_config(g: GgufFile, eos_token_ids: tuple[int, ...]) -> dict[str, Any]:
     if embed is None:
         raise g.error("lacks tensor 'token_embd.weight'")
     tokens = g.get("tokenizer.ggml.tokens")
-    d: dict[str, Any] = {
-        "architectures": [ARCHES[arch]],
+    return {
         "vocab_size": int(
             g.get(f"{arch}.vocab_size") or (len(tokens) if tokens else int(embed.shape[1]))
         ),
@@ -73,9 +83,6 @@ def hf_config(g: GgufFile, eos_token_ids: tuple[int, ...]) -> dict[str, Any]:
         "eos_token_id": list(eos_token_ids),
         "pad_token_id": g.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch == PHI3:
-        return d | _phi3(g, head_dim)
-    return d | _gemma(g, arch, layers, heads, hidden, head_dim)
 
 
 def _gemma(
@@ -158,7 +165,7 @@ def _phi3(g: GgufFile, head_dim: int) -> dict[str, Any]:
 def tensor_targets(arch: str, architecture: str, params: Collection[str]) -> dict[str, list[str]]:
     """GGUF tensor name -> the parameters it fills, in row order (several for a fused tensor).
     `architecture`: the Hugging Face name the file loads as."""
-    names = gg.get_tensor_name_map(_MODEL_ARCH[arch], _num_layers(params))
+    names = gg.get_tensor_name_map(_MODEL_ARCH[arch], num_layers(params))
     targets: dict[str, list[str]] = {}
     for checkpoint, parts in family_for(architecture).checkpoint_layout(params).items():
         name = names.get_name(checkpoint, try_suffixes=(".weight", ".bias"))
@@ -168,6 +175,6 @@ def tensor_targets(arch: str, architecture: str, params: Collection[str]) -> dic
     return targets
 
 
-def _num_layers(params: Collection[str]) -> int:
+def num_layers(params: Collection[str]) -> int:
     layers = [int(p.split(".")[2]) for p in params if p.startswith("model.layers.")]
     return max(layers, default=-1) + 1

@@ -1,8 +1,9 @@
 """Serve a GGUF file (llama.cpp's format): config from metadata, weights dequantized by `gguf`.
 
 Architectures `llama` (Llama, Mistral-style, SmolLM2), `qwen2` and `qwen3` (per-head q/k norms as
-`attn_q_norm` / `attn_k_norm`), and `gemma2`, `gemma3`, `phi3` (their metadata and tensor
-conventions: shared/model/gguf_arch.py); shared/model/registry.py lists them. The config comes
+`attn_q_norm` / `attn_k_norm`), `gemma2`, `gemma3`, `phi3` (their metadata and tensor
+conventions: shared/model/gguf_arch.py), and the experts of `qwen3moe` and `deepseek2` (with
+latent attention: shared/model/gguf_moe.py); shared/model/registry.py lists them. The config comes
 from the `{arch}.*` metadata (context length, sizes, heads, KV heads, rope base, norm epsilon);
 biases and tied embeddings from which tensors exist (no `output.weight`: the head reuses
 `token_embd`).
@@ -33,7 +34,7 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import _type_traits, dequantize
 from tqdm import tqdm
 
-from shared.model import gguf_arch
+from shared.model import gguf_arch, gguf_moe
 from shared.model.causal_lm import Model
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import GgufFile
@@ -84,9 +85,10 @@ def gguf_model_config(gguf: GgufFile, *, eos_token_ids: tuple[int, ...] = ()) ->
     arch = gguf.architecture
     if arch not in ARCHITECTURES:
         raise gguf.error(f"unsupported architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
-    if arch in gguf_arch.ARCHES:
+    if arch in gguf_arch.ARCHES or arch in gguf_moe.ARCHES:
+        mapping = gguf_arch if arch in gguf_arch.ARCHES else gguf_moe
         try:
-            return config_from_hf(gguf_arch.hf_config(gguf, eos_token_ids))
+            return config_from_hf(mapping.hf_config(gguf, eos_token_ids))
         except ValueError as exc:
             raise gguf.error(f"describes an unsupported model: {exc}") from exc
     _check_rope_scaling(gguf, arch)
@@ -182,6 +184,14 @@ def load_gguf_weights(model: Model, gguf: GgufFile, *, progress: bool = True) ->
 
     def store(tensor: ReaderTensor, hf_names: list[str]) -> None:
         values = torch.from_numpy(_dequantized(gguf, tensor, model.config))
+        if gguf_moe.is_split_kv_b(tensor.name):
+            try:
+                gguf_moe.fill_kv_b(tensor.name, values, params[hf_names[0]], model.config)
+            except ValueError as exc:
+                raise gguf.error(str(exc)) from exc
+            return
+        if values.dim() == 3:  # stacked experts [E, rows, cols]: each expert's rows in turn
+            values = values.flatten(0, 1)
         parts = [params[name] for name in hf_names]
         # a fused tensor (Phi-3's attn_qkv) stacks its parameters' rows
         expected = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
@@ -249,10 +259,14 @@ def _targets(
     gguf: GgufFile, params: dict[str, Any], config: ModelConfig
 ) -> Callable[[str], list[str]]:
     """GGUF tensor name -> the parameters it fills ([] for none)."""
-    if gguf.architecture not in gguf_arch.ARCHES:
+    arch = gguf.architecture
+    if arch not in gguf_arch.ARCHES and arch not in gguf_moe.ARCHES:
         return lambda name: [hf] if (hf := hf_tensor_name(name)) else []
     try:
-        targets = gguf_arch.tensor_targets(gguf.architecture, config.architecture, params)
+        if arch in gguf_moe.ARCHES:
+            targets = gguf_moe.tensor_targets(gguf, config.architecture, params)
+        else:
+            targets = gguf_arch.tensor_targets(arch, config.architecture, params)
     except ValueError as exc:
         raise gguf.error(str(exc)) from exc
     return lambda name: targets.get(name, [])

@@ -62,7 +62,7 @@ def config_to_hf(c: ModelConfig) -> dict[str, Any]:
 FAMILY = Family(
     name="qwen3_moe",
     hf_architectures=(QWEN3_MOE,),
-    gguf_architectures={},  # GGUF qwen3moe: not yet
+    gguf_architectures={"qwen3moe": QWEN3_MOE},  # see gguf_moe.py
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
 )

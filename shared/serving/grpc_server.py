@@ -202,8 +202,8 @@ class NodeServing:
 
 # (metric, help, EngineSnapshot field) of the gauges read from the engine's latest snapshot
 _SNAPSHOT_GAUGES = (
-    ("pdserve_seats_in_use", "Seats (seq slots) held", "seats_in_use"),
-    ("pdserve_seats_total", "Seat pool size", "seats_total"),
+    ("pdserve_seats_in_use", "Seats (seq slots) held", "seq_slots_in_use"),
+    ("pdserve_seats_total", "Seat pool size", "seq_slots_total"),
     ("pdserve_kv_blocks_in_use", "KV blocks referenced or pinned", "blocks_in_use"),
     ("pdserve_kv_blocks_total", "KV pool size", "blocks_total"),
     ("pdserve_kv_blocks_pinned", "KV blocks pinned by an in-flight transfer", "blocks_pinned"),
