@@ -74,10 +74,12 @@ class GrammarRows:
         idx = torch.tensor(picked, dtype=torch.long, device=out.device)
         block = out[idx]  # [constrained rows, vocab], a copy
         mask = self.bitmask[torch.tensor(seats, dtype=torch.long)].to(out.device)
-        # torch's own bit ops: on CPU faster than xgrammar's kernel (1.3 vs 2.0 ms, 8 x 49152),
-        # and on CUDA free of its JIT-built kernels
+        # on CPU xgrammar's kernel: 4 ms for 32 rows of 49,152 where torch's bit ops take 42 (at
+        # 8 rows 1.0 vs 1.5 ms), fp32 and bf16 alike; on CUDA torch's ops, free of its JIT-built
+        # kernels
+        backend = "cpu" if out.device.type == "cpu" else "torch_native"
         xgrammar().apply_token_bitmask_inplace(
-            block, mask, vocab_size=out.shape[-1], backend="torch_native"
+            block, mask, vocab_size=out.shape[-1], backend=backend
         )
         out[idx] = block
         return out
