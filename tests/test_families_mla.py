@@ -11,9 +11,11 @@ experts, a dense first layer, interleaved and half-split rope pairs, yarn with m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -139,7 +141,8 @@ def latent_bytes_per_token(path: Path, itemsize: int) -> int:
 def test_mla_pd_pushes_latents_and_matches_transformers(variant: Callable[[str], Path]) -> None:
     """Two prefill nodes over gRPC push latents layer by layer to a decode node: greedy tokens
     equal transformers', seeded sampling (logprobs, n > 1, penalties, stops) equals the
-    colocated engine's, and the bytes pushed per prompt token are one latent row per layer."""
+    colocated engine's, the bytes pushed per prompt token are one latent row per layer, and
+    every seat and block is back after a deadline and a cancelled stream."""
     path = variant(PD_VARIANT)
     prompts = random_prompts(8, VOCAB, min_len=1, max_len=120, seed=11)
     max_tokens = random_max_tokens(8, hi=12, seed=12)
@@ -173,6 +176,15 @@ def test_mla_pd_pushes_latents_and_matches_transformers(variant: Callable[[str],
             per_token = (after - before) / len(measured)
             assert per_token == latent_bytes_per_token(path, itemsize=4)
             assert c.decodes[0].core.layout.token_bytes == per_token
+            # a request past its deadline and one whose client goes away mid-stream
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await generate(c.targets[0], measured, max_tokens=200, timeout=0.05)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            gone = asyncio.create_task(generate(c.targets[0], prompts[0], max_tokens=200))
+            await asyncio.sleep(0.3)
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
             await c.assert_idle_and_conserved()
 
     asyncio.run(body())
