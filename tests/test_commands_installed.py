@@ -68,7 +68,11 @@ def test_help(command: str | None, installed: dict[str, str], tmp_path: Path) ->
     assert done.stdout.startswith(f"usage: pdserve{'' if command is None else ' ' + command}")
 
 
-BENCH_CASES = sorted(BENCHMARKS)
+# each of these also runs --quick in-process in its own test (tests/test_benchmarks_quick.py,
+# test_roofline_quick.py, test_bench_structured.py, test_bench_profile.py): the installed
+# command runs the rest
+IN_PROCESS = {"ttft", "serve", "transfer", "roofline", "structured", "profile"}
+BENCH_CASES = sorted(set(BENCHMARKS) - IN_PROCESS)
 
 
 @pytest.mark.parametrize("name", BENCH_CASES)

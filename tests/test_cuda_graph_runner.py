@@ -27,7 +27,7 @@ def padded_engine(config: EngineConfig = CONFIG) -> tuple[EngineCore, DecodeGrap
     """An engine whose decode steps go through the runner eagerly (what CUDA captures)."""
     engine = EngineCore(config)
     assert engine.decode_runner is None, "CPU must keep the eager path"
-    engine.kv_pool = allocate_kv_pool(engine.layout, NUM_BLOCKS + 1, "cpu")
+    engine.runner.kv_pool = allocate_kv_pool(engine.layout, NUM_BLOCKS + 1, "cpu")
     runner = engine_decode_runner(
         engine.model,
         engine.kv_pool,
@@ -38,7 +38,7 @@ def padded_engine(config: EngineConfig = CONFIG) -> tuple[EngineCore, DecodeGrap
         scratch_block=NUM_BLOCKS,
         use_graphs=False,
     )
-    engine.decode_runner = runner
+    engine.runner.decode_runner = runner
     return engine, runner
 
 

@@ -70,7 +70,7 @@ def test_engine_threads_borrow_and_give_back_the_threads(configured: int) -> Non
             engine.start()
             assert torch.get_num_threads() == 1
         for engine in engines:
-            seen = engine.submit(lambda _core: torch.get_num_threads()).result(timeout=30)
+            seen = engine.inspect_soon(lambda _core: torch.get_num_threads()).result(timeout=30)
             assert seen == configured
         engines[0].stop()
         assert torch.get_num_threads() == 1  # the other engine still runs
