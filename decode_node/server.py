@@ -216,9 +216,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if not self.accepting:
             raise GenerateError(Status.UNAVAILABLE, "decode node is shutting down")
         if rid in self.streams:
-            raise GenerateError(
-                Status.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight"
-            )
+            raise GenerateError(Status.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight")
         stream = Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
         try:
@@ -299,9 +297,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         except RequestRejected as e:
             raise GenerateError(Status.INVALID_ARGUMENT, str(e)) from None
         except ResourcesExhausted as e:
-            raise GenerateError(
-                Status.RESOURCE_EXHAUSTED, str(e), e.retry_after_s
-            ) from None
+            raise GenerateError(Status.RESOURCE_EXHAUSTED, str(e), e.retry_after_s) from None
 
     def _first_token_seen(self, stream: Stream) -> None:
         if stream.first_token_at is not None:
@@ -353,9 +349,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         elif which == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
-            raise GenerateError(
-                Status.INVALID_ARGUMENT, "prompt is missing: set text or token_ids"
-            )
+            raise GenerateError(Status.INVALID_ARGUMENT, "prompt is missing: set text or token_ids")
         params = generate_params_from_proto(request)
         return prompt, self.validate(prompt, params, request.request_id)
 

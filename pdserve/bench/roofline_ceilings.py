@@ -70,5 +70,3 @@ def bandwidth(num_bytes: int, reps: int) -> dict[str, float]:
         "read_gbps": num_bytes / read / 1e9,
         "copy_gbps": 2 * num_bytes / copy / 1e9,
     }
-
-

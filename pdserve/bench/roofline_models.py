@@ -119,5 +119,3 @@ def load_bench_model(name: str, dtype: torch.dtype) -> tuple[LoadedModel, str]:
     if name == "large":
         return _dummy(name, dtype), "dummy weights of SmolLM2-360M's shape"
     raise ValueError(f"unknown model {name!r}; use tiny, smollm2 or large")
-
-
