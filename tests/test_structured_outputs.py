@@ -289,6 +289,19 @@ def test_smollm2_schema_corpus_pd_matches_colocated() -> None:
                     stopped += check(schema, a.json()["choices"][0])
                 assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
                 outs.append([a.json()["choices"][0]["text"] for a in answers])
+                # max_tokens 1: the one token (through P/D, the prefill node's) starts the schema
+                firsts = await asyncio.gather(
+                    *(post(c, "/v1/completions", {**r, "max_tokens": 1}) for r in reqs[::2])
+                )
+                tokenizer = c.decodes[0].core.info.tokenizer
+                compiler = compiler_for(tokenizer, c.decodes[0].core.info.vocab_size)
+                for r, a in zip(reqs[::2], firsts, strict=True):
+                    text = a.json()["choices"][0]["text"]
+                    spec = StructuredOutput(
+                        "json_schema", json.dumps(r["response_format"]["json_schema"]["schema"])
+                    )
+                    ids = tokenizer.encode(text, add_special_tokens=False)
+                    assert ids and compiler.allows(spec, ids), (text, ids)
             assert outs[0] == outs[1], "P/D and colocated disagree"
 
     run(body())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -22,6 +23,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# A replica whose health check goes unanswered in time this many rounds running is marked
+# unhealthy; one refusing it (down, draining) at once. A busy replica (its event loop behind a
+# long step, a loaded machine) can miss one answer without being dropped from routing.
+SLOW_CHECKS_TO_UNHEALTHY = 2
+
+
+class Health(enum.Enum):
+    SERVING = "serving"
+    SLOW = "no answer in time"
+    DOWN = "health check failed"
+
 
 @dataclass
 class Replica:
@@ -30,6 +42,7 @@ class Replica:
     channel: aio.Channel
     healthy: bool = True
     load: int = 0  # the pool's load measure; the owner keeps it current
+    slow_checks: int = 0  # health checks unanswered in time, rounds running
 
     def forget(self) -> None:
         """Drop what was learnt about the replica when it goes unhealthy (it may come back as
@@ -39,13 +52,18 @@ class Replica:
     def connected(self) -> bool:
         return self.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
 
-    async def check_health(self, timeout: float) -> bool:
+    async def check_health(self, timeout: float) -> Health:
         stub = health_pb2_grpc.HealthStub(self.channel)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except (TimeoutError, grpc.RpcError):
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except TimeoutError:
+            return Health.SLOW
+        except grpc.RpcError as e:
+            slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+            return Health.SLOW if slow else Health.DOWN
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            return Health.SERVING
+        return Health.DOWN
 
 
 R = TypeVar("R", bound=Replica)
@@ -130,12 +148,14 @@ class ReplicaPool(Generic[R]):
             await self._follow_dns(addresses)
         timeout = max(0.2, min(1.0, self.health_interval / 2))
         results = await asyncio.gather(*(r.check_health(timeout) for r in self.replicas))
-        for replica, ok in zip(list(self.replicas), results, strict=True):
-            if ok and not replica.healthy:
-                log.info("%s %s is healthy", self.kind, replica.target)
-            elif not ok:
-                self.mark_unhealthy(replica, "health check failed")
-            replica.healthy = ok
+        for replica, health in zip(list(self.replicas), results, strict=True):
+            replica.slow_checks = replica.slow_checks + 1 if health is Health.SLOW else 0
+            if health is Health.SERVING:
+                if not replica.healthy:
+                    log.info("%s %s is healthy", self.kind, replica.target)
+                replica.healthy = True
+            elif health is Health.DOWN or replica.slow_checks >= SLOW_CHECKS_TO_UNHEALTHY:
+                self.mark_unhealthy(replica, health.value)
 
     async def _follow_dns(self, addresses: dict[str, str]) -> None:
         known = {r.target for r in self.replicas}
