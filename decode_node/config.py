@@ -111,7 +111,7 @@ class DecodeNodeConfig:
         # a colocated node's scheduler queue is its admission queue: bounded the same way
         bound = self.max_inflight + self.max_queued if self.colocated else None
         placement = PlacementPolicy(
-            self.local_prefill_tokens, self.local_prefill_idle_tokens, self.max_inflight, bound
+            self.local_prefill_tokens, self.local_prefill_idle_tokens, max_local_requests=bound
         )
         return DecodeSettings(placement, self.max_queued, self.max_inflight, slo)
 

@@ -32,6 +32,7 @@ from shared.model.mla import LatentAttention
 from shared.model.registry import config_from_hf
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate
+from tests.test_families_moe import nearest_router_tie
 from tests.test_families_parity import (
     VOCAB,
     engine_config,
@@ -87,40 +88,29 @@ def test_mla_prefill_logits_match_transformers(name: str, variant: Callable[[str
     prefill_logits_match(name, variant)
 
 
+def deepseek_tie(
+    _hf: torch.nn.Module, module: torch.nn.Module, out: tuple[torch.Tensor, ...]
+) -> tuple[float, str]:
+    """The scores (V3: sigmoid + correction, V2: softmax) of the last chosen and the best
+    unchosen expert at the nearest tie."""
+    logits, _, chosen = out
+    scores = (
+        logits.float().softmax(-1)
+        if module.__class__.__name__.startswith("DeepseekV2")
+        else logits.float().sigmoid() + module.e_score_correction_bias
+    )
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen, True)
+    last = scores.masked_fill(~picked, float("inf")).min(dim=-1)
+    rival = scores.masked_fill(picked, float("-inf")).max(dim=-1)
+    gaps = last.values - rival.values
+    t = int(gaps.argmin())
+    return float(gaps[t]), (f"token {t}: expert {int(last.indices[t])} "
+                            f"{float(last.values[t]):.8f} vs expert {int(rival.indices[t])} "
+                            f"{float(rival.values[t]):.8f}")  # fmt: skip
+
+
 def closest_router_tie(path: Path, ids: list[int]) -> str:
-    """Where transformers' routers came closest to choosing another expert over `ids`: the
-    scores (V3: sigmoid + correction, V2: softmax) of the last chosen and the best unchosen
-    expert at the nearest tie, to tell a tie from a bug."""
-    hf = load_hf_model(path)
-    ties: list[tuple[float, str]] = []
-
-    def hook(layer: str, module: torch.nn.Module) -> Callable[..., None]:
-        def record(_module: object, _args: object, out: tuple[torch.Tensor, ...]) -> None:
-            logits, _, chosen = out
-            scores = (
-                logits.float().softmax(-1)
-                if module.__class__.__name__.startswith("DeepseekV2")
-                else logits.float().sigmoid() + module.e_score_correction_bias
-            )
-            picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen, True)
-            last = scores.masked_fill(~picked, float("inf")).min(dim=-1)
-            rival = scores.masked_fill(picked, float("-inf")).max(dim=-1)
-            gaps = last.values - rival.values
-            t = int(gaps.argmin())
-            ties.append((float(gaps[t]), f"{layer} token {t}: expert {int(last.indices[t])} "
-                         f"{float(last.values[t]):.8f} vs expert {int(rival.indices[t])} "
-                         f"{float(rival.values[t]):.8f}"))  # fmt: skip
-
-        return record
-
-    handles = [m.register_forward_hook(hook(n, m)) for n, m in hf.named_modules()
-               if n.endswith("mlp.gate")]  # fmt: skip
-    with torch.inference_mode():
-        hf(torch.tensor([ids]))
-    for h in handles:
-        h.remove()
-    gap, where = min(ties)
-    return f"closest router tie {gap:.2e} at {where}"
+    return nearest_router_tie(path, ids, deepseek_tie)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

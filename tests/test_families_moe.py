@@ -113,34 +113,49 @@ def test_moe_prefill_logits_match_transformers(name: str, checkpoint: Callable[.
     prefill_logits_match(name, lambda _: checkpoint(arch, **kwargs))
 
 
-def closest_router_tie(path: Path, ids: list[int]) -> str:
-    """Where transformers' routers came closest to choosing another expert over `ids`: the
-    k-th and (k+1)-th softmax scores of the nearest tie, to tell a tie from a bug."""
+# one router layer's nearest tie: (gap, "token t: expert a score vs expert b score"), from the
+# transformers model, the router module and what it returned
+LayerTie = Callable[[torch.nn.Module, torch.nn.Module, tuple[torch.Tensor, ...]], tuple[float, str]]
+
+
+def nearest_router_tie(path: Path, ids: list[int], layer_tie: LayerTie) -> str:
+    """Where transformers' routers came closest to choosing another expert over `ids`, to tell
+    a tie from a bug: `layer_tie` scores each router layer's nearest tie, the smallest wins."""
     hf = load_hf_model(path)
-    top_k = hf.config.num_experts_per_tok
     ties: list[tuple[float, str]] = []
 
-    def hook(layer: str) -> Callable[..., None]:
+    def hook(layer: str, module: torch.nn.Module) -> Callable[..., None]:
         def record(_module: object, _args: object, out: tuple[torch.Tensor, ...]) -> None:
-            probs, experts = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True)
-            gaps = probs[:, top_k - 1] - probs[:, top_k]
-            t = int(gaps.argmin())
-            a, b = int(experts[t, top_k - 1]), int(experts[t, top_k])
-            ties.append((float(gaps[t]), f"{layer} token {t}: expert {a} "
-                         f"{float(probs[t, top_k - 1]):.8f} vs expert {b} "
-                         f"{float(probs[t, top_k]):.8f}"))  # fmt: skip
+            gap, where = layer_tie(hf, module, out)
+            ties.append((gap, f"{layer} {where}"))
 
         return record
 
-    handles = [
-        m.register_forward_hook(hook(n)) for n, m in hf.named_modules() if n.endswith("mlp.gate")
-    ]
+    handles = [m.register_forward_hook(hook(n, m)) for n, m in hf.named_modules()
+               if n.endswith("mlp.gate")]  # fmt: skip
     with torch.inference_mode():
         hf(torch.tensor([ids]))
     for h in handles:
         h.remove()
     gap, where = min(ties)
     return f"closest router tie {gap:.2e} at {where}"
+
+
+def softmax_top_k_tie(
+    hf: torch.nn.Module, _module: torch.nn.Module, out: tuple[torch.Tensor, ...]
+) -> tuple[float, str]:
+    """The k-th and (k+1)-th softmax scores of the nearest tie."""
+    top_k = hf.config.num_experts_per_tok
+    probs, experts = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True)
+    gaps = probs[:, top_k - 1] - probs[:, top_k]
+    t = int(gaps.argmin())
+    a, b = int(experts[t, top_k - 1]), int(experts[t, top_k])
+    return float(gaps[t]), (f"token {t}: expert {a} {float(probs[t, top_k - 1]):.8f} vs "
+                            f"expert {b} {float(probs[t, top_k]):.8f}")  # fmt: skip
+
+
+def closest_router_tie(path: Path, ids: list[int]) -> str:
+    return nearest_router_tie(path, ids, softmax_top_k_tie)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

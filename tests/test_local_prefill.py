@@ -174,9 +174,9 @@ def test_an_idle_engine_takes_a_longer_prompt_than_a_busy_one() -> None:
     from shared.engine.placement import PlacementPolicy
 
     def engine(threshold: int) -> EngineCore:
-        policy = PlacementPolicy(threshold, 1024, max_inflight=8)
+        policy = PlacementPolicy(threshold, 1024)
         config = EngineConfig(model="tiny", num_kv_blocks=256, max_num_tokens=64)
-        return EngineCore(config, role=DecodeSettings(policy))
+        return EngineCore(config, role=DecodeSettings(policy, max_inflight=8))
 
     core, off = engine(32), engine(0)
 

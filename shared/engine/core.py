@@ -27,7 +27,6 @@ from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.info import EngineInfo
 from shared.engine.model_runner import ModelRunner
 from shared.engine.output import OutputProcessor, RequestOutput, TokenDelta
-from shared.engine.prefill_role import PrefillSettings
 from shared.engine.request import LlmRequest, LlmRequestState
 from shared.engine.request_limits import RequestLimits
 from shared.engine.request_table import RequestTable
@@ -350,8 +349,3 @@ class EngineCore:
         with contextlib.suppress(AssertionError):  # already reported; now force-free the rest
             self.resource_manager.shutdown()
         return conserved
-
-
-def prefill_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
-    """An engine whose requests end with their first token (a prefill node's, no layer hook)."""
-    return EngineCore(config, loaded, role=PrefillSettings())

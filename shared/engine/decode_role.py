@@ -51,7 +51,7 @@ class DecodeRole:
         self.parts = parts
         self.admission = TransferAdmission(parts, settings.max_queued, settings.max_inflight)
         self.admission.slo = settings.slo
-        self.placement = Placement(parts, settings.placement, settings.slo)
+        self.placement = Placement(parts, settings.placement, settings.slo, settings.max_inflight)
         parts.requests.on_end.append(self.admission.forget)
 
     def handlers(self) -> Handlers:

@@ -32,16 +32,22 @@ S = LlmRequestState
 class PlacementPolicy:
     local_prefill_tokens: int = 0  # beside live requests, within the step's budget; 0: never
     local_prefill_idle_tokens: int = 0  # on an idle engine, over as many steps as it takes
-    max_inflight: int = 1 << 30  # requests past admission at once
     # live requests (inflight + queued) a fallback or colocated prefill may join; None: any
     max_local_requests: int | None = None
 
 
 class Placement:
-    def __init__(self, parts: EngineParts, policy: PlacementPolicy, slo: SloPolicy):
+    def __init__(
+        self,
+        parts: EngineParts,
+        policy: PlacementPolicy,
+        slo: SloPolicy,
+        max_inflight: int | None = None,
+    ):
         self.parts = parts
         self.policy = policy
         self.slo = slo
+        self.max_inflight = max_inflight  # requests past admission at once (the queue's bound)
 
     def try_local(
         self,
@@ -62,11 +68,11 @@ class Placement:
         if policy.local_prefill_tokens <= 0:
             return None
         uncached = self.uncached_tokens(prompt, params, hashes)
-        if not len(self.parts.requests) and uncached <= policy.local_prefill_idle_tokens:
-            return self._add(prompt, params, request_id, hashes)
-        if uncached > policy.local_prefill_tokens:
-            return None
-        if not self._has_room(uncached, queued_for_transfer):
+        idle = not len(self.parts.requests) and uncached <= policy.local_prefill_idle_tokens
+        if not idle and (
+            uncached > policy.local_prefill_tokens
+            or not self._has_room(uncached, queued_for_transfer)
+        ):
             return None
         return self._add(prompt, params, request_id, hashes)
 
@@ -123,7 +129,8 @@ class Placement:
 
     def _has_room(self, uncached: int, queued_for_transfer: int) -> bool:
         live = len(self.parts.requests) - queued_for_transfer
-        if queued_for_transfer or live >= self.policy.max_inflight:
+        full = self.max_inflight is not None and live >= self.max_inflight
+        if queued_for_transfer or full:
             return False
         return self.pending_step_tokens() + uncached <= self.parts.config.max_num_tokens
 
