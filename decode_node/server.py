@@ -55,6 +55,7 @@ from shared.model.loader import LoadedModel
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer
+from shared.serving.request_outcomes import DECODE_OUTCOMES, RequestOutcomes
 from shared.serving.status import Status
 from shared.serving.wire import WireError, generate_params_from_proto, validate_request
 
@@ -77,6 +78,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         parts = build_parts(config, self.info, lambda: self._snapshot())
         self.receiver, self.pool, self.metrics = parts.receiver, parts.pool, parts.metrics
         self.counters = parts.counters
+        self.outcomes = RequestOutcomes(self.metrics.requests_total, DECODE_OUTCOMES)
         windows = layer_windows(self.info.loaded.config) if config.window_aware_transfer else ()
         self.remote = RemotePrefill(
             config, self.pool, self.receiver, self.metrics, self.layout_info, self.info.device_type,
@@ -214,11 +216,16 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         stream the deltas; release on both nodes on every exit (finish, error, the consumer
         cancelled or closed). Raises GenerateError with the status to report."""
         if not self.accepting:
-            raise GenerateError(Status.UNAVAILABLE, "decode node is shutting down")
+            raise self.outcomes.refused(
+                GenerateError(Status.UNAVAILABLE, "decode node is shutting down")
+            )
         if rid in self.streams:
-            raise GenerateError(Status.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight")
+            raise self.outcomes.refused(
+                GenerateError(Status.INVALID_ARGUMENT, f"request_id {rid!r} is already in flight")
+            )
         stream = Stream(rid, len(prompt), deadline=deadline, n=params.n)
         self.streams[rid] = stream
+        error: Status | None = None  # None: finished, or its consumer went away
         try:
             pending = await self._prefill(stream, prompt, params)
             while len(stream.finished) < stream.n:
@@ -229,10 +236,14 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 self._first_token_seen(stream)
                 stream.account(delta)
                 yield stream, delta
-        except GenerateError:
-            stream.failed = True
+        except GenerateError as e:
+            stream.failed, error = True, e.code
+            raise
+        except Exception:
+            error = Status.INTERNAL
             raise
         finally:
+            self.outcomes.ended(stream.finished.values(), stream.n, error)
             await asyncio.shield(self._release(stream))
 
     async def _prefill(
@@ -319,7 +330,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             validate_request(request_id, params, self.info.vocab_size)
             self.info.validate(prompt, params)
         except (WireError, RequestRejected) as e:
-            raise GenerateError(Status.INVALID_ARGUMENT, str(e)) from None
+            raise self.outcomes.refused(GenerateError(Status.INVALID_ARGUMENT, str(e))) from None
         return params.with_resolved_seed()
 
     @property

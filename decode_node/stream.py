@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.engine.output import TokenDelta
+from shared.engine.request import FinishReason
 from shared.engine.transfer_admission import TransferGrant
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Stream:
     completion_tokens: int = 0
     deadline: float | None = None  # monotonic; None: the client set none
     n: int = 1  # completions; the stream ends when each has finished
-    finished: set[int] = field(default_factory=set)
+    finished: dict[int, FinishReason] = field(default_factory=dict)  # completion -> why it ended
     tokens_by_index: dict[int, int] = field(default_factory=dict)
     failed: bool = False  # ended by an error: the engine records DISAGG_TRANS_ERROR
     # prefilled by this node's own engine (QUEUED -> CONTEXT_INIT), not by a prefill node
@@ -65,7 +66,7 @@ class Stream:
             delta.token_ids
         )
         if delta.finish_reason is not None:
-            self.finished.add(delta.index)
+            self.finished[delta.index] = delta.finish_reason
 
     def deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline

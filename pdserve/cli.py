@@ -22,8 +22,8 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 from decode_node.config import DecodeNodeConfig
 from pdserve.bench import BENCHMARKS
 from pdserve.bound_ports import check_bound_ports, port_in_use_line, up_ports
-from pdserve.cli_args import _engine_args as _engine_args  # re-export: pdserve/bench/peers
-from pdserve.cli_args import build_parser, engine_argv
+from pdserve.cli_args import build_parser
+from pdserve.engine_args import engine_argv
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling_params import SamplingParams
@@ -47,14 +47,14 @@ def _server_tls(a: argparse.Namespace) -> ServerTls | None:
 
 
 def client_tls(a: argparse.Namespace, prefix: str) -> ClientTls | None:
-    """From `cli_args.client_tls_args`' flags; None (plaintext) without a CA."""
+    """From `tls_args.client_tls_args`' flags; None (plaintext) without a CA."""
     ca, cert, key = (getattr(a, f"{prefix}tls_{part}") for part in ("ca", "cert", "key"))
     return ClientTls(ca, cert, key) if ca else None
 
 
 def from_args(cls: type[T], a: argparse.Namespace, **overrides: Any) -> T:
     """A config dataclass from the flags named after its fields, plus `overrides` for the
-    rest: each flag is mapped once, where it is declared (`cli_args`)."""
+    rest: each flag is mapped once, where it is declared (the `*_args` modules)."""
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls) if hasattr(a, f.name)}
     return cls(**{**given, **overrides})
 

@@ -2,10 +2,11 @@
 its TTFT and ITL targets, from a profile `pdserve bench profile` measured on the target machine.
 
 Each tier is sized alone (the prefill nodes set the TTFT, the decode nodes the ITL: the model is
-pdserve/planner_model.py), each at the fewest nodes that meet its target; colocated nodes are
-sized for both at once. The one with fewer nodes is recommended; on a tie, the one with more
-headroom (the lower of their worst latency-to-target ratios). Exit 0 with a recommendation, 2
-when nothing within --max-nodes meets the targets (or on bad input), with the reason.
+pdserve/planner_model.py, its queues simulated by planner_sim.py), each at the fewest nodes that
+meet its target; colocated nodes are sized for both at once. The one with fewer nodes is
+recommended; on a tie, the one with more headroom (the lower of their worst latency-to-target
+ratios). Exit 0 with a recommendation, 2 when nothing within --max-nodes meets the targets (or on
+bad input), with the reason.
 
     pdserve plan --profile profile.json --ttft-slo-ms 500 --itl-slo-ms 50 --rate 8 \\
         --prompt-len 512 --output-len 64 [--max-nodes 16] [--json]
@@ -14,22 +15,25 @@ when nothing within --max-nodes meets the targets (or on bad input), with the re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from pdserve.planner_model import (
-    Profile,
-    ProfileError,
     Targets,
     TierEstimate,
     Workload,
     colocated,
+    decode_tier,
     disaggregated,
+    prefill_tier,
 )
+from pdserve.planner_profile import Profile, ProfileError
 
 
 @dataclass(frozen=True)
@@ -79,24 +83,27 @@ def plan_disaggregated(
 ) -> Option:
     """The fewest prefill nodes for the TTFT target, then the fewest decode nodes for the ITL."""
 
-    def at(p: int, d: int) -> TierEstimate:
-        return disaggregated(profile, work, targets, p, d)
+    @functools.cache  # a simulation: once per count
+    def ttft(p: int) -> float:
+        return prefill_tier(profile, work, targets, p)[0]
 
-    prefill = next((p for p in range(1, max_nodes) if at(p, 1).ttft_s <= targets.ttft_s), None)
+    prefill = fewest(1, max_nodes - 1, lambda p: ttft(p) <= targets.ttft_s)
     if prefill is None:
         floor = profile.prefill_s(work.prompt_len) + profile.transfer_s(work.prompt_len)
         why = (
             f"one prompt's prefill and transfer alone take {_ms(floor)}"
             if floor > targets.ttft_s
-            else f"TTFT p{targets.quantile * 100:g} is {_ms(at(max_nodes - 1, 1).ttft_s)} "
+            else f"TTFT p{targets.quantile * 100:g} is {_ms(ttft(max_nodes - 1))} "
             f"even with {max_nodes - 1} prefill nodes"
         )
         return Option("disaggregated", 0, 0, None, f"{why} (target {_ms(targets.ttft_s)})")
     room = max_nodes - prefill
-    decode = next((d for d in range(1, room + 1) if at(prefill, d).itl_s <= targets.itl_s), None)
+    decode = fewest(1, room, lambda d: decode_tier(profile, work, d)[0] <= targets.itl_s)
     if decode is None:
         return Option("disaggregated", prefill, 0, None, _itl_reason(profile, work, targets, room))
-    return Option("disaggregated", prefill, decode, at(prefill, decode))
+    return Option(
+        "disaggregated", prefill, decode, disaggregated(profile, work, targets, prefill, decode)
+    )
 
 
 def _itl_reason(profile: Profile, work: Workload, targets: Targets, nodes: int) -> str:
@@ -106,12 +113,30 @@ def _itl_reason(profile: Profile, work: Workload, targets: Targets, nodes: int) 
     return f"ITL misses {_ms(targets.itl_s)} with {nodes} decode node(s)"
 
 
+def fewest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The least n in [lo, hi] with ok(n), or None; more nodes never hurt (ok is monotone), so
+    by doubling from `lo`, then bisecting: each ok is a simulation, and the answer is usually
+    small."""
+    below, n = lo - 1, lo  # ok(below) is False (or below is out of range)
+    while not ok(n):
+        if n >= hi:
+            return None
+        below, n = n, min(hi, 2 * n)
+    while n - below > 1:
+        mid = (below + n) // 2
+        below, n = (below, mid) if ok(mid) else (mid, n)
+    return n
+
+
 def plan_colocated(profile: Profile, work: Workload, targets: Targets, max_nodes: int) -> Option:
-    for n in range(1, max_nodes + 1):
-        estimate = colocated(profile, work, targets, n)
-        if estimate.meets(targets):
-            return Option("colocated", 0, n, estimate)
-    last = colocated(profile, work, targets, max_nodes)
+    @functools.cache
+    def at(n: int) -> TierEstimate:
+        return colocated(profile, work, targets, n)
+
+    n = fewest(1, max_nodes, lambda n: at(n).meets(targets))
+    if n is not None:
+        return Option("colocated", 0, n, at(n))
+    last = at(max_nodes)
     why = (
         f"with {max_nodes} colocated nodes: TTFT p{targets.quantile * 100:g} {_ms(last.ttft_s)} "
         f"(target {_ms(targets.ttft_s)}), ITL {_ms(last.itl_s)} (target {_ms(targets.itl_s)})"
@@ -197,7 +222,7 @@ def _versus(other: Option) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """`pdserve plan` and its flags (pdserve/cli_args.py)."""
+    """`pdserve plan` and its flags (registered by pdserve/tool_args.py)."""
     from pdserve.log_level import log_level_arg
 
     p = sub.add_parser("plan", help="prefill and decode nodes a workload needs (from a profile)")

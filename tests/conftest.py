@@ -32,3 +32,18 @@ def checkpoint(checkpoint_root: Path) -> Callable[..., Path]:
         return cached_checkpoint(checkpoint_root, arch, **kwargs)
 
     return build
+
+
+@pytest.fixture(scope="module")
+def variant(
+    checkpoint: Callable[..., Path], request: pytest.FixtureRequest
+) -> Callable[[str], Path]:
+    """variant(name) -> the checkpoint the test module's VARIANTS table names: name -> (arch,
+    overrides), as the model and family tests lay theirs out."""
+    table = request.module.VARIANTS
+
+    def get(name: str) -> Path:
+        arch, kwargs = table[name]
+        return checkpoint(arch, **kwargs)
+
+    return get

@@ -19,7 +19,14 @@ import numpy as np
 from gguf import GGMLQuantizationType, TokenType
 from safetensors.numpy import load_file
 
-from tests.gguf_writer import _add_tensor, spm_tokens
+from tests.gguf_writer import (
+    add_shape,
+    add_spm_tokenizer,
+    add_tensor,
+    finish,
+    spm_tokens,
+    tensor_namer,
+)
 
 ARCH = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 _MODEL_ARCH = {
@@ -43,26 +50,15 @@ def _add_spm_tokenizer(w: gguf.GGUFWriter, vocab_size: int, *, space_prefix: boo
     tokens += [f"<unused{i}>" for i in range(pad)]
     scores += [0.0] * pad
     types += [int(TokenType.UNUSED)] * pad
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(0)  # transformers' Phi-3 default (32000) lies outside the vocabulary
-    w.add_add_bos_token(True)
-    w.add_add_space_prefix(space_prefix)
+    # pad 0: transformers' Phi-3 default (32000) lies outside the vocabulary
+    add_spm_tokenizer(
+        w, tokens, scores, types, add_bos=True, space_prefix=space_prefix, pad_token_id=0
+    )
     w.add_chat_template(GEMMA_TEMPLATE)
 
 
 def _common(w: gguf.GGUFWriter, c: dict[str, Any]) -> None:
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
+    add_shape(w, c)
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
 
@@ -114,17 +110,12 @@ def write_family_gguf(
     _add_spm_tokenizer(w, c["vocab_size"], space_prefix=arch == "phi3")
     if extra is not None:
         extra(w)
-    names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], c["num_hidden_layers"])
+    gguf_name = tensor_namer(_MODEL_ARCH[arch], c["num_hidden_layers"])
     for hf_name, t in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
         if arch == "gemma2" and hf_name == "lm_head.weight":
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
+        name = gguf_name(hf_name)
         if arch != "phi3" and name.endswith("norm.weight"):
             t = t.astype(np.float32) + 1.0
-        _add_tensor(w, name, t, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out_file
+        add_tensor(w, name, t, qtype)
+    return finish(w, out_file)

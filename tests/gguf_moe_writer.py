@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from safetensors.numpy import load_file
 
-from tests.gguf_writer import _add_gpt2_tokenizer, _add_tensor
+from tests.gguf_writer import add_gpt2_tokenizer, add_shape, add_tensor, finish, tensor_namer
 
 ARCH = {
     "Qwen3MoeForCausalLM": "qwen3moe",
@@ -37,11 +37,7 @@ _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight"
 
 def _common(w: gguf.GGUFWriter, c: dict[str, Any]) -> None:
     params = c.get("rope_parameters") or {}
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
+    add_shape(w, c)
     w.add_rope_freq_base(params.get("rope_theta", c.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_vocab_size(c["vocab_size"])
@@ -123,7 +119,7 @@ def _add(w: gguf.GGUFWriter, name: str, t: np.ndarray, qtype: GGMLQuantizationTy
     if qtype == GGMLQuantizationType.F16 and t.ndim > 1:
         w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float16))
         return
-    _add_tensor(w, name, t, qtype)
+    add_tensor(w, name, t, qtype)
 
 
 def write_moe_gguf(
@@ -138,17 +134,11 @@ def write_moe_gguf(
     w = gguf.GGUFWriter(str(out_file), arch)
     _common(w, c)
     _qwen3moe(w, c) if arch == "qwen3moe" else _deepseek2(w, c)
-    _add_gpt2_tokenizer(w, add_bos=True, chat_template=True)
-    names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], c["num_hidden_layers"])
+    add_gpt2_tokenizer(w, add_bos=True, chat_template=True)
+    gguf_name = tensor_namer(_MODEL_ARCH[arch], c["num_hidden_layers"])
     for hf_name, t in sorted(_tensors(checkpoint, c, split_kv_b).items()):
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        assert name is not None, hf_name
-        _add(w, name, t, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out_file
+        _add(w, gguf_name(hf_name), t, qtype)
+    return finish(w, out_file)
 
 
 def quantized_checkpoint(

@@ -13,7 +13,9 @@ vocabulary: byte-fallback tokens `<0xXX>`, `▁`-prefixed pieces with scores and
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -62,7 +64,7 @@ def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _add_tensor(
+def add_tensor(
     writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: GGMLQuantizationType
 ) -> None:
     if w.ndim == 1 or qtype == GGMLQuantizationType.F32:
@@ -72,7 +74,7 @@ def _add_tensor(
     writer.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
 
 
-def _add_gpt2_tokenizer(writer: gguf.GGUFWriter, *, add_bos: bool, chat_template: bool) -> None:
+def add_gpt2_tokenizer(writer: gguf.GGUFWriter, *, add_bos: bool, chat_template: bool) -> None:
     tok = build_tokenizer()
     vocab = tok.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.__getitem__)
@@ -91,6 +93,37 @@ def _add_gpt2_tokenizer(writer: gguf.GGUFWriter, *, add_bos: bool, chat_template
     writer.add_add_bos_token(add_bos)
     if chat_template:
         writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def add_shape(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """The model's size from its config.json: the keys every converter writes first."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+
+
+def tensor_namer(model_arch: gguf.MODEL_ARCH, layers: int) -> Callable[[str], str]:
+    """A Hugging Face tensor name -> llama.cpp's, from gguf's `TensorNameMap` (the converter's
+    own table)."""
+    names = gguf.get_tensor_name_map(model_arch, layers)
+
+    def name(hf_name: str) -> str:
+        found = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert found is not None, hf_name
+        return found
+
+    return name
+
+
+def finish(writer: gguf.GGUFWriter, out_file: Path) -> Path:
+    """Header, metadata, then tensors: the file's layout, written in its order."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_file
 
 
 def gpt2_vocab_size() -> int:
@@ -117,17 +150,13 @@ def write_gguf(
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
+    add_shape(writer, config)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
-    _add_gpt2_tokenizer(writer, add_bos=add_bos, chat_template=chat_template)
+    add_gpt2_tokenizer(writer, add_bos=add_bos, chat_template=chat_template)
     for key, value in (sampling or {}).items():  # e.g. {"temp": 0.7}: general.sampling.temp
         add = writer.add_int32 if isinstance(value, int) else writer.add_float32
         add(f"general.sampling.{key}", value)
@@ -139,12 +168,8 @@ def write_gguf(
             w = rope_permute(w, heads)
         elif arch == "llama" and ".attn_k." in name:
             w = rope_permute(w, kv_heads)
-        _add_tensor(writer, name, w, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_file
+        add_tensor(writer, name, w, qtype)
+    return finish(writer, out_file)
 
 
 # --------------------------------------------------------------- SentencePiece-style tokenizer
@@ -172,9 +197,18 @@ def spm_tokens() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_spm_tokenizer_gguf(out_file: Path, *, add_bos: bool = True) -> Path:
-    tokens, scores, types = spm_tokens()
-    writer = gguf.GGUFWriter(str(out_file), "llama")
+def add_spm_tokenizer(
+    writer: gguf.GGUFWriter,
+    tokens: list[str],
+    scores: list[float],
+    types: list[int],
+    *,
+    add_bos: bool,
+    space_prefix: bool,
+    pad_token_id: int | None = None,
+) -> None:
+    """A SentencePiece-style (`llama`) vocabulary laid out as `spm_tokens` lays it out (<unk>,
+    <s>, </s> first), plus what the caller appends."""
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -183,10 +217,14 @@ def write_spm_tokenizer_gguf(out_file: Path, *, add_bos: bool = True) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    if pad_token_id is not None:
+        writer.add_pad_token_id(pad_token_id)
     writer.add_add_bos_token(add_bos)
-    writer.add_add_space_prefix(True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_file
+    writer.add_add_space_prefix(space_prefix)
+
+
+def write_spm_tokenizer_gguf(out_file: Path, *, add_bos: bool = True) -> Path:
+    tokens, scores, types = spm_tokens()
+    writer = gguf.GGUFWriter(str(out_file), "llama")
+    add_spm_tokenizer(writer, tokens, scores, types, add_bos=add_bos, space_prefix=True)
+    return finish(writer, out_file)

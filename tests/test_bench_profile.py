@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,8 @@ from pdserve.bench import plan_check
 from pdserve.bench import profile as bench_profile
 from pdserve.bench.support.load import RequestRecord, RequestSpec
 from pdserve.plan import make_plan
-from pdserve.planner_model import PROFILE_SCHEMA, PROFILE_VERSION, Profile, Targets, Workload
+from pdserve.planner_model import Targets, Workload
+from pdserve.planner_profile import PROFILE_SCHEMA, PROFILE_VERSION, Profile
 
 
 def _record(start: float, times: list[float], error: str | None = None) -> RequestRecord:
@@ -21,8 +23,17 @@ def _record(start: float, times: list[float], error: str | None = None) -> Reque
     )
 
 
-def test_quick_profile_on_real_nodes_is_a_plannable_profile(tmp_path: Path) -> None:
-    result = bench_profile.main(["--quick", "--out", str(tmp_path)])
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """`bench profile --quick` once: its directory and what main returned."""
+    out = tmp_path_factory.mktemp("profile")
+    return out, bench_profile.main(["--quick", "--out", str(out)])
+
+
+def test_quick_profile_on_real_nodes_is_a_plannable_profile(
+    quick_profile: tuple[Path, dict[str, Any]],
+) -> None:
+    tmp_path, result = quick_profile
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data == json.loads(json.dumps(result))
     assert (data["schema"], data["version"]) == (PROFILE_SCHEMA, PROFILE_VERSION)
@@ -73,3 +84,20 @@ def test_plan_check_verdict_needs_both_targets_and_no_failure() -> None:
     assert not plan_check.measured(slow_itl, targets)["meets_itl"]
     failed = [*fast, _record(0.0, [9.0], error="RESOURCE_EXHAUSTED: full")]
     assert not plan_check.measured(failed, targets)["meets"]
+
+
+def test_quick_plan_check_runs_both_configurations_on_real_nodes(
+    quick_profile: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """`bench plan-check --quick` on the profile above: the plan's recommendation and the
+    configuration with one node fewer both run on real nodes and are judged (on this noisy
+    machine the verdicts themselves are not asserted: docs/performance.md has a real check)."""
+    profile = quick_profile[0] / "profile.json"
+    result = plan_check.main(["--quick", "--profile", str(profile), "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "plan_check.json").read_text()) == json.loads(json.dumps(result))
+    runs = result["runs"]
+    assert runs, result["plan"]
+    for run in runs.values():
+        if "skipped" not in run:
+            assert run["completed"] == 8 and run["failed"] == 0, run
+            assert isinstance(run["meets"], bool)

@@ -20,7 +20,14 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_prompts, single_torch_thread
-from tests.gguf_writer import _add_gpt2_tokenizer, _add_tensor, gguf_name, gpt2_vocab_size
+from tests.gguf_writer import (
+    add_gpt2_tokenizer,
+    add_shape,
+    add_tensor,
+    finish,
+    gguf_name,
+    gpt2_vocab_size,
+)
 
 QWEN3 = {
     "head_dim": 32,
@@ -42,25 +49,17 @@ def qwen3_gguf_name(hf_name: str) -> str:
 def write_qwen3_gguf(checkpoint: Path, out_file: Path, qtype: Q) -> Path:
     config = json.loads((checkpoint / "config.json").read_text())
     writer = gguf.GGUFWriter(str(out_file), "qwen3")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
+    add_shape(writer, config)
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_rope_dimension_count(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    _add_gpt2_tokenizer(writer, add_bos=False, chat_template=False)
+    add_gpt2_tokenizer(writer, add_bos=False, chat_template=False)
     for hf_name, w in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
-        _add_tensor(writer, qwen3_gguf_name(hf_name), w, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out_file
+        add_tensor(writer, qwen3_gguf_name(hf_name), w, qtype)
+    return finish(writer, out_file)
 
 
 def test_qwen3_gguf_serves_transformers_tokens_and_exports(

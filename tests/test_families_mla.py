@@ -74,15 +74,6 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
 PD_VARIANT = "v3-8x3-grouped-qlora-dense-first"
 
 
-@pytest.fixture(scope="module")
-def variant(checkpoint: Callable[..., Path]) -> Callable[[str], Path]:
-    def get(name: str) -> Path:
-        arch, kwargs = VARIANTS[name]
-        return checkpoint(arch, **kwargs)
-
-    return get
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_mla_prefill_logits_match_transformers(name: str, variant: Callable[[str], Path]) -> None:
     prefill_logits_match(name, variant)

@@ -97,16 +97,6 @@ PD_VARIANTS = [
 ]
 
 
-def variant_path(checkpoint: Callable[..., Path], name: str) -> Path:
-    arch, kwargs = VARIANTS[name]
-    return checkpoint(arch, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def variant(checkpoint: Callable[..., Path]) -> Callable[[str], Path]:
-    return lambda name: variant_path(checkpoint, name)
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_moe_prefill_logits_match_transformers(name: str, checkpoint: Callable[..., Path]) -> None:
     arch, kwargs = VARIANTS[name]

@@ -94,15 +94,6 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def variant(checkpoint: Callable[..., Path]) -> Callable[[str], Path]:
-    def get(name: str) -> Path:
-        arch, kwargs = VARIANTS[name]
-        return checkpoint(arch, **kwargs)
-
-    return get
-
-
 def family_prompts(seed: int) -> list[list[int]]:
     """14 prompts: short ones, ones longer than the window and than one prefill chunk, and
     four sharing a 40-token prefix (the later ones hit the prefix cache)."""

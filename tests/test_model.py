@@ -63,15 +63,6 @@ def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.fixture(scope="module")
-def variant(checkpoint: Callable[..., Path]) -> Callable[[str], Path]:
-    def get(name: str) -> Path:
-        arch, kwargs = VARIANTS[name]
-        return checkpoint(arch, **kwargs)
-
-    return get
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_batched_prefill_matches_transformers(name: str, variant: Callable[[str], Path]) -> None:
     path = variant(name)

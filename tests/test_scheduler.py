@@ -11,6 +11,7 @@ from shared.engine.resource_manager import (
 )
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.slo import Ewma, SloPolicy
 
 
 class Harness:
@@ -132,4 +133,32 @@ def test_admits_with_blocks_for_context_and_first_token_only() -> None:
     h.run()  # they grow into each other: b (the newest) is preempted, both finish
     assert {r.request_id for r in h.finished} == {"a", "b"}
     assert a.num_preemptions == 0 and len(b.output_token_ids) == 4
+    h.rm.shutdown()
+
+
+def test_itl_hold_keeps_new_prompts_out_of_a_slow_batch_until_it_drains() -> None:
+    """The decode role's hold (its SloPolicy's ITL bound, measured 80 ms at batch 2 against a
+    50 ms target): b and c (FCFS behind b) wait, holding nothing, while a decodes; they
+    start once a is done, one at a time while the bound binds; every block and seat comes back."""
+    slo = SloPolicy(itl_slo_ms=50)
+    slo.steps.by_batch[2] = Ewma()
+    slo.steps.by_batch[2].update(0.08)
+    h = Harness(blocks=64, block_size=4, batch=4, budget=64)
+    h.sched.hold = lambda request, batch: slo.batch_too_slow(batch, request)
+    a = h.add("a", [1, 2, 3], 4)
+    assert h.step() == [("a", 3)]  # alone: never held
+    b, c = h.add("b", [4, 5], 2), h.add("c", [6], 2)
+    while a.state != LlmRequestState.GENERATION_COMPLETE:
+        assert [rid for rid, _ in h.step()] == ["a"]
+        assert list(h.sched.waiting) == [b, c]
+        assert "b" not in h.kv.block_tables and b.seq_slot is None
+    assert [rid for rid, _ in h.step()] == ["b"]
+    h.run()
+    assert [r.request_id for r in h.finished] == ["a", "b", "c"]
+    slo.itl_slo_ms = None  # no target: nothing is held
+    for rid in ("d", "e"):
+        h.add(rid, [7, 8], 2)
+    assert [rid for rid, _ in h.step()] == ["d", "e"]
+    h.run()
+    assert h.kv.num_free_blocks == 64 and h.seats.num_free == 4
     h.rm.shutdown()

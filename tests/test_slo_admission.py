@@ -213,3 +213,36 @@ async def _grpc_served(c: PdCluster, request: generation_pb2.GenerateRequest) ->
         return finishes[-1] != generation_pb2.FINISH_REASON_UNSPECIFIED
     finally:
         await channel.close()
+
+
+async def _seats_used(c: PdCluster, prompts: list[list[int]]) -> set[int]:
+    """Run the prompts at once; the seats (sequence slots) they held. Seats are handed out
+    lowest first, so requests that never share the batch all hold seat 0."""
+    await asyncio.gather(
+        *(
+            generate(c.targets[0], p, max_tokens=8, ignore_eos=True, request_id=f"span-{i}",
+                     timeout=60)
+            for i, p in enumerate(prompts)
+        )
+    )  # fmt: skip
+    history = c.decodes[0].core.recent_history
+    return {s for rid, h in history if rid.startswith("span-") for _, s in h if s is not None}
+
+
+def test_colocated_itl_bound_holds_new_prompts_out_of_a_running_batch() -> None:
+    """A colocated node whose --itl-slo-ms no measured step meets: once a step time is measured,
+    a prompt arriving beside a running request waits (QUEUED, holding nothing) until that one
+    is done, so the three requests never share the batch; without a target they do. Every seat
+    and block comes back either way."""
+    prompts = random_prompts(3, 256, min_len=40, max_len=40, seed=907)
+
+    async def body(itl_slo_ms: float | None) -> set[int]:
+        overrides = {"itl_slo_ms": itl_slo_ms}
+        async with pd_cluster(MODEL, colocated=True, decode_overrides=overrides) as c:
+            await generate(c.targets[0], PROMPT, max_tokens=8, ignore_eos=True, timeout=60)
+            seats = await _seats_used(c, prompts)
+            await c.assert_idle_and_conserved()
+            return seats
+
+    assert asyncio.run(body(0.001)) == {0}
+    assert len(asyncio.run(body(None))) > 1

@@ -13,11 +13,13 @@ weights, 8 experts, 1 layer by default; both decode paths must give the same gre
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from pdserve.bench.engine_moe import decode_rate, dummy_model
-from pdserve.bench.support.util import environment, load_average, write_json
+from pdserve.bench.support.decode_paths import (
+    DecodePaths,
+    compare_batches,
+    dummy_model,
+    parse_args,
+    write_result,
+)
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.kv.layout import dtype_name
@@ -75,39 +77,12 @@ def set_absorb(llm: LLM, absorb: bool) -> None:
             module.absorb = absorb
 
 
-def measure(llm: LLM, batch: int, steps: int, context: int, reps: int) -> dict[str, object]:
-    """Best of `reps` alternating runs per decode path; their greedy tokens must agree."""
-    rates: dict[str, list[float]] = {"latent": [], "expanded": []}
-    tokens: dict[str, list[list[int]]] = {}
-    for _ in range(reps):
-        for path, runs in rates.items():
-            set_absorb(llm, path == "latent")
-            rate, tokens[path] = decode_rate(llm, batch, steps, context)
-            runs.append(rate)
-    set_absorb(llm, True)
-    if tokens["latent"] != tokens["expanded"]:
-        raise AssertionError(f"batch {batch}: latent and expanded decode tokens differ")
-    best = {path: max(runs) for path, runs in rates.items()}
-    return {"batch": batch, "latent_tokens_per_s": best["latent"],
-            "expanded_tokens_per_s": best["expanded"],
-            "ratio": best["latent"] / best["expanded"], "runs": rates}  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="toy shapes (CI smoke test)")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"))
-    parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per sequence")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement")
-    parser.add_argument("--reps", type=int, default=2, help="runs per path; the best counts")
-    a = parser.parse_args(argv)
+    a = parse_args(argv, __doc__.splitlines()[0], batches="1,8", reps=2, context=1024)
     shape = SHAPES["quick" if a.quick else "full"]
     config = mla_config(shape, a.layers)
-    batches = [int(b) for b in a.batches.split(",")]
-    blocks = max(batches) * -(-(a.context + a.steps + 1) // 16) + 8
-    engine = EngineConfig(model="mla-dummy", num_kv_blocks=blocks, max_batch_size=max(batches),
+    blocks = max(a.batches) * -(-(a.context + a.steps + 1) // 16) + 8
+    engine = EngineConfig(model="mla-dummy", num_kv_blocks=blocks, max_batch_size=max(a.batches),
                           max_num_tokens=max(1024, a.context), dtype="float32")  # fmt: skip
     llm = LLM(engine, dummy_model(config))
     layout, pool = llm.core.layout, llm.core.kv_pool
@@ -125,24 +100,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             f"{row['model']} (bf16): {row['latent_bytes_per_token']} B/token latent vs "
             f"{row['full_kv_bytes_per_token']} B/token full K/V ({row['ratio']:.1f}x)"
         )
-    rows = []
-    for batch in batches:
-        row = measure(llm, batch, a.steps, a.context, a.reps)
-        rows.append(row)
-        latent, expanded = row["latent_tokens_per_s"], row["expanded_tokens_per_s"]
-        print(f"batch {batch:>3}, context {a.context}: latent decode {latent:8.1f} tok/s  "
-              f"expanded {expanded:8.1f} tok/s  ratio {row['ratio']:.2f}x")  # fmt: skip
-    llm.check_conservation()
-    result = {
+    paths = DecodePaths(
+        ("latent", "expanded"),
+        ("latent decode", "expanded"),
+        lambda path: set_absorb(llm, path == "latent"),
+    )
+    where = f", context {a.context}"
+    rows = compare_batches(llm, paths, a.batches, a.steps, a.reps, a.context, where)
+    head: dict[str, object] = {
         "benchmark": "engine_mla",
         "shape": shape, "layers": a.layers, "context": a.context, "steps": a.steps,
         "kv_bytes_per_token": {"latent": measured, "full_kv": full, "layout": layout.token_bytes,
                                "ratio": full / measured, "dtype": dtype_name(pool.dtype)},
         "published_bf16": published,
-        "load_average": load_average(), "environment": environment(), "rows": rows,
     }  # fmt: skip
-    write_json(a.out / "engine_mla.json", result)
-    return result
+    return write_result(llm, a.out / "engine_mla.json", head, rows)
 
 
 if __name__ == "__main__":

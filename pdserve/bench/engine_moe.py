@@ -13,23 +13,22 @@ their time, so prompt processing drops out.
 
 from __future__ import annotations
 
-import argparse
-import time
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from pdserve.bench.support.util import environment, load_average, write_json
+from pdserve.bench.support.decode_paths import (
+    DecodePaths,
+    compare_batches,
+    dummy_model,
+    parse_args,
+    write_result,
+)
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.loader import LoadedModel
 from shared.model.moe import ExpertBank, SparseMoe
 from shared.model.moe_config import MoeConfig
-from shared.model.registry import build_model
-from shared.model.tokenizer import ByteTokenizer
 
 PROMPT_LEN = 16
 # Qwen3-30B-A3B's layer; `--quick`: a toy of the same structure
@@ -61,20 +60,6 @@ def moe_config(shape: dict[str, int], layers: int) -> ModelConfig:
             weights_in_model_dtype=True,
         ),
     )
-
-
-def dummy_model(config: ModelConfig, seed: int = 0) -> LoadedModel:
-    """fp32 N(0, 0.02) matrices, unit norms: the router spreads tokens over the experts."""
-    model = build_model(config, "cpu", torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    tokenizer = ByteTokenizer(vocab_size=config.vocab_size)
-    return LoadedModel(model, config, tokenizer, "moe-dummy", frozenset())
 
 
 class PerTokenExperts(nn.Module):
@@ -114,61 +99,8 @@ def use_experts(loaded: LoadedModel, per_token: bool) -> None:
             mlp.experts = PerTokenExperts(bank) if per_token else bank
 
 
-def decode_rate(
-    llm: LLM, batch: int, steps: int, prompt_len: int = PROMPT_LEN
-) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s at `batch` sequences of `prompt_len`-token prompts (timed from the step
-    after every prompt has its first token) and the tokens generated."""
-    gen = torch.Generator().manual_seed(batch)
-    vocab = llm.core.model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    ids = [llm.add_request(p, params).request_id for p in prompts]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    start, decoded = 0.0, 0
-    while llm.core.has_work:
-        deltas = llm.step()
-        for delta in deltas:
-            tokens[delta.request_id].extend(delta.token_ids)
-        if start:
-            decoded += sum(len(d.token_ids) for d in deltas)
-        elif all(tokens.values()):
-            start = time.perf_counter()  # prefill done: decode steps from here on
-    return decoded / (time.perf_counter() - start), [tokens[i] for i in ids]
-
-
-def measure(llm: LLM, loaded: LoadedModel, batch: int, steps: int, reps: int) -> dict[str, object]:
-    """Best of `reps` alternating runs per path: on a shared machine the best run is the one
-    least disturbed by other processes (and the first pays for the GEMMs' per-shape setup)."""
-    rates: dict[str, list[float]] = {"batched": [], "per_token": []}
-    tokens: dict[str, list[list[int]]] = {}
-    for _ in range(reps):
-        for path, runs in rates.items():
-            use_experts(loaded, per_token=path == "per_token")
-            rate, tokens[path] = decode_rate(llm, batch, steps)
-            runs.append(rate)
-    use_experts(loaded, per_token=False)
-    if tokens["batched"] != tokens["per_token"]:
-        raise AssertionError(f"batch {batch}: the batched and per-token paths' tokens differ")
-    best = {path: max(runs) for path, runs in rates.items()}
-    return {
-        "batch": batch,
-        "batched_tokens_per_s": best["batched"],
-        "per_token_tokens_per_s": best["per_token"],
-        "ratio": best["batched"] / best["per_token"],
-        "runs": rates,
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="toy shapes (CI smoke test)")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"))
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement")
-    parser.add_argument("--reps", type=int, default=3, help="runs per path; the best counts")
-    a = parser.parse_args(argv)
+    a = parse_args(argv, __doc__.splitlines()[0], batches="1,8,32", reps=3)
     shape = SHAPES["quick" if a.quick else "full"]
     config = moe_config(shape, a.layers)
     loaded = dummy_model(config)
@@ -176,29 +108,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                           max_num_tokens=1024, dtype="float32")  # fmt: skip
     llm = LLM(engine, loaded)
     pack_experts(loaded)
-    rows = []
-    for batch in (int(b) for b in a.batches.split(",")):
-        row = measure(llm, loaded, batch, a.steps, a.reps)
-        rows.append(row)
-        print(
-            f"batch {batch:>3}: batched experts {row['batched_tokens_per_s']:8.1f} tok/s  "
-            f"per-token loop {row['per_token_tokens_per_s']:8.1f} tok/s  "
-            f"ratio {row['ratio']:.2f}x"
-        )
-    llm.check_conservation()
-    result = {
+    paths = DecodePaths(
+        ("batched", "per_token"),
+        ("batched experts", "per-token loop"),
+        lambda path: use_experts(loaded, per_token=path == "per_token"),
+    )
+    rows = compare_batches(llm, paths, a.batches, a.steps, a.reps, PROMPT_LEN)
+    head: dict[str, object] = {
         "benchmark": "engine_moe_decode",
         "shape": shape,
         "layers": a.layers,
         "steps": a.steps,
         "reps": a.reps,
         "prompt_len": PROMPT_LEN,
-        "load_average": load_average(),
-        "environment": environment(),
-        "rows": rows,
     }
-    write_json(a.out / "engine_moe.json", result)
-    return result
+    return write_result(llm, a.out / "engine_moe.json", head, rows)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ other times than the decode node). Phases, progress on stderr:
 
 profile.json (`schema` "pdserve-profile", `version` 1; seconds throughout):
     chunk_tokens                      a colocated node's per-step token budget
+    prefill_budget_tokens             a prefill node's (the prompts waiting share a step)
     prefill   {tokens[], seconds[]}   prefill node compute by prompt length
     transfer  {tokens[], seconds[], bytes_per_token, fixed_s, bytes_per_s}
     colocated_ttft {tokens[], seconds[]}  idle colocated TTFT (reference)
@@ -50,7 +51,8 @@ from pdserve.bench.support.util import (
     pyplot,
     write_json,
 )
-from pdserve.planner_model import PROFILE_SCHEMA, PROFILE_VERSION
+from pdserve.planner_profile import PROFILE_SCHEMA, PROFILE_VERSION
+from prefill_node.config import PREFILL_MAX_NUM_TOKENS
 from shared.engine.config import EngineConfig
 
 ENGINE = {"kv_cache_mb": 1024}  # room for the largest batch at the longest context
@@ -59,8 +61,7 @@ INJECT_GAP_S = 0.25  # between two prompts injected beside the decodes (phase 3)
 
 
 def specs(model: BenchModel) -> list[bench_nodes.NodeSpec]:
-    pd = bench_nodes.pd_specs(model.spec, ENGINE)
-    pd[1].args += LOCAL_PREFILL_OFF
+    pd = bench_nodes.pd_specs(model.spec, ENGINE, decode_extra=LOCAL_PREFILL_OFF)
     return [*pd, bench_nodes.colocated_spec(model.spec, ENGINE, cpus=bench_nodes.core(1))]
 
 
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": {"name": model.name, "spec": model.spec, "max_context": model.max_context},
         "threads_per_node": 1,
         "chunk_tokens": EngineConfig.max_num_tokens,
+        "prefill_budget_tokens": PREFILL_MAX_NUM_TOKENS,
         **measured,
         "environment": environment(),
         "load_average": {"start": start, "end": load_average()},

@@ -53,6 +53,10 @@ class DecodeRole:
         self.admission.slo = settings.slo
         self.placement = Placement(parts, settings.placement, settings.slo, settings.max_inflight)
         parts.requests.on_end.append(self.admission.forget)
+        # prompts prefilled here (colocated, local, fallback) join the batch under the same ITL
+        # bound as admitted transfers
+        slo = settings.slo
+        parts.scheduler.hold = lambda request, batch: slo.batch_too_slow(batch, request)
 
     def handlers(self) -> Handlers:
         return {

@@ -2,7 +2,8 @@
 
 Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
 the next chunk), then waiting requests (those holding blocks first, then FCFS) while a seat, batch
-room, token budget and blocks remain. Waiting requests are QUEUED ones (holding nothing: fresh, or
+room, token budget and blocks remain; a decode role's `hold` (its ITL bound) may keep new prompts
+out of a non-empty batch. Waiting requests are QUEUED ones (holding nothing: fresh, or
 preempted) and, on a decode node, requests whose KV arrived (holding their prompt's blocks).
 Reservation is incremental: a QUEUED request is admitted when the blocks for its context plus its
 first new token (`admit_lookahead`) are free, and grows block by block as it decodes. When running
@@ -76,6 +77,10 @@ class Scheduler:
         self._release = release  # the engine's free_request_resources (sampler, KV, seat)
         self.waiting: deque[LlmRequest] = deque()
         self.running: list[LlmRequest] = []
+        # whether a fresh prompt must wait (QUEUED, holding nothing) before joining this batch:
+        # the decode role's ITL bound (slo.py), None on a prefill node. Those behind it wait
+        # too (FCFS); an empty batch is never held, so the queue drains.
+        self.hold: Callable[[LlmRequest, list[LlmRequest]], bool] | None = None
         self.num_preemptions = 0  # since start: pdserve_preemptions_total
 
     def queued_block_need(self) -> int:
@@ -154,6 +159,9 @@ class Scheduler:
             fresh = request.request_id not in tables
             if fresh and fresh_blocked:
                 continue
+            if fresh and self._held(request):
+                fresh_blocked = True
+                continue
             if fresh:
                 cached = self.kv.acquire_prefix(request)
                 request.num_computed_tokens = cached
@@ -180,6 +188,13 @@ class Scheduler:
             budget -= num_new
             reserved += need
             free_slots -= 1
+
+    def _held(self, request: LlmRequest) -> bool:
+        """A new prompt (never run: a preempted one already had its turn) the hold keeps out of
+        a non-empty batch."""
+        if self.hold is None or not self.running or request.num_preemptions:
+            return False
+        return self.hold(request, self.running)
 
     def _unwedge(self, out: SchedulerOutput) -> None:
         """Nothing runs and nothing could be scheduled while waiting requests sit on blocks (all

@@ -18,7 +18,11 @@ prediction (a mean would let half of the requests admitted at their target's edg
 target is read at p90).
 
 Step time by batch size (for the ITL bound) is measured between consecutive engine steps while
-the batch was non-empty (no idle gap inside), an EWMA per batch size.
+the batch was non-empty (no idle gap inside), an EWMA per batch size. Steps that carry prefill
+chunks count too, so on a node that prefills its own prompts (colocated, local prefill) the
+estimate is the mean gap a running request sees at that batch, the interference included. The
+bound holds transfers at admission (transfer_admission.py) and prompts prefilled here at the
+scheduler (they stay QUEUED, holding nothing, while the batch they would join is too slow).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,14 +115,18 @@ def engine_args(model: str, extra: dict[str, Any] | None = None) -> list[str]:
 
 
 def pd_specs(
-    model: str, engine: dict[str, Any] | None = None, whole_too: bool = False
+    model: str,
+    engine: dict[str, Any] | None = None,
+    whole_too: bool = False,
+    decode_extra: Sequence[str] = (),
 ) -> list[NodeSpec]:
     """1 prefill node on core 0, its decode node on core 1 with the default push (auto: whole,
     both nodes being on this host). With whole_too (bench ttft, which compares the pushes), that
     decode node asks for layer-wise pushes and a second one on core 1 for whole-request pushes
-    from the same prefill node."""
+    from the same prefill node. `decode_extra`: more flags for the decode node(s)."""
     base = engine_args(model, engine)
     decode = ["decode", *base, "--port", "0", "--http-port", "0", "--prefill", "{port:prefill}"]
+    decode += decode_extra
     specs = [
         NodeSpec("prefill", "pdserve.cli", ["prefill", *base, "--port", "0"], core(0)),
         NodeSpec(

@@ -217,12 +217,12 @@ async def _collect(
             last[piece.index] = piece
     usage = usage_of(last)
     common = {"id": rid, "created": created, "model": service.model_name, "usage": usage}
-    chat = renderer.rendering.chat
-    if chat:
+    legacy = renderer.rendering.functions  # calls shown as the deprecated function_call
+    if renderer.rendering.chat:
         choices = [
             ChatChoice(
                 index=i,
-                message=assistant_message("".join(texts[i]), tool_calls[i]),
+                message=assistant_message("".join(texts[i]), tool_calls[i], legacy),
                 logprobs=merge_logprobs(True, logprobs[i]),
                 finish_reason=finish[i],
             )

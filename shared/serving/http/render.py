@@ -1,6 +1,7 @@
 """What each piece of a choice shows the client: its text (the prompt first when echoing), its
 logprobs in the endpoint's shape, vLLM's prompt_logprobs, and the tool calls read out of the
-text (tool_parsers.py) with finish_reason tool_calls. One renderer per request, used
+text (tool_parsers.py) with finish_reason tool_calls (the deprecated `functions`: the first call
+as `function_call`, legacy_functions.py). One renderer per request, used
 alike by the whole response and the SSE chunks, so that streamed and whole answers agree."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.engine.logprobs import TokenLogprobs
+from shared.serving.http.legacy_functions import FINISH, function_call_delta
 from shared.serving.http.logprobs import (
     CompletionLogprobsWriter,
     TokenTexts,
@@ -28,11 +30,14 @@ class Rendering:
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field, completions only
     tool_parser: Callable[[], ToolParser] | None = None  # chat with tools: one per choice
+    functions: bool = False  # tools given as the deprecated `functions`: calls in that shape
 
     @staticmethod
     def of(req: CompletionRequest | ChatCompletionRequest) -> Rendering:
         if isinstance(req, ChatCompletionRequest):
-            return Rendering(chat=True, logprobs=req.generated_logprobs)
+            return Rendering(
+                chat=True, logprobs=req.generated_logprobs, functions=bool(req.functions)
+            )
         return Rendering(
             chat=False, logprobs=req.logprobs, echo=req.echo, prompt_logprobs=req.prompt_logprobs
         )
@@ -44,6 +49,7 @@ class Rendered:
     logprobs: dict[str, Any] | None = None
     prompt_logprobs: list[Any] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas
+    function_call: dict[str, str] | None = None  # shown instead of tool_calls (`functions`)
     finish_reason: str | None = None
 
 
@@ -90,9 +96,13 @@ class Renderer:
         if piece.finish_reason is not None:
             parsed = parsed.add(parser.finish())
             if parser.called and piece.finish_reason == "stop":
-                out.finish_reason = "tool_calls"
+                out.finish_reason = FINISH if self.rendering.functions else "tool_calls"
         out.text = parsed.content
-        out.tool_calls = [d.as_dict() for d in parsed.calls] or None
+        calls = [d.as_dict() for d in parsed.calls]
+        if self.rendering.functions:  # the deprecated shape: one call per answer, the first
+            calls = [c for c in calls if c["index"] == 0]
+            out.function_call = function_call_delta(calls)
+        out.tool_calls = calls or None
 
     @staticmethod
     def _prompt_entries(

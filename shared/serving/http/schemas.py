@@ -174,6 +174,7 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    function_call: FunctionCall | None = None  # an assistant's call, the deprecated spelling
     tool_call_id: StrictStr | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
@@ -276,6 +277,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # the deprecated `functions` shape: the one call (arguments a JSON string)
+    function_call: FunctionCall | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(BaseModel):
@@ -296,7 +299,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "function_call"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):

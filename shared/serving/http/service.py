@@ -199,7 +199,9 @@ class OpenAIService:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+    def chat_prompt(
+        self, req: ChatCompletionRequest | TokenizeChatRequest
+    ) -> tuple[list[int], str]:
         # the template already wrote BOS and the role markers: no second set of specials unless
         # the client asks (vLLM's add_special_tokens)
         text = self.render_chat(req, tool_definitions(req))

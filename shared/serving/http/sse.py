@@ -59,7 +59,9 @@ class ChunkWriter:
                 role = {"role": "assistant", "content": ""}
                 out += self._chunk([self._choice(piece.index, role, None, None)])
             body: dict[str, Any] = {"content": shown.text} if shown.text else {}
-            if shown.tool_calls:
+            if shown.function_call:  # the deprecated `functions`' shape, instead of tool_calls
+                body["function_call"] = shown.function_call
+            elif shown.tool_calls:
                 body["tool_calls"] = shown.tool_calls
             choice = self._choice(piece.index, body, shown.logprobs, shown.finish_reason)
         else:

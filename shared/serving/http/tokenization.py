@@ -2,11 +2,12 @@
 
 Shapes as vLLM serves them: /tokenize takes `{model?, prompt, add_special_tokens=true,
 return_token_strs=false}` or `{model?, messages, add_generation_prompt=true,
-add_special_tokens=false, chat_template_kwargs?, return_token_strs=false}` (the prompt the chat
-endpoint would run) and answers `{count, max_model_len, tokens, token_strs}`; /detokenize takes
-`{model?, tokens}` and answers `{prompt}` (the ids decoded with special tokens kept, as vLLM's
-tokenizer.decode does). `model`, when given, must be the served name (404 otherwise). Nothing
-here touches the engine: no request is admitted, no block allocated.
+add_special_tokens=false, chat_template_kwargs?, tools?, functions?, return_token_strs=false}`
+(the prompt the chat endpoint would run, its tools rendered alike) and answers `{count,
+max_model_len, tokens, token_strs}`; /detokenize takes `{model?, tokens}` and answers `{prompt}`
+(the ids decoded with special tokens kept, as vLLM's tokenizer.decode does). `model`, when given,
+must be the served name (404 otherwise). Nothing here touches the engine: no request is
+admitted, no block allocated.
 
 GET /tokenizer_info is vLLM's too (there behind --enable-tokenizer-info-endpoint): the special
 tokens as text and the chat template the server runs. lm-evaluation-harness's `local-completions`
@@ -57,10 +58,9 @@ def tokenize(
         service.check_model(request.model)
     tokenizer = service.tokenizer
     if isinstance(request, TokenizeChatRequest):
-        text = service.render_chat(request)
+        ids, _ = service.chat_prompt(request)  # exactly the chat endpoint's prompt
     else:
-        text = request.prompt
-    ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     strs = token_strs(tokenizer, service.token_texts, ids) if request.return_token_strs else None
     return TokenizeResponse(
         count=len(ids),

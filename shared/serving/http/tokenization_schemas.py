@@ -32,14 +32,12 @@ class TokenizeChatRequest(BaseModel):
     # vLLM's, not implemented here (as on /v1/chat/completions): refused when set
     continue_final_message: StrictBool = False
     chat_template: StrictStr | None = None  # a client's own Jinja: not run on this server
+    # rendered as the chat endpoint renders them (shared/serving/http/tools.py)
     tools: list[Any] | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated tools
 
     def unsupported_fields(self) -> list[str]:
-        no_ops = {
-            "continue_final_message": (False,),
-            "chat_template": (None,),
-            "tools": (None, []),
-        }
+        no_ops = {"continue_final_message": (False,), "chat_template": (None,)}
         return [name for name, allowed in no_ops.items() if getattr(self, name) not in allowed]
 
 

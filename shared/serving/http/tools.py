@@ -13,10 +13,11 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from shared.engine.structured_output import StructuredOutput
 from shared.serving.http.errors import ApiError
+from shared.serving.http.legacy_functions import function_call
 from shared.serving.http.schemas import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -31,6 +32,9 @@ from shared.serving.http.tool_parsers import (
     merge_calls,
 )
 
+if TYPE_CHECKING:
+    from shared.serving.http.tokenization_schemas import TokenizeChatRequest
+
 Mode = Literal["none", "auto", "required", "named"]
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a tool without `parameters`
 
@@ -41,10 +45,17 @@ class ToolChoice:
     name: str | None = None  # the named tool
 
 
-def tool_definitions(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def tool_definitions(
+    req: ChatCompletionRequest | TokenizeChatRequest,
+) -> list[dict[str, Any]] | None:
     """The request's tools as the chat template gets them (None: no tools)."""
     if req.tools and req.functions:
-        raise ApiError(400, "set tools or the deprecated functions, not both", param="functions")
+        raise ApiError(
+            400,
+            "set tools (with tool_choice) or the deprecated functions (with function_call), not "
+            "both: the answer's shape follows the one used (tool_calls or function_call)",
+            param="functions",
+        )
     if req.functions:
         tools = [{"type": "function", "function": f} for f in req.functions]
         field = "functions"
@@ -125,7 +136,7 @@ def tool_grammar(req: ChatCompletionRequest) -> StructuredOutput | None:
         for name, f in functions.items()
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if req.parallel_tool_calls is False:
+    if req.parallel_tool_calls is False or req.functions:  # the deprecated shape has one call
         schema["maxItems"] = 1
     return StructuredOutput("json_schema", json.dumps(schema))
 
@@ -140,12 +151,15 @@ def tool_parser(req: ChatCompletionRequest, parser: str | None) -> Callable[[], 
     if choice.mode == "none":
         return None
     if parser is None:
+        field, named = "tool_choice", '{"type": "function", "function": {"name": ...}}'
+        if req.functions:
+            field, named = "function_call", '{"name": ...}'
         raise ApiError(
             400,
-            '"auto" tool choice (the default with tools) needs the node started with '
-            f"--tool-call-parser ({' or '.join(TOOL_PARSERS)}); or set tool_choice to "
-            '"none", "required" or {"type": "function", "function": {"name": ...}}',
-            param="tool_choice",
+            f'"auto" {field} (the default with tools) needs the node started with '
+            f"--tool-call-parser ({' or '.join(TOOL_PARSERS)}); or set {field} to "
+            f'"none", "required" or {named}',
+            param=field,
         )
     return TOOL_PARSERS[parser]
 
@@ -153,20 +167,26 @@ def tool_parser(req: ChatCompletionRequest, parser: str | None) -> Callable[[], 
 def template_message(m: ChatMessage) -> dict[str, Any]:
     """One message as the chat template gets it: a null content as "" (vLLM's), an assistant's
     calls with their arguments parsed into objects where they are JSON (templates write them
-    with `tojson`, as transformers documents)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.tool_calls is not None:
+    with `tojson`, as transformers documents). The deprecated spelling comes as the tool
+    exchange templates know: an assistant's `function_call` as its one tool call, a `function`
+    message as a `tool` one (its name kept)."""
+    role = "tool" if m.role == "function" else m.role
+    out: dict[str, Any] = {"role": role, "content": m.text()}
+    calls = m.tool_calls
+    if calls is None and m.function_call is not None:
+        calls = [ToolCall(function=m.function_call)]
+    if calls is not None:
         out["tool_calls"] = [
             {
                 "id": c.id,
                 "type": "function",
                 "function": {"name": c.function.name, "arguments": _arguments(c)},
             }
-            for c in m.tool_calls
+            for c in calls
         ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
-    if m.role in ("tool", "function") and m.name is not None:
+    if role == "tool" and m.name is not None:
         out["name"] = m.name
     return out
 
@@ -182,9 +202,15 @@ def _arguments(call: ToolCall) -> Any:
     return args
 
 
-def assistant_message(content: str, deltas: list[dict[str, Any]] | None) -> AssistantMessage:
-    """A whole answer's message: with calls, content is null unless the model wrote more."""
+def assistant_message(
+    content: str, deltas: list[dict[str, Any]] | None, legacy: bool = False
+) -> AssistantMessage:
+    """A whole answer's message: with calls, content is null unless the model wrote more;
+    `legacy` (the request's `functions`): the first call as `function_call`."""
     if not deltas:
         return AssistantMessage(content=content)
+    text = content if content.strip() else None
+    if legacy:
+        return AssistantMessage(content=text, function_call=function_call(deltas))
     calls = [ToolCall.model_validate(c) for c in merge_calls(deltas)]
-    return AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
+    return AssistantMessage(content=text, tool_calls=calls)

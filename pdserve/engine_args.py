@@ -1,0 +1,69 @@
+"""The engine flags every node command takes, and `pdserve up` passes on to the nodes it
+starts."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.log_level import log_level_arg
+from shared.serving import tracing
+
+
+def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Adds the engine flags to `p`; returns them."""
+    g = p.add_argument_group("engine")
+    add = g.add_argument
+    return [
+        add(
+            "--model",
+            default="tiny",
+            help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
+        ),
+        add("--block-size", type=int, default=16),
+        add("--num-kv-blocks", type=int, default=0, help="0: size from --kv-cache-mb"),
+        add("--kv-cache-mb", type=int, default=256),
+        add("--max-batch-size", type=int, default=32),
+        add(
+            "--max-num-tokens",
+            type=int,
+            default=0,
+            help="per-step token budget (chunked prefill); 0: the role's default, 8192 on a "
+            "prefill node (no decode steps to protect: a prompt that long is one chunk), 512 "
+            "elsewhere",
+        ),
+        add("--max-model-len", type=int, default=0),
+        add("--no-prefix-caching", action="store_true"),
+        add("--device", default="auto"),
+        add(
+            "--dtype",
+            default="auto",
+            help="auto (bf16 on CUDA and on CPUs with AMX / AVX-512 BF16, else float32), "
+            "float32, bfloat16 or float16",
+        ),
+        add(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="decode steps through CUDA graphs (CUDA only; ignored on CPU)",
+        ),
+        log_level_arg(g),
+        tracing.endpoint_arg(g),
+    ]
+
+
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags `a` holds away from their defaults (but --model, which the caller
+    passes itself), written back as command-line arguments: what `pdserve up` gives each
+    node it starts."""
+    argv: list[str] = []
+    for action in engine_args(argparse.ArgumentParser(add_help=False)):
+        value = getattr(a, action.dest)
+        if action.dest == "model" or value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true
+            argv.append(action.option_strings[0])
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv
