@@ -3,6 +3,7 @@ plan-check's choice of configurations and its verdict on measured records."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,13 @@ import pytest
 
 from pdserve.bench import plan_check
 from pdserve.bench import profile as bench_profile
+from pdserve.bench.support import models
+from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.bench.support.load import RequestRecord, RequestSpec
 from pdserve.plan import make_plan
 from pdserve.planner_model import Targets, Workload
 from pdserve.planner_profile import PROFILE_SCHEMA, PROFILE_VERSION, Profile
+from shared.model.loader import tiny_config
 
 
 def _record(start: float, times: list[float], error: str | None = None) -> RequestRecord:
@@ -101,3 +105,21 @@ def test_quick_plan_check_runs_both_configurations_on_real_nodes(
         if "skipped" not in run:
             assert run["completed"] == 8 and run["failed"] == 0, run
             assert isinstance(run["meets"], bool)
+
+
+def test_a_model_that_is_not_built_in_is_described_by_its_node(tmp_path: Path) -> None:
+    """Any model a node takes can be profiled: its context, vocabulary and KV bytes per token
+    come from the node serving it, the same as the built-in tiny's written-down ones."""
+    tiny = models.resolve("tiny", tmp_path)
+    with pytest.raises(ValueError, match="a GGUF file or a model directory"):
+        models.resolve(str(tmp_path / "missing"), tmp_path)
+    other = models.BenchModel("tiny-by-node", "tiny", 0, 0, 0)
+
+    async def body() -> models.BenchModel:
+        async with pd_cluster("tiny") as c:
+            return await models.described(other, c.targets[0])
+
+    got = asyncio.run(body())
+    assert (got.max_context, got.kv_bytes_per_token) == (tiny.max_context, tiny.kv_bytes_per_token)
+    # every token id the model takes (the built-in entry draws prompts from the 256 bytes only)
+    assert got.prompt_vocab == tiny_config().vocab_size

@@ -1,7 +1,8 @@
-"""A first run cannot trip: the README's main command binds no fixed port and prints nothing but
-its answer and summary line on stdout; a command whose port another socket holds says, in one
-line, which flag moves it and exits 2 (`pdserve up` passes a node's line on as it is); `pdserve
-up` hands its engine flags to every node it starts. Real processes, real sockets."""
+"""A first run cannot trip: the README's main command answers a real question ("Paris"), binds no
+fixed port and prints nothing but its answer and summary line on stdout; a command whose port
+another socket holds says, in one line, which flag moves it and exits 2 (`pdserve up` passes a
+node's line on as it is); `pdserve up` hands its engine flags to every node it starts. Real
+processes, real sockets."""
 
 from __future__ import annotations
 
@@ -73,16 +74,30 @@ def taken_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def test_readme_command_answers_on_stdout_alone_with_port_8000_taken() -> None:
+def installed_pdserve() -> list[str]:
+    """The venv's `pdserve` script, as a user runs it (the module where there is none)."""
+    script = Path(sys.executable).parent / "pdserve"
+    return [str(script)] if script.is_file() else pdserve()
+
+
+def test_readme_command_answers_paris_on_stdout_alone_with_port_8000_taken() -> None:
+    """The README's main command, as a user runs it (the installed script, the machine's own
+    dtype default rather than the suite's fp32 pin, separate node processes): the answer names
+    Paris, stdout is the answer and its summary line only, stderr shows the load's progress and
+    no log line below WARNING, and another program holding port 8000 changes nothing."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f'pdserve up --model smollm2 --run "{QUESTION}"' in readme
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_AUTO_DTYPE"}
     with port_8000_taken():
         done = subprocess.run(
-            pdserve("up", "--model", "smollm2", "--run", QUESTION),
+            [*installed_pdserve(), "up", "--model", "smollm2", "--run", QUESTION],
             capture_output=True,
             text=True,
             timeout=600,
-            env=os.environ.copy(),
+            env=env,
         )
     assert done.returncode == 0, done.stderr[-4000:]
+    assert "loading SmolLM2-135M-Instruct.Q4_1.gguf" in done.stderr  # the progress line
     out = re.fullmatch(rf"(?s)(?P<answer>.*)\n{SUMMARY}\n", done.stdout)
     assert out is not None, f"stdout is not the answer and its summary line: {done.stdout!r}"
     assert "Paris" in out["answer"], done.stdout

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a few small requests (CI smoke test)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--profile", type=Path, default=None, help="profile.json (bench profile)")
-    p.add_argument("--model", default=None, help="default: the profile's (tiny or medium)")
+    p.add_argument("--model", default=None, help="default: the profile's")
     p.add_argument("--rate", type=float, default=None, help="requests/s, Poisson")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
@@ -195,6 +196,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a.profile = a.out / "profile" / "profile.json"
     data = json.loads(a.profile.read_text())
     model = resolve(a.model or data["model"]["name"], a.out / "models")
+    if not model.max_context:  # not built in: as the profile's nodes described it
+        model = replace(
+            model,
+            max_context=data["model"]["max_context"],
+            prompt_vocab=data["model"]["vocab_size"],
+        )
     work = Workload(a.rate, a.prompt_len, a.output_len)
     targets = Targets(a.ttft_slo_ms / 1e3, a.itl_slo_ms / 1e3, a.quantile)
     profile = Profile.from_dict(data)

@@ -23,9 +23,10 @@ profile.json (`schema` "pdserve-profile", `version` 1; seconds throughout):
     colocated_ttft {tokens[], seconds[]}  idle colocated TTFT (reference)
     decode    {contexts[], batches[], step_s[context][batch]}
     local_prefill {batch, tokens[], extra_s[]}
-    model, environment, load_average {start, end}, threads_per_node
+    model {name, spec, max_context, vocab_size}, environment, load_average {start, end},
+    threads_per_node
 
-    pdserve bench profile [--quick] [--model tiny|medium] [--out DIR]
+    pdserve bench profile [--quick] [--model tiny|medium|smollm2|FILE.gguf|DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from tqdm import tqdm
 
 from pdserve.bench.support import nodes as bench_nodes
 from pdserve.bench.support.load import RequestRecord, RequestSpec, random_prompts, run_requests
-from pdserve.bench.support.models import BenchModel, resolve
+from pdserve.bench.support.models import BenchModel, described, resolve
 from pdserve.bench.support.util import (
     environment,
     exit_on_sigterm,
@@ -241,7 +242,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few points (CI smoke test)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
-    p.add_argument("--model", default="tiny", help="tiny or medium (pdserve.bench.support.models)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny or medium (pdserve.bench.support.models), or any model a node takes "
+        "(smollm2, a GGUF file, a Hugging Face directory)",
+    )
     p.add_argument("--max-batch", type=int, default=32, help="largest decode batch measured")
     p.add_argument("--repeats", type=int, default=None, help="per prompt length (default 3)")
     a = p.parse_args(argv)
@@ -299,11 +305,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = resolve(a.model, a.out / "models")
     start = load_average()
     with bench_nodes.running(specs(model), a.out / "logs" / "profile") as nodes:
+        model = asyncio.run(described(model, nodes.target("decode")))
         measured = asyncio.run(measure(nodes, model, a))
     result = {
         "schema": PROFILE_SCHEMA,
         "version": PROFILE_VERSION,
-        "model": {"name": model.name, "spec": model.spec, "max_context": model.max_context},
+        "model": {
+            "name": model.name,
+            "spec": model.spec,
+            "max_context": model.max_context,
+            "vocab_size": model.prompt_vocab,
+        },
         "threads_per_node": 1,
         "chunk_tokens": EngineConfig.max_num_tokens,
         "prefill_budget_tokens": PREFILL_MAX_NUM_TOKENS,

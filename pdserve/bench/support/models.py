@@ -1,11 +1,14 @@
 """Models the TTFT and serving benchmarks run: the built-in `tiny` and `medium`, a dummy-weight
 Llama checkpoint written locally with transformers from a config (random weights, nothing is
 downloaded) that is large enough for a 1k-token prefill to take a few hundred ms on one core of
-the 2-core CI machines (so the KV handoff is measured against a prefill of realistic weight)."""
+the 2-core CI machines (so the KV handoff is measured against a prefill of realistic weight).
+`bench profile` and `bench plan-check` also take any model a node takes (`smollm2`, a GGUF file,
+a Hugging Face directory): what they need to know of it is asked of the first node started with
+it (`described`), which has read it anyway."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 MEDIUM_CONFIG: dict[str, int] = {
@@ -40,4 +43,30 @@ def resolve(name: str, cache_dir: Path) -> BenchModel:
         head_dim = c["hidden_size"] // c["num_attention_heads"]
         kv = c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 4
         return BenchModel("medium", str(path), c["max_position_embeddings"], c["vocab_size"], kv)
-    raise ValueError(f"unknown benchmark model {name!r}; use tiny or medium")
+    if name != "smollm2" and not Path(name).exists():
+        raise ValueError(
+            f"unknown benchmark model {name!r}: tiny, medium, smollm2, a GGUF file or a model "
+            "directory"
+        )
+    return BenchModel(name, name, 0, 0, 0)  # described by a node once one runs
+
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+async def described(model: BenchModel, target: str) -> BenchModel:
+    """`model` with its context, vocabulary and KV bytes per token as the node at `target` (a
+    decode or colocated node serving it) reports them; a built-in one as it is. The bytes count
+    a K and a V plane per KV head (the layout message does not say a latent-attention model's
+    pool has one: its bytes per token read twice the pushed ones)."""
+    if model.max_context:
+        return model
+    from pdserve.client import get_model_info
+
+    info = await get_model_info(target, timeout=60)
+    kv = info.kv_layout
+    per_token = kv.num_layers * kv.num_kv_heads * kv.head_dim * 2 * _ELEMENT_BYTES[kv.dtype]
+    return replace(
+        model, max_context=info.max_context, prompt_vocab=info.vocab_size,
+        kv_bytes_per_token=per_token,
+    )  # fmt: skip
