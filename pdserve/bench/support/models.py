@@ -51,9 +51,6 @@ def resolve(name: str, cache_dir: Path) -> BenchModel:
     return BenchModel(name, name, 0, 0, 0)  # described by a node once one runs
 
 
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 async def described(model: BenchModel, target: str) -> BenchModel:
     """`model` with its context, vocabulary and KV bytes per token as the node at `target` (a
     decode or colocated node serving it) reports them; a built-in one as it is. The bytes count
@@ -62,11 +59,12 @@ async def described(model: BenchModel, target: str) -> BenchModel:
     if model.max_context:
         return model
     from pdserve.client import get_model_info
+    from shared.kv.layout import KvLayout
 
     info = await get_model_info(target, timeout=60)
     kv = info.kv_layout
-    per_token = kv.num_layers * kv.num_kv_heads * kv.head_dim * 2 * _ELEMENT_BYTES[kv.dtype]
+    layout = KvLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size, kv.dtype)
     return replace(
         model, max_context=info.max_context, prompt_vocab=info.vocab_size,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=layout.token_bytes,
     )  # fmt: skip
