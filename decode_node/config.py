@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 from decode_node.push_mode import PUSH_MODES
 from shared.engine.config import EngineConfig
-from shared.engine.decode_role import DecodeSettings
-from shared.engine.placement import PlacementPolicy
-from shared.engine.service_level import ServiceLevel
-from shared.engine.slo import SloPolicy
+from shared.engine.roles.decode_role import DecodeSettings
+from shared.engine.scheduling.placement import PlacementPolicy
+from shared.engine.scheduling.service_level import ServiceLevel
+from shared.engine.scheduling.slo import SloPolicy
 from shared.serving.limits import (
     DRAIN_GRACE_S,
     HEALTH_CHECK_INTERVAL_S,
@@ -61,7 +61,8 @@ class DecodeNodeConfig:
     # requests waiting, holding nothing, for blocks or an inflight slot; past it
     # RESOURCE_EXHAUSTED with a retry hint (0: refuse whatever cannot be admitted at once)
     max_queued: int = 1024
-    # default SLO targets (ms) for requests that set none (shared/engine/slo.py); None: none
+    # default SLO targets (ms) for requests that set none (shared/engine/scheduling/slo.py); None:
+    # none
     ttft_slo_ms: float | None = None
     itl_slo_ms: float | None = None
     kv_transfer_timeout: float = (
@@ -103,7 +104,8 @@ class DecodeNodeConfig:
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
 
     def slo_policy(self) -> SloPolicy:
-        """The admission's SLO defaults (shared/engine/slo.py): off unless a target is set."""
+        """The admission's SLO defaults (shared/engine/scheduling/slo.py): off unless a target
+        is set."""
         return SloPolicy(self.ttft_slo_ms, self.itl_slo_ms)
 
     def decode_settings(self, slo: SloPolicy) -> DecodeSettings:

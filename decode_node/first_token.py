@@ -20,9 +20,9 @@ from decode_node.remote_prefill import FirstTokens
 from decode_node.stream import Stream
 from shared.engine.commands import KvLanded
 from shared.engine.info import EngineInfo
-from shared.engine.output import OutputProcessor, TokenDelta
-from shared.engine.request import LlmRequest
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.output import OutputProcessor, TokenDelta
+from shared.engine.requests.request import LlmRequest
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ refused with INTERNAL instead of being streamed: the output would silently break
 from __future__ import annotations
 
 from decode_node.remote_prefill import FirstTokens
-from shared.engine.grammar_compiler import GrammarError, compile_async, compiler_for
 from shared.engine.info import EngineInfo
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.grammar_compiler import GrammarError, compile_async, compiler_for
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.grpc_server import GenerateError
 from shared.serving.status import Status
 

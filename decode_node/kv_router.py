@@ -1,7 +1,8 @@
 """KV-aware prefill routing: send a prompt where the fewest of its tokens must be computed.
 
 A prefill node keeps the blocks it computed in its prefix cache, keyed by the chained block
-hashes of shared/engine/block_manager.py. This decode node cannot see those caches, but it knows
+hashes of shared/engine/resources/block_manager.py. This decode node cannot see those caches, but
+it knows
 what it sent where: a `PrefixIndex` remembers, per prefill node, the block-hash chains of the
 prompts it sent there (an LRU per node, bounded by the pool size the node reports, so that its
 evictions are mirrored), and each `Prefill` response's `cached_tokens` corrects it (a block

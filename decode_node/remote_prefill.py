@@ -20,9 +20,9 @@ from decode_node.push_mode import pushes_layerwise
 from decode_node.stream import PrefillFailed, Stream
 from decode_node.tracing import PrefillAttempt
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.transfer_admission import TransferGrant
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.transfer_admission import TransferGrant
 from shared.model.kv_window import skipped_blocks
 from shared.serving.grpc_server import GenerateError, NodeMetrics
 from shared.serving.limits import MAX_REQUEST_ID_CHARS

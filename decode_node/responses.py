@@ -6,8 +6,8 @@ import time
 
 from decode_node.stream import Stream
 from proto.pdserve.v1 import generation_pb2
-from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason
 from shared.serving.wire import logprob_to_proto, prompt_logprobs_to_proto
 
 _FINISH = {

@@ -2,7 +2,8 @@
 node with no prefill nodes, every prompt prefilled by its own engine).
 
 One request path (`DecodeNode.generate`, for gRPC and HTTP alike):
-1. **local prefill** (decided by the engine, shared/engine/placement.py): a prompt that, after
+1. **local prefill** (decided by the engine, shared/engine/scheduling/placement.py): a prompt that,
+after
    this node's own prefix-cache hit, leaves at most `local_prefill_tokens` to compute while the
    engine's step budget has room (or `local_prefill_idle_tokens` while the engine is idle), is
    added to the engine's scheduler (QUEUED -> CONTEXT_INIT -> decode);
@@ -42,14 +43,14 @@ from decode_node.stream import PrefillFailed, Stream
 from decode_node.tracing import traced_generate
 from decode_node.ttft_report import observe_ttft
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.engine.block_manager import BlockHash, compute_block_hashes
 from shared.engine.commands import Abort, Command, Drain, PlacePrompt, Shutdown, TransferFailed
 from shared.engine.core import EngineCore
 from shared.engine.errors import RequestRejected, ResourcesExhausted
-from shared.engine.output import TokenDelta
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.output import TokenDelta
+from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.transfer_admission import AdmissionClosed, TransferGrant
 from shared.engine.thread import EngineThread
-from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
 from shared.model.kv_window import layer_windows
 from shared.model.loader import LoadedModel
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info

@@ -8,13 +8,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason
-from shared.engine.transfer_admission import TransferGrant
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason
+from shared.engine.scheduling.transfer_admission import TransferGrant
 
 if TYPE_CHECKING:
     from decode_node.peers import PrefillPeer
-    from shared.engine.request import LlmRequest
+    from shared.engine.requests.request import LlmRequest
 
 
 class PrefillFailed(Exception):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import Span, SpanKind
 
 from decode_node.stream import Stream
-from shared.engine.output import TokenDelta
+from shared.engine.requests.output import TokenDelta
 from shared.serving import tracing
 from shared.serving.grpc_server import GenerateError
 

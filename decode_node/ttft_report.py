@@ -1,13 +1,14 @@
-"""The decode node's SLO report when a first token reaches its event loop (shared/engine/slo.py):
+"""The decode node's SLO report when a first token reaches its event loop
+(shared/engine/scheduling/slo.py):
 the TTFT histogram, the measured prefill rate and the prediction's error. The predictions and
-refusals themselves are made by the engine (shared/engine/transfer_admission.py,
-shared/engine/placement.py).
+refusals themselves are made by the engine (shared/engine/scheduling/transfer_admission.py,
+shared/engine/scheduling/placement.py).
 """
 
 from __future__ import annotations
 
 from decode_node.stream import Stream
-from shared.engine.slo import SloPolicy
+from shared.engine.scheduling.slo import SloPolicy
 from shared.serving.grpc_server import NodeMetrics
 from shared.serving.metrics import ttft_prediction_error_histogram
 

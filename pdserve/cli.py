@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from shared.engine import wait_policy
+from shared.engine.scheduling import wait_policy
 
 # First, before anything imports torch: its OpenMP runtime reads the wait policy once, on load
 os.environ.update(wait_policy.node_defaults(sys.argv[1:2], os.environ))
@@ -26,7 +26,7 @@ from pdserve.cli_args import build_parser
 from pdserve.engine_args import engine_argv
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving import tracing
 from shared.serving.port_in_use import PortInUse
 from shared.serving.tls import ClientTls, ServerTls
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_node(a: argparse.Namespace) -> int:
-    from shared.engine import cpu_threads
+    from shared.engine.runtime import cpu_threads
 
     # a colocated node is a decode node; `up` passes --otlp-traces-endpoint on to its nodes
     tracing.setup(

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from grpc import aio
 
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.wire import sampling_to_proto
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pdserve.lifeline import Lifeline
 from pdserve.restart_count import restart_env
-from shared.engine.cpu_budget import SHARED_BY_ENV
+from shared.engine.runtime.cpu_budget import SHARED_BY_ENV
 
 
 @dataclass
@@ -95,7 +95,8 @@ class NodeSpec:
 
 def shared_host_env(num_nodes: int) -> dict[str, str]:
     """The environment of nodes that share this host's cores: each sizes its threads to an
-    equal share of the CPUs it may use, re-read when they change (shared/engine/cpu_budget.py),
+    equal share of the CPUs it may use, re-read when they change
+    (shared/engine/runtime/cpu_budget.py),
     and its OpenMP workers sleep when idle instead of spinning. A spinning worker of one node
     holds a core another node needs; measured here (docs/performance.md, "Threads and memory"),
     that costs a loaded two-node host 10-16x per op. What the user set in the environment is

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.engine.output import TokenDelta
+from shared.engine.requests.output import TokenDelta
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvMessage, KvPush
 

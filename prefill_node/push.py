@@ -18,7 +18,7 @@ import torch
 
 from prefill_node.job import FINAL, PrefillJob
 from shared.cdiv import cdiv
-from shared.engine.scheduler import ScheduledRequest
+from shared.engine.scheduling.scheduler import ScheduledRequest
 from transfer.ucx import KvMessage, KvSender
 
 

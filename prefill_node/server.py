@@ -32,11 +32,11 @@ from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine.commands import AddRequest, ContextPushed, Shutdown
 from shared.engine.core import EngineCore
 from shared.engine.errors import RequestRejected
-from shared.engine.grammar_compiler import compile_async
-from shared.engine.output import TokenDelta
-from shared.engine.prefill_role import KvAccess, PrefillSettings
-from shared.engine.request import LlmRequest
-from shared.engine.scheduler import ScheduledRequest
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import LlmRequest
+from shared.engine.roles.prefill_role import KvAccess, PrefillSettings
+from shared.engine.sampling.grammar_compiler import compile_async
+from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
 from shared.model import native
 from shared.model.kv_window import skipped_problem

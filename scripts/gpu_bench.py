@@ -121,7 +121,7 @@ def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
 
     from shared.engine.config import EngineConfig
     from shared.engine.core import EngineCore
-    from shared.engine.sampling_params import SamplingParams
+    from shared.engine.sampling.sampling_params import SamplingParams
 
     config = EngineConfig(
         model=str(path),

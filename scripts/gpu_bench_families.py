@@ -33,7 +33,7 @@ def family_tokens(path: Path, graphs: bool, prompts: list[list[int]]) -> tuple[l
 
     from shared.engine.config import EngineConfig
     from shared.engine.llm import LLM
-    from shared.engine.sampling_params import SamplingParams
+    from shared.engine.sampling.sampling_params import SamplingParams
     from shared.model.loader import load_model
 
     config = EngineConfig(

@@ -10,8 +10,8 @@ import torch
 from grpc import aio
 
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.wire import (
     logprob_from_proto,
     prompt_logprobs_from_proto,

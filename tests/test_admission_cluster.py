@@ -17,8 +17,8 @@ from pdserve.client import create_channel, generate, generate_stream
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
 from shared.engine.llm import LLM
-from shared.engine.request import LlmRequestState as S
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import LlmRequestState as S
+from shared.engine.sampling.sampling_params import SamplingParams
 from tests.engine_helpers import random_max_tokens, random_prompts, single_torch_thread
 
 MODEL = "tiny"

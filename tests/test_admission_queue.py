@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from shared.engine.admission_queue import AdmissionQueue, QueueEntry, QueueFull
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
-from shared.engine.request import FinishReason, LlmRequestState
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.transfer_admission import AdmissionClosed, TransferGrant
+from shared.engine.requests.request import FinishReason, LlmRequestState
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.admission_queue import AdmissionQueue, QueueEntry, QueueFull
+from shared.engine.scheduling.transfer_admission import AdmissionClosed, TransferGrant
 
 S = LlmRequestState
 

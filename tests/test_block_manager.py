@@ -3,7 +3,11 @@ from __future__ import annotations
 import pytest
 
 from shared.cdiv import cdiv
-from shared.engine.block_manager import BlockManager, NoFreeBlocksError, compute_block_hashes
+from shared.engine.resources.block_manager import (
+    BlockManager,
+    NoFreeBlocksError,
+    compute_block_hashes,
+)
 
 
 def test_cdiv() -> None:
@@ -114,7 +118,7 @@ def test_block_hashes_are_a_sha256_chain_however_they_are_extended() -> None:
     import hashlib
     from array import array
 
-    from shared.engine.block_manager import extend_block_hashes
+    from shared.engine.resources.block_manager import extend_block_hashes
 
     tokens = [(i * 7919) % 50_000 for i in range(70)]
     parent, want = b"", []
@@ -133,10 +137,10 @@ def test_carried_prompt_hashes_spare_the_engine_a_second_pass(monkeypatch) -> No
     """A prompt is hashed once: by its creator (carried in) or by its first prefix match; the
     match and the caching of its blocks reuse those hashes, hashing only tokens past the
     prompt, with the same result as hashing from scratch."""
-    from shared.engine import resource_manager
-    from shared.engine.request import LlmRequest
-    from shared.engine.resource_manager import KVCacheManager
-    from shared.engine.sampling_params import SamplingParams
+    from shared.engine.requests.request import LlmRequest
+    from shared.engine.resources import resource_manager
+    from shared.engine.resources.resource_manager import KVCacheManager
+    from shared.engine.sampling.sampling_params import SamplingParams
 
     calls: list[int] = []
     real = resource_manager.extend_block_hashes

@@ -17,7 +17,7 @@ from pdserve.client import generate
 from pdserve.cluster import Cluster
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts

@@ -19,8 +19,8 @@ from pdserve.client import generate, generate_stream, get_model_info
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.request import LlmRequestState
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import LlmRequestState
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate

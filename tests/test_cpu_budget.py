@@ -1,6 +1,7 @@
-"""The CPU budget (shared/engine/cpu_budget.py) read from real files: fake /proc/self/cgroup,
+"""The CPU budget (shared/engine/runtime/cpu_budget.py) read from real files: fake
+/proc/self/cgroup,
 mountinfo, cgroup quota and sysfs topology files written under tmp_path; and the node's OpenMP
-wait policy default (shared/engine/wait_policy.py)."""
+wait policy default (shared/engine/scheduling/wait_policy.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.engine.cpu_budget import (
+from shared.engine.runtime.cpu_budget import (
     CpuBudgetReader,
     cgroup_cpu_dirs,
     cpu_quota,
     explicit_threads,
     process_cpus,
 )
-from shared.engine.wait_policy import node_defaults
+from shared.engine.scheduling.wait_policy import node_defaults
 
 MOUNTINFO_V2 = "30 23 0:26 / {mnt} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
 MOUNTINFO_V1 = (

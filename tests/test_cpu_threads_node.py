@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster import NodeProcess, popen_node, stop_all, wait_ready
-from shared.engine.cpu_budget import cgroup_cpu_dirs
+from shared.engine.runtime.cpu_budget import cgroup_cpu_dirs
 
 START_TIMEOUT_S = 180.0
 LOG_TIMEOUT_S = 60.0

@@ -13,7 +13,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.pool import allocate_kv_pool
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner

@@ -12,7 +12,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 from shared.model.loader import load_model
 from tests.cuda_facts import CUDA_MARKS, record

@@ -12,7 +12,7 @@ import torch
 from pdserve.bench.support.checkpoints import load_hf_model
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from tests.cuda_facts import CUDA_MARKS, record

@@ -18,7 +18,7 @@ from pdserve.client import generate
 from pdserve.cluster import Cluster
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from shared.serving.metrics import parse_prometheus_text
 from tests.cuda_facts import CUDA_MARKS, record

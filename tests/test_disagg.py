@@ -13,8 +13,8 @@ from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.request import LlmRequestState
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import LlmRequestState
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
 

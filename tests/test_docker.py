@@ -43,7 +43,7 @@ import pytest
 from pdserve.client import GenerationResult, generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import random_max_tokens, random_prompts

@@ -21,30 +21,35 @@ NODE_API: dict[str, set[str]] = {
     "shared.engine.thread": {"EngineThread", "EngineSnapshot"},
     "shared.engine.info": {"EngineInfo"},
     "shared.engine.config": {"EngineConfig"},
-    "shared.engine.decode_role": {"DecodeSettings"},
-    "shared.engine.prefill_role": {"PrefillSettings", "KvAccess"},
-    "shared.engine.placement": {"PlacementPolicy"},
+    "shared.engine.roles.decode_role": {"DecodeSettings"},
+    "shared.engine.roles.prefill_role": {"PrefillSettings", "KvAccess"},
+    "shared.engine.scheduling.placement": {"PlacementPolicy"},
     "shared.engine.errors": {"*"},
-    "shared.engine.sampling_params": {"*"},
-    "shared.engine.service_level": {"*"},
-    "shared.engine.slo": {"SloPolicy"},
-    "shared.engine.output": {"TokenDelta", "OutputProcessor"},
-    "shared.engine.request": {"LlmRequest", "FinishReason"},  # a request's record, read-only
-    "shared.engine.logprobs": {"TokenLogprobs"},
-    "shared.engine.scheduler": {"ScheduledRequest"},  # what a prefill node's layer hook sees
-    "shared.engine.transfer_admission": {"TransferGrant", "AdmissionClosed"},
-    "shared.engine.block_manager": {"BlockHash", "compute_block_hashes"},
-    "shared.engine.grammar_compiler": {"GrammarError", "compile_async", "compiler_for"},
+    "shared.engine.sampling.sampling_params": {"*"},
+    "shared.engine.scheduling.service_level": {"*"},
+    "shared.engine.scheduling.slo": {"SloPolicy"},
+    "shared.engine.requests.output": {"TokenDelta", "OutputProcessor"},
+    "shared.engine.requests.request": {
+        "LlmRequest",
+        "FinishReason",
+    },  # a request's record, read-only
+    "shared.engine.sampling.logprobs": {"TokenLogprobs"},
+    "shared.engine.scheduling.scheduler": {
+        "ScheduledRequest"
+    },  # what a prefill node's layer hook sees
+    "shared.engine.scheduling.transfer_admission": {"TransferGrant", "AdmissionClosed"},
+    "shared.engine.resources.block_manager": {"BlockHash", "compute_block_hashes"},
+    "shared.engine.sampling.grammar_compiler": {"GrammarError", "compile_async", "compiler_for"},
 }
 ROLE_MODULES = (
-    "shared/engine/role.py",
-    "shared/engine/prefill_role.py",
-    "shared/engine/decode_role.py",
-    "shared/engine/placement.py",
-    "shared/engine/transfer_admission.py",
-    "shared/engine/fork.py",
-    "shared/engine/request_table.py",
-    "shared/engine/model_runner.py",
+    "shared/engine/roles/role.py",
+    "shared/engine/roles/prefill_role.py",
+    "shared/engine/roles/decode_role.py",
+    "shared/engine/scheduling/placement.py",
+    "shared/engine/scheduling/transfer_admission.py",
+    "shared/engine/requests/fork.py",
+    "shared/engine/requests/request_table.py",
+    "shared/engine/runtime/model_runner.py",
 )
 
 

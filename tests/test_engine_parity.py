@@ -9,7 +9,7 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
 

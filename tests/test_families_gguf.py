@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from pdserve.export_hf import export_hf
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_prompts, single_torch_thread
 from tests.gguf_writer import (

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from pdserve.bench.support.checkpoints import load_hf_model
 from pdserve.export_hf import export_hf
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.gguf_file import GgufError, open_gguf
 from shared.model.gguf_loader import gguf_model_config
 from shared.model.loader import load_model

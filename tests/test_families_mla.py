@@ -24,7 +24,7 @@ from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model

@@ -19,7 +19,7 @@ from pdserve.client import generate
 from pdserve.cluster import NodeProcess, spawn, stop_all, wait_ready
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import random_prompts
 from tests.net_probe import listening_sockets, tcp_connects

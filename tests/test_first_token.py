@@ -11,9 +11,9 @@ import pytest
 from decode_node.first_token import drop_twin, early_first_delta
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
-from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
 
@@ -81,8 +81,8 @@ def test_a_twin_that_differs_is_reported(caplog: pytest.LogCaptureFixture) -> No
 def test_stop_strings_cut_or_kept_streamed_alike(include: bool) -> None:
     """A stop string ends the text cut before it, or (include_stop_str_in_output) right after
     it; the streamed deltas add up to that text whatever the token boundaries."""
-    from shared.engine.output import OutputProcessor
-    from shared.engine.request import LlmRequest
+    from shared.engine.requests.output import OutputProcessor
+    from shared.engine.requests.request import LlmRequest
     from shared.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()

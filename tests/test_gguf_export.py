@@ -15,7 +15,7 @@ from pdserve.cli import main
 from pdserve.export_hf import FILES, export_hf
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
 from tests.gguf_writer import gpt2_vocab_size, write_gguf

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.gguf_loader import unpermute_rope_rows

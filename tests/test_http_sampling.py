@@ -21,8 +21,8 @@ from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import chat_checkpoint, random_prompts
 from tests.sampling_reference import hf_log_softmax, pd_generate

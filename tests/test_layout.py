@@ -71,10 +71,10 @@ def test_nothing_shipped_imports_the_tests(package: str) -> None:
 
 
 BOOKKEEPING = [
-    "shared.engine.block_manager",
-    "shared.engine.resource_manager",
-    "shared.engine.request",
-    "shared.engine.admission_queue",
+    "shared.engine.resources.block_manager",
+    "shared.engine.resources.resource_manager",
+    "shared.engine.requests.request",
+    "shared.engine.scheduling.admission_queue",
     "shared.model.cuda_graph_padding",
 ]
 
@@ -93,8 +93,11 @@ def test_bookkeeping_imports_no_torch(module: str) -> None:
 # ---- sizes: one concept per file, a function a reader sees whole ----------------------------
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
-# Known exceptions, each with its reason: a file that is one concept may be longer.
-SIZE_ALLOW: dict[str, str] = {}
+# A file is sized by its concept: one that is a single concept may run past MAX_FILE_LINES when
+# the reviewer agrees, with the reason here. Functions have no such exception.
+SIZE_ALLOW: dict[str, str] = {
+    "shared/engine/sampling/sampler.py": "the batched sampler: one step's rows, in order",
+}
 NOT_SOURCE = ("tests", "proto/pdserve/v1", "docker/wheelhouse")  # tests and generated stubs
 
 

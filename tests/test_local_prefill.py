@@ -16,9 +16,9 @@ import pytest
 
 from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
-from shared.engine.block_manager import compute_block_hashes
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.resources.block_manager import compute_block_hashes
+from shared.engine.sampling.sampling_params import SamplingParams
 from tests.engine_helpers import hf_greedy, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate, same_logprobs
 
@@ -41,7 +41,7 @@ def _one_thread():
 
 async def _set(c: PdCluster, **fields: object) -> None:
     """Switch the decode node's placement between requests: the fallback is the node's (read
-    per request), the local-prefill bounds its engine's (shared/engine/placement.py)."""
+    per request), the local-prefill bounds its engine's (shared/engine/scheduling/placement.py)."""
     node = c.decodes[0]
     node.config = replace(node.config, **fields)
     policy = node.config.decode_settings(node.slo).placement
@@ -170,8 +170,8 @@ def test_an_idle_engine_takes_a_longer_prompt_than_a_busy_one() -> None:
     prefilled here, chunked over steps; beside a live request only the one-step rule holds."""
     from shared.engine.config import EngineConfig
     from shared.engine.core import EngineCore
-    from shared.engine.decode_role import DecodeSettings
-    from shared.engine.placement import PlacementPolicy
+    from shared.engine.roles.decode_role import DecodeSettings
+    from shared.engine.scheduling.placement import PlacementPolicy
 
     def engine(threshold: int) -> EngineCore:
         policy = PlacementPolicy(threshold, 1024)

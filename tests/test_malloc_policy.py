@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from shared.engine import malloc_policy
+from shared.engine.runtime import malloc_policy
 
 GLIBC = os.confstr("CS_GNU_LIBC_VERSION") if hasattr(os, "confstr") else None
 
@@ -40,10 +40,10 @@ def test_operator_choice_wins(environ: dict[str, str], reason: str | None) -> No
 # layer's buffers go, so the next layer touches fresh pages again.
 _ROUNDS = """
 import json, random, resource, sys
-from shared.engine import malloc_policy
+from shared.engine.runtime import malloc_policy
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 llm = LLM(EngineConfig(model=sys.argv[1], dtype="float32", max_batch_size=32,
                        max_num_tokens=1024, kv_cache_memory_mb=256))
 rng = random.Random(0)

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.engine import cpu_threads
+from shared.engine.runtime import cpu_threads
 from shared.engine.thread import EngineSnapshot
 from shared.serving.grpc_server import NodeMetrics
 from shared.serving.metrics import (

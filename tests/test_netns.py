@@ -28,7 +28,7 @@ import pytest
 from pdserve.cluster import NodeProcess, popen_node, stop_all, wait_ready
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_max_tokens, random_prompts
 

@@ -1,4 +1,5 @@
-"""An engine thread borrows its starter's torch threads (shared/engine/openmp.py): the starting
+"""An engine thread borrows its starter's torch threads (shared/engine/runtime/openmp.py): the
+starting
 thread keeps one thread and no idle OpenMP pool while an engine runs, the engine thread runs with
 the configured count, and the last engine to stop gives the count back."""
 
@@ -12,9 +13,9 @@ import time
 import pytest
 import torch
 
-from shared.engine import openmp
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
+from shared.engine.runtime import openmp
 from shared.engine.thread import EngineThread
 
 

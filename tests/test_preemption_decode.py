@@ -17,7 +17,7 @@ from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import create_channel, generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from tests.engine_helpers import random_prompts, single_torch_thread
 
 MODEL = "tiny"

@@ -20,8 +20,8 @@ from pdserve.client import generate
 from pdserve.cluster import NodeProcess, stop_all
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared.engine.config import EngineConfig
-from shared.engine.request import LlmRequestState
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import LlmRequestState
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.wire import sampling_to_proto
 from tests.engine_helpers import random_prompts

@@ -25,7 +25,7 @@ from pdserve.prompt_key import (
     token_key,
 )
 from pdserve.proxy_backends import backend_pool
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.prefix_index import PrefixIndex, text_hashes
 from shared.serving.replica_pool import Replica, ReplicaPool
 

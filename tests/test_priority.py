@@ -13,11 +13,11 @@ import pytest
 from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import create_channel
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.engine.admission_queue import AdmissionQueue
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import _victim
-from shared.engine.service_level import MAX_PRIORITY, MIN_PRIORITY, ServiceLevel
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.admission_queue import AdmissionQueue
+from shared.engine.scheduling.scheduler import _victim
+from shared.engine.scheduling.service_level import MAX_PRIORITY, MIN_PRIORITY, ServiceLevel
 from tests.engine_helpers import single_torch_thread
 from tests.test_admission_cluster import long_request, wait_queued
 

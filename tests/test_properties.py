@@ -39,12 +39,17 @@ from hypothesis.stateful import (
 )
 
 from shared.cdiv import cdiv
-from shared.engine.block_manager import compute_block_hashes
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
-from shared.engine.prefill_role import PrefillSettings
-from shared.engine.request import ALLOWED_TRANSITIONS, FinishReason, LlmRequest, LlmRequestState
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import (
+    ALLOWED_TRANSITIONS,
+    FinishReason,
+    LlmRequest,
+    LlmRequestState,
+)
+from shared.engine.resources.block_manager import compute_block_hashes
+from shared.engine.roles.prefill_role import PrefillSettings
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.forward_batch import ForwardBatch
 from shared.model.loader import LoadedModel, tiny_config
 from shared.model.tokenizer import ByteTokenizer

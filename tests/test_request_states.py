@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.request import (
+from shared.engine.requests.request import (
     ALLOWED_TRANSITIONS,
     TERMINAL_STATES,
     IllegalStateTransition,
     LlmRequest,
     LlmRequestState,
 )
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 
 S = LlmRequestState
 

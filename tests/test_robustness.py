@@ -21,7 +21,7 @@ import pytest
 from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate, generate_stream
 from shared.engine.config import EngineConfig
-from shared.engine.request import LlmRequestState
+from shared.engine.requests.request import LlmRequestState
 from tests.engine_helpers import hf_greedy, random_prompts
 
 S = LlmRequestState

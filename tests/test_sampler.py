@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.request import LlmRequest
-from shared.engine.sampler import Sampler, choice_seed, stream_uniform
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import LlmRequest
+from shared.engine.sampling.sampler import Sampler, choice_seed, stream_uniform
+from shared.engine.sampling.sampling_params import SamplingParams
 
 
 def seated(rid: str, seat: int, params: SamplingParams, outputs: int = 0) -> LlmRequest:
@@ -198,7 +198,7 @@ def test_unfiltered_rows_follow_the_tempered_distribution(top_k: int) -> None:
 def test_top_p_rows_without_top_k_draw_the_full_sorts_tokens() -> None:
     # the nucleus is taken from the top candidates when it lies within them (_draw_nucleus),
     # else from the full sort: either way the token the full sort would draw at each uniform
-    from shared.engine.sampler import _draw
+    from shared.engine.sampling.sampler import _draw
 
     gen = torch.Generator().manual_seed(3)
     peaked = torch.randn(3, 5000, generator=gen) * 3  # nucleus within the candidates

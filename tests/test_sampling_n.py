@@ -14,11 +14,11 @@ from grpc import aio
 
 from pdserve.bench.support.inprocess import pd_cluster
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.resources.block_manager import BlockManager
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from shared.serving.wire import sampling_to_proto

@@ -17,8 +17,8 @@ from pdserve.bench.support.checkpoints import EOS_TOKEN, special_ids
 from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.request import FinishReason
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request import FinishReason
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import _hf_model, hf_greedy, random_prompts
 from tests.sampling_reference import pd_generate

@@ -13,7 +13,7 @@ from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
 from tests.sampling_reference import Completion, pd_generate, same_logprobs

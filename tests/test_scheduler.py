@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.resource_manager import (
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.resources.resource_manager import (
     KVCacheManager,
     ResourceManager,
     ResourceManagerType,
     SeqSlotManager,
 )
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig
-from shared.engine.slo import Ewma, SloPolicy
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduling.slo import Ewma, SloPolicy
 
 
 class Harness:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.resource_manager import (
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.resources.resource_manager import (
     DUMMY_REQUEST_ID,
     BaseResourceManager,
     KVCacheManager,
@@ -15,7 +15,7 @@ from shared.engine.resource_manager import (
     compute_max_num_sequences,
     validate_seq_slot_pool_covers_admission,
 )
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 
 
 def req(rid: str, n: int = 5, state: LlmRequestState = LlmRequestState.CONTEXT_INIT) -> LlmRequest:

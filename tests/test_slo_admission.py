@@ -1,5 +1,5 @@
-"""SLO-aware admission (shared/engine/slo.py): a request whose predicted time to first token
-misses its target is refused at once, with a retry hint and nothing allocated; the ITL bound
+"""SLO-aware admission (shared/engine/scheduling/slo.py): a request whose predicted time to first
+token misses its target is refused at once, with a retry hint and nothing allocated; the ITL bound
 holds new requests out of a batch measured too slow; defaults off change nothing."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import create_channel, generate
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.service_level import ServiceLevel
-from shared.engine.slo import PrefillRate, SloMiss, SloPolicy, StepTimes
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.service_level import ServiceLevel
+from shared.engine.scheduling.slo import PrefillRate, SloMiss, SloPolicy, StepTimes
 from tests.engine_helpers import random_prompts, single_torch_thread
 
 MODEL = "tiny"

@@ -20,7 +20,7 @@ from pdserve.client import generate, generate_stream
 from pdserve.cluster import NodeProcess, stop_all
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from tests.test_faults import Nodes, metrics, target, wait_released
 
 SECONDS = min(180.0, float(os.environ.get("PDSERVE_SOAK_SECONDS", "40")))

@@ -25,9 +25,9 @@ import pytest
 from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
-from shared.engine.grammar_compiler import compiler_for
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.structured_output import StructuredOutput
+from shared.engine.sampling.grammar_compiler import compiler_for
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.sampling.structured_output import StructuredOutput
 from shared.model.gguf_builtin import SMOLLM2_SPEC
 from tests.engine_helpers import chat_checkpoint
 from tests.structured_corpus import SCHEMAS
@@ -356,7 +356,7 @@ def test_wire_round_trip_and_unknown_kind() -> None:
 
 
 def test_compiled_grammars_are_a_bounded_lru_and_slow_compiles_time_out() -> None:
-    from shared.engine.grammar_compiler import GrammarCompiler, GrammarError, compile_async
+    from shared.engine.sampling.grammar_compiler import GrammarCompiler, GrammarError, compile_async
     from shared.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()

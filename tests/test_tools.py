@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from shared.engine.structured_output import StructuredOutput
+from shared.engine.sampling.structured_output import StructuredOutput
 from shared.model.chat_template import ChatTemplate
 from shared.serving.http.errors import ApiError
 from shared.serving.http.schemas import ChatCompletionRequest

@@ -1,5 +1,5 @@
-"""The start-up warm-up (shared/engine/warmup.py): its shapes follow the engine's limits, and it
-leaves no trace: same tokens as a cold engine, no prefix-cache entries, every block free."""
+"""The start-up warm-up (shared/engine/runtime/warmup.py): its shapes follow the engine's limits,
+and it leaves no trace: same tokens as a cold engine, no prefix-cache entries, every block free."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.warmup import (
+from shared.engine.runtime.warmup import (
     WARMUP_DECODE_BATCH,
     WARMUP_MAX_TOKENS,
     WarmupShape,
     warm_up,
     warmup_shape,
 )
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
 

@@ -13,7 +13,7 @@ import pytest
 from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import build_generate_request, generate
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.limits import MAX_REQUEST_ID_CHARS
 from shared.serving.wire import (
     WireError,

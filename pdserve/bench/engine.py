@@ -28,7 +28,7 @@ from tqdm import tqdm
 from pdserve.bench.support.util import bar_plot, environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 
 MODEL = {

@@ -27,7 +27,7 @@ from pdserve.bench.support.util import write_json
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 
 
 def local_recompute(model: str, prompt: list[int], reps: int) -> float:

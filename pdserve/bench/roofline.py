@@ -44,7 +44,7 @@ from pdserve.bench.support.util import environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 
 PREFILL_TARGET, DECODE_TARGET, PREFILL_TARGET_MIN_TOKENS = 0.7, 0.7, 512

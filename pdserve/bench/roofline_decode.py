@@ -18,7 +18,7 @@ import torch
 
 from pdserve.bench.roofline_ceilings import bandwidth
 from shared.engine.core import EngineCore
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model import decode_stack
 
 DECODE_CONTEXT = 128  # prompt tokens of each decode request

@@ -26,7 +26,7 @@ import torch
 from pdserve.bench.support.util import environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 
 BATCH = 32

@@ -6,7 +6,8 @@ the SLOs and TTFT p99 against the offered rate. With the admission queue, past s
 extra requests wait (TTFT grows with the queue) instead of failing, goodput stays flat, and
 only what overflows `--max-queued` is refused (RESOURCE_EXHAUSTED).
 
-Then SLO-aware admission off vs on (shared/engine/slo.py), in the same run: at half capacity,
+Then SLO-aware admission off vs on (shared/engine/scheduling/slo.py), in the same run: at half
+capacity,
 at capacity (the sweep's finite rate with the highest goodput) and at twice it, the same workload
 against the sweep's decode node (off) and against a fresh pair whose decode node runs
 `--ttft-slo-ms` at the goodput TTFT target (on): a request predicted to miss it is refused at

@@ -26,8 +26,8 @@ from tqdm import tqdm
 from pdserve.bench.support.util import bar_plot, environment, load_average, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.structured_output import StructuredOutput
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.sampling.structured_output import StructuredOutput
 
 TARGET_RATIO = 0.9
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import BlockHash
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.resources.block_manager import BlockHash
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class WarmUp:
-    """Run the start-up forwards on the idle engine (shared/engine/warmup.py)."""
+    """Run the start-up forwards on the idle engine (shared/engine/runtime/warmup.py)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class ContextPushed:
 @dataclass(frozen=True)
 class PlacePrompt:
     """Prefill the prompt here, or queue it for a prefill node's push: the engine decides from
-    its own load (shared/engine/placement.py). `fallback`: here whatever the length (a colocated
+    its own load (shared/engine/scheduling/placement.py). `fallback`: here whatever the length (a
+    colocated
     node, or no prefill node could serve it). Result: the request's record when it went local,
     else None (its blocks are granted later, on the thread's admission callback)."""
 

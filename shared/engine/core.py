@@ -4,7 +4,7 @@
 in order, KV last), one batched forward over the paged pool, one batched sample, then output
 processing and release of finished requests in the seat-system order (sampler, KV, seat). What a
 sampled token means (the prompt's KV handed to a push, or the next token of a completion) and
-the commands beyond the common ones belong to the engine's role (shared/engine/role.py). Nodes
+the commands beyond the common ones belong to the engine's role (shared/engine/roles/role.py). Nodes
 drive an engine only through commands (shared/engine/commands.py) on its thread.
 """
 
@@ -19,18 +19,15 @@ from typing import Any
 
 import torch
 
-from shared.engine import cpu_threads, malloc_policy
 from shared.engine.commands import Abort, AddRequest, Shutdown, WarmUp
 from shared.engine.config import EngineConfig
-from shared.engine.decode_role import DecodeRole, DecodeSettings
 from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.info import EngineInfo
-from shared.engine.model_runner import ModelRunner
-from shared.engine.output import OutputProcessor, RequestOutput, TokenDelta
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.request_limits import RequestLimits
-from shared.engine.request_table import RequestTable
-from shared.engine.resource_manager import (
+from shared.engine.requests.output import OutputProcessor, RequestOutput, TokenDelta
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.requests.request_limits import RequestLimits
+from shared.engine.requests.request_table import RequestTable
+from shared.engine.resources.resource_manager import (
     KVCacheManager,
     ResourceManager,
     ResourceManagerType,
@@ -38,12 +35,15 @@ from shared.engine.resource_manager import (
     compute_max_num_sequences,
     validate_seq_slot_pool_covers_admission,
 )
-from shared.engine.role import EngineParts, Role, RoleSettings
-from shared.engine.sampler import SampleOutput, Sampler
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from shared.engine.transfer_admission import TransferAdmission
-from shared.engine.warmup import warm_up
+from shared.engine.roles.decode_role import DecodeRole, DecodeSettings
+from shared.engine.roles.role import EngineParts, Role, RoleSettings
+from shared.engine.runtime import cpu_threads, malloc_policy
+from shared.engine.runtime.model_runner import ModelRunner
+from shared.engine.runtime.warmup import warm_up
+from shared.engine.sampling.sampler import SampleOutput, Sampler
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from shared.engine.scheduling.transfer_admission import TransferAdmission
 from shared.kv.layout import KvLayout, dtype_name
 from shared.model.device import resolve_device, resolve_dtype
 from shared.model.loader import LoadedModel, load_model
@@ -63,7 +63,7 @@ class EngineCore:
         role: RoleSettings | None = None,
     ):
         config.validate()
-        malloc_policy.apply()  # once per process: shared/engine/malloc_policy.py
+        malloc_policy.apply()  # once per process: shared/engine/runtime/malloc_policy.py
         settings: RoleSettings = role or DecodeSettings()
         self.config = config
         self.device = resolve_device(config.device)
@@ -217,7 +217,7 @@ class EngineCore:
 
     @property
     def admission(self) -> TransferAdmission:
-        """A decode role's admission queue (shared/engine/transfer_admission.py)."""
+        """A decode role's admission queue (shared/engine/scheduling/transfer_admission.py)."""
         role = self.role
         if not isinstance(role, DecodeRole):
             raise TypeError("a prefill engine has no admission queue")

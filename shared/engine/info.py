@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.request_limits import RequestLimits
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.request_limits import RequestLimits
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.layout import KvLayout
 from shared.model.loader import LoadedModel
 from shared.model.tokenizer import Tokenizer

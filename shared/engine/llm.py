@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestOutput
-from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason, LlmRequest
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason, LlmRequest
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 
 

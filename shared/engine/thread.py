@@ -23,14 +23,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from shared.engine import openmp
 from shared.engine.commands import Command, WarmUp
 from shared.engine.core import EngineCore
-from shared.engine.decode_role import DecodeRole
 from shared.engine.info import EngineInfo
-from shared.engine.output import TokenDelta
-from shared.engine.request import LlmRequestState
-from shared.engine.transfer_admission import TransferGrant
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import LlmRequestState
+from shared.engine.roles.decode_role import DecodeRole
+from shared.engine.runtime import openmp
+from shared.engine.scheduling.transfer_admission import TransferGrant
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,12 +95,12 @@ class EngineThread:
     def start(self) -> None:
         # process-wide, and meant so: this process serves an event loop beside its engine
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
-        self._torch_threads = openmp.lend()  # shared/engine/openmp.py: one OpenMP team only
+        self._torch_threads = openmp.lend()  # shared/engine/runtime/openmp.py: one OpenMP team only
         self._thread.start()
 
     async def start_warm(self) -> None:
-        """`start`, then run the start-up warm-up (shared/engine/warmup.py) on the thread, so
-        that a node reports ready only once its first request would run at full speed."""
+        """`start`, then run the start-up warm-up (shared/engine/runtime/warmup.py) on the thread,
+        so that a node reports ready only once its first request would run at full speed."""
         self.start()
         await self.call(WarmUp())
 

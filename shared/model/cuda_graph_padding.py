@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from shared.cdiv import cdiv
 
 # the request id of a padding row: it belongs to nobody, and its seat is the scratch row that
-# SlotManager hands out again and again (shared/engine/resource_manager.py)
+# SlotManager hands out again and again (shared/engine/resources/resource_manager.py)
 DUMMY_REQUEST_ID = "__pdserve_dummy__"
 
 DUMMY_TOKEN_ID = 0  # any valid id: its logits are discarded

@@ -14,8 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from proto.pdserve.v1 import generation_pb2
-from shared.engine import cpu_threads
 from shared.engine.info import EngineInfo
+from shared.engine.runtime import cpu_threads
 from shared.engine.thread import EngineSnapshot
 from shared.kv.layout import KvLayout
 from shared.serving import tracing

@@ -7,7 +7,11 @@ with SamplingParams, since shared/engine may not import serving code; they are r
 
 from __future__ import annotations
 
-from shared.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE
+from shared.engine.sampling.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MIN_TEMPERATURE,
+)
 
 __all__ = [
     "DRAIN_GRACE_S",

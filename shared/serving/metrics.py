@@ -170,7 +170,7 @@ def prompt_tokens_counter(registry: CollectorRegistry) -> Counter:
 
 def ttft_prediction_error_histogram(registry: CollectorRegistry) -> Histogram:
     """pdserve_ttft_prediction_error_seconds: SLO-aware admission's predicted minus actual
-    time to first token, per admitted request (shared/engine/slo.py)."""
+    time to first token, per admitted request (shared/engine/scheduling/slo.py)."""
     return Histogram(
         "pdserve_ttft_prediction_error_seconds",
         "Predicted minus actual time to first token of admitted requests",

@@ -21,7 +21,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from shared.engine.block_manager import BlockHash, compute_block_hashes
+from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
 
 DEFAULT_INDEX_BLOCKS = 1 << 16  # blocks remembered per node whose own pool size is not known
 

@@ -20,7 +20,7 @@ from collections.abc import Collection, Iterable
 import grpc
 from prometheus_client import Counter
 
-from shared.engine.request import FinishReason
+from shared.engine.requests.request import FinishReason
 from shared.serving.grpc_server import GenerateError
 from shared.serving.status import Status
 

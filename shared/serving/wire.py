@@ -18,10 +18,10 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError
 
 from proto.pdserve.v1 import generation_pb2
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.service_level import ServiceLevel
-from shared.engine.structured_output import KINDS, StructuredOutput
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.sampling.structured_output import KINDS, StructuredOutput
+from shared.engine.scheduling.service_level import ServiceLevel
 from shared.serving.limits import MAX_REQUEST_ID_CHARS, MAX_SEED
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch
 from pdserve.bench.peers.vllm_engine import write_result
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 
 
 def main(spec_path: str, result_path: str) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from pdserve.bench.support.util import environment, load_average, write_json
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.config import ModelConfig
 from shared.model.loader import LoadedModel
 from shared.model.registry import build_model

@@ -1,7 +1,8 @@
 """The prefix-hit rate one shared cache would reach: the yardstick of KV-aware routing.
 
 Replays prompts in arrival order through a single prefix cache of `capacity_blocks` blocks that
-works like a prefill node's (shared/engine/block_manager.py): full blocks keyed by their chained
+works like a prefill node's (shared/engine/resources/block_manager.py): full blocks keyed by their
+chained
 hashes; a prompt reuses its longest run of cached leading blocks, never its last token (that one
 is always computed, for its logits); after the prefill all its full blocks are cached, the
 blocks released tail first so that a prompt's prefix is evicted last; least recently used
@@ -16,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from shared.engine.block_manager import BlockHash, compute_block_hashes
+from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
 
 
 @dataclass(frozen=True)

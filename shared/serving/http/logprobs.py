@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shared.engine.logprobs import TokenLogprobs
+from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.model.tokenizer import Tokenizer
 
 FLOOR = -9999.0

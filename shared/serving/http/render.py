@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.engine.logprobs import TokenLogprobs
+from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.serving.http.legacy_functions import FINISH, function_call_delta
 from shared.serving.http.logprobs import (
     CompletionLogprobsWriter,

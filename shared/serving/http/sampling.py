@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.http.errors import ApiError
 from shared.serving.http.schemas import ChatCompletionRequest, CompletionRequest
 from shared.serving.http.structured import structured_output

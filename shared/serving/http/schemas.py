@@ -11,8 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from shared.engine.sampling_params import MAX_LOGPROBS, MAX_N
-from shared.engine.service_level import MAX_PRIORITY, MAX_SLO_MS, MIN_PRIORITY, ServiceLevel
+from shared.engine.sampling.sampling_params import MAX_LOGPROBS, MAX_N
+from shared.engine.scheduling.service_level import (
+    MAX_PRIORITY,
+    MAX_SLO_MS,
+    MIN_PRIORITY,
+    ServiceLevel,
+)
 
 # Token ids and counts: an int that is not a bool and not a float with no fraction.
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -64,7 +69,7 @@ class _Sampling(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM extension
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
     include_stop_str_in_output: StrictBool = False  # vLLM extension
-    # admission (shared/engine/service_level.py): vLLM's priority, lower first; pdserve's
+    # admission (shared/engine/scheduling/service_level.py): vLLM's priority, lower first; pdserve's
     # latency targets in ms (a request predicted to miss its TTFT target gets 429 at once)
     priority: Annotated[StrictInt, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
     ttft_slo_ms: Annotated[StrictFloat, Field(gt=0, le=MAX_SLO_MS)] | None = None

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.engine.info import EngineInfo
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.chat_template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from shared.model.loader import LoadedModel
 from shared.serving.connection_limits import ConnectionLimits

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared.engine.grammar_compiler import GrammarError, compile_async
 from shared.engine.info import EngineInfo
-from shared.engine.structured_output import StructuredOutput
+from shared.engine.sampling.grammar_compiler import GrammarError, compile_async
+from shared.engine.sampling.structured_output import StructuredOutput
 from shared.serving.http.errors import ApiError
 from shared.serving.http.schemas import ChatCompletionRequest, CompletionRequest
 from shared.serving.http.tools import tool_grammar

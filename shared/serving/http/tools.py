@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from shared.engine.structured_output import StructuredOutput
+from shared.engine.sampling.structured_output import StructuredOutput
 from shared.serving.http.errors import ApiError
 from shared.serving.http.legacy_functions import function_call
 from shared.serving.http.schemas import (

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.cdiv import cdiv
-from shared.engine.role import EngineParts
+from shared.engine.roles.role import EngineParts
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 
 log = logging.getLogger(__name__)

@@ -13,18 +13,18 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 from shared.engine.errors import RequestRejected
-from shared.engine.output import OutputProcessor
-from shared.engine.request import (
+from shared.engine.requests.output import OutputProcessor
+from shared.engine.requests.request import (
     ALLOWED_TRANSITIONS,
     FinishReason,
     IllegalStateTransition,
     LlmRequest,
     LlmRequestState,
 )
-from shared.engine.request_limits import RequestLimits
-from shared.engine.resource_manager import KVCacheManager
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
+from shared.engine.requests.request_limits import RequestLimits
+from shared.engine.resources.resource_manager import KVCacheManager
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.scheduler import Scheduler
 
 History = tuple[str, list[tuple[LlmRequestState, int | None]]]  # a request's states, their steps
 

@@ -18,12 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.engine.block_manager import BlockHash
 from shared.engine.errors import ResourcesExhausted
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.role import EngineParts
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.slo import SloPolicy, tokens_still_to_prefill
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.resources.block_manager import BlockHash
+from shared.engine.roles.role import EngineParts
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.slo import SloPolicy, tokens_still_to_prefill
 
 S = LlmRequestState
 

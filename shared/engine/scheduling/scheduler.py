@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.resource_manager import KVCacheManager, SeqSlotManager
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.resources.resource_manager import KVCacheManager, SeqSlotManager
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """torch's and the C kernels' threads sized to the CPUs the process may use, and kept so while an
-operator moves it (shared/engine/cpu_budget.py says how the count is chosen).
+operator moves it (shared/engine/runtime/cpu_budget.py says how the count is chosen).
 
 `apply`, once at a node's start (pdserve/cli.py), sets the count on the calling thread, which
-the engine thread then borrows (shared/engine/openmp.py), and logs it in one line. `follow`,
+the engine thread then borrows (shared/engine/runtime/openmp.py), and logs it in one line. `follow`,
 called at every engine step on the engine thread, re-reads the budget at most once per
 FOLLOW_INTERVAL_S (a syscall and a file or two); when `taskset -p`, a cpuset or a cgroup quota
 changed it, the thread resizes its own team and the change is logged once. The C kernels take
@@ -25,8 +25,8 @@ from collections.abc import Mapping
 
 import torch
 
-from shared.engine import openmp
-from shared.engine.cpu_budget import CpuBudget, CpuBudgetReader, process_cpus
+from shared.engine.runtime import openmp
+from shared.engine.runtime.cpu_budget import CpuBudget, CpuBudgetReader, process_cpus
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import math
 import secrets
 from dataclasses import dataclass, field, fields, replace
 
-from shared.engine.service_level import ServiceLevel
-from shared.engine.structured_output import StructuredOutput
+from shared.engine.sampling.structured_output import StructuredOutput
+from shared.engine.scheduling.service_level import ServiceLevel
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -42,7 +42,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # finish with "stop"
     n: int = 1  # completions of the one prompt
     include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
-    # a grammar every output token is drawn under (shared/engine/grammar_rows.py); None: free
+    # a grammar every output token is drawn under (shared/engine/sampling/grammar_rows.py); None:
+    # free
     structured: StructuredOutput | None = None
     # priority and latency targets: admission's, not the sampler's (service_level.py)
     service: ServiceLevel = field(default_factory=ServiceLevel)

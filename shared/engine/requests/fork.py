@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shared.engine.output import TokenDelta
-from shared.engine.request import LlmRequest
-from shared.engine.request_table import fork_id
-from shared.engine.role import EngineParts
-from shared.engine.sampler import choice_seed
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import LlmRequest
+from shared.engine.requests.request_table import fork_id
+from shared.engine.roles.role import EngineParts
+from shared.engine.sampling.sampler import choice_seed
 
 
 def fork_completions(parts: EngineParts, parent: LlmRequest) -> list[TokenDelta]:

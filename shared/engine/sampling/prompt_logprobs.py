@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.engine.logprobs import TokenLogprobs, compute_logprobs
-from shared.engine.scheduler import ScheduledRequest
+from shared.engine.sampling.logprobs import TokenLogprobs, compute_logprobs
+from shared.engine.scheduling.scheduler import ScheduledRequest
 
 
 def fill_prompt_logprobs(scheduled: Sequence[ScheduledRequest], logits: torch.Tensor) -> None:

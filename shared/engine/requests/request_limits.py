@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from shared.cdiv import cdiv
 from shared.engine.errors import RequestRejected
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ when every priority is 0), and leaves free the
 blocks that requests the scheduler itself holds QUEUED wait for (preempted for recompute, or a
 local prefill not yet scheduled): they came first, and letting new transfers take those blocks
 would starve them; refusing while they wait would refuse work the pool can hold. With TTFT or
-ITL targets (shared/engine/slo.py) a request that would miss its TTFT target is refused at once,
+ITL targets (shared/engine/scheduling/slo.py) a request that would miss its TTFT target is refused
+at once,
 before anything is allocated, and the head is held while admitting it would make the decode batch
 too slow for the tightest ITL target in it.
 """
@@ -20,14 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shared.cdiv import cdiv
-from shared.engine.admission_queue import AdmissionQueue, QueueEntry, QueueFull
-from shared.engine.block_manager import BlockHash
 from shared.engine.errors import ResourcesExhausted
-from shared.engine.request import FinishReason, LlmRequest, LlmRequestState
-from shared.engine.resource_manager import KVCacheManager
-from shared.engine.role import EngineParts
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.slo import SloPolicy, tokens_still_to_prefill
+from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
+from shared.engine.resources.block_manager import BlockHash
+from shared.engine.resources.resource_manager import KVCacheManager
+from shared.engine.roles.role import EngineParts
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.admission_queue import AdmissionQueue, QueueEntry, QueueFull
+from shared.engine.scheduling.slo import SloPolicy, tokens_still_to_prefill
 
 S = LlmRequestState
 DEFAULT_MAX_QUEUED = 1024

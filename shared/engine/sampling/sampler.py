@@ -5,9 +5,10 @@ a splitmix64 counter stream and inverts the CDF of the filtered distribution. So
 gives the same text whatever the batch, and a prefill node (output 0) and a decode node (1..)
 draw from one per-request stream.
 
-Penalties, logit_bias and min_tokens (shared/engine/penalties.py) reshape the logits before the
-draw, then a structured output's grammar masks what it forbids (shared/engine/grammar_rows.py);
-logprobs (shared/engine/logprobs.py) are read from the raw logits, before any of that.
+Penalties, logit_bias and min_tokens (shared/engine/sampling/penalties.py) reshape the logits
+before the draw, then a structured output's grammar masks what it forbids
+(shared/engine/sampling/grammar_rows.py);
+logprobs (shared/engine/sampling/logprobs.py) are read from the raw logits, before any of that.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.grammar_rows import GrammarRows
-from shared.engine.logprobs import TokenLogprobs, compute_logprobs
-from shared.engine.penalties import PenaltyState
-from shared.engine.request import LlmRequest
+from shared.engine.requests.request import LlmRequest
+from shared.engine.sampling.grammar_rows import GrammarRows
+from shared.engine.sampling.logprobs import TokenLogprobs, compute_logprobs
+from shared.engine.sampling.penalties import PenaltyState
 from shared.model.tokenizer import Tokenizer
 
 _MASK64 = (1 << 64) - 1

@@ -13,12 +13,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from shared.cdiv import cdiv
-from shared.engine.block_manager import (
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.resources.block_manager import (
     BlockHash,
     BlockManager,
     extend_block_hashes,
 )
-from shared.engine.request import LlmRequest, LlmRequestState
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 import torch
 
-from shared.engine.request import LlmRequest
-from shared.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from shared.engine.requests.request import LlmRequest
+from shared.engine.sampling.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 MAX_EOS_IDS = 8  # EOS ids a model may declare (the stop-id list reserves room for them)
 

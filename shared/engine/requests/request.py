@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # request bookkeeping imports no torch
-    from shared.engine.logprobs import TokenLogprobs
+    from shared.engine.sampling.logprobs import TokenLogprobs
 
 
 class LlmRequestState(enum.Enum):

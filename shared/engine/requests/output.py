@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.request import FinishReason, LlmRequest
+from shared.engine.requests.request import FinishReason, LlmRequest
+from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

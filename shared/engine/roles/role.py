@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.engine.config import EngineConfig
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.model_runner import LayerHook, ModelRunner
-from shared.engine.output import TokenDelta
-from shared.engine.request import LlmRequest
-from shared.engine.request_table import RequestTable
-from shared.engine.resource_manager import KVCacheManager
-from shared.engine.scheduler import ScheduledRequest, Scheduler
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import LlmRequest
+from shared.engine.requests.request_table import RequestTable
+from shared.engine.resources.resource_manager import KVCacheManager
+from shared.engine.runtime.model_runner import LayerHook, ModelRunner
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.scheduling.scheduler import ScheduledRequest, Scheduler
 
 # a role's commands: command type -> what runs it on the engine thread (shared/engine/commands.py)
 Handlers = dict[type, Callable[[Any], Any]]

@@ -2,7 +2,7 @@
 
 Carried on `SamplingParams.service` so that it reaches every place that orders or admits
 requests without a parameter of its own; the decode node's admission reads it
-(shared/engine/slo.py), the scheduler's preemption reads the priority.
+(shared/engine/scheduling/slo.py), the scheduler's preemption reads the priority.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # vLLM's convention: lower value = served earlier. Bounded so that aging bounds starvation
-# (shared/engine/admission_queue.py).
+# (shared/engine/scheduling/admission_queue.py).
 MIN_PRIORITY = -1000
 MAX_PRIORITY = 1000
 MAX_SLO_MS = 3_600_000  # an hour: a larger target is no target

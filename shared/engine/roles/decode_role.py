@@ -1,5 +1,5 @@
 """The decode side of P/D (and a colocated node): every token is generated here. A prompt is
-placed here or on a prefill node (shared/engine/placement.py); a remote one waits in the
+placed here or on a prefill node (shared/engine/scheduling/placement.py); a remote one waits in the
 admission queue, is admitted with blocks reserved and pinned for the KV a prefill node pushes
 (DISAGG_GENERATION_INIT, no seat), and becomes schedulable once it has landed."""
 
@@ -9,20 +9,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.commands import Drain, KvLanded, PlacePrompt, TransferFailed
 from shared.engine.errors import ResourcesExhausted
-from shared.engine.fork import fork_completions
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.model_runner import LayerHook
-from shared.engine.output import TokenDelta
-from shared.engine.placement import Placement, PlacementPolicy
-from shared.engine.request import FinishReason, LlmRequest, LlmRequestState
-from shared.engine.role import EngineParts, Handlers
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import ScheduledRequest
-from shared.engine.slo import SloPolicy
-from shared.engine.transfer_admission import (
+from shared.engine.requests.fork import fork_completions
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
+from shared.engine.resources.block_manager import NoFreeBlocksError
+from shared.engine.roles.role import EngineParts, Handlers
+from shared.engine.runtime.model_runner import LayerHook
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.placement import Placement, PlacementPolicy
+from shared.engine.scheduling.scheduler import ScheduledRequest
+from shared.engine.scheduling.slo import SloPolicy
+from shared.engine.scheduling.transfer_admission import (
     DEFAULT_MAX_QUEUED,
     AdmissionCallback,
     TransferAdmission,

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.grammar_compiler import compiler_for, xgrammar
-from shared.engine.request import LlmRequest
+from shared.engine.requests.request import LlmRequest
+from shared.engine.sampling.grammar_compiler import compiler_for, xgrammar
 from shared.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from shared.engine.errors import RequestRejected
-from shared.engine.structured_output import StructuredOutput
+from shared.engine.sampling.structured_output import StructuredOutput
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.prompt_logprobs import fill_prompt_logprobs
-from shared.engine.scheduler import ScheduledRequest
+from shared.engine.sampling.prompt_logprobs import fill_prompt_logprobs
+from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.kv.layout import KvLayout
 from shared.kv.pool import allocate_kv_pool
 from shared.model import paged_decode

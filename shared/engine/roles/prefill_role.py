@@ -7,12 +7,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.commands import ContextPushed
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.model_runner import LayerHook
-from shared.engine.output import TokenDelta
-from shared.engine.request import FinishReason, LlmRequest, LlmRequestState
-from shared.engine.role import EngineParts, Handlers
-from shared.engine.scheduler import ScheduledRequest
+from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
+from shared.engine.roles.role import EngineParts, Handlers
+from shared.engine.runtime.model_runner import LayerHook
+from shared.engine.sampling.logprobs import TokenLogprobs
+from shared.engine.scheduling.scheduler import ScheduledRequest
 
 S = LlmRequestState
 

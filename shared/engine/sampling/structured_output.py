@@ -1,7 +1,8 @@
 """What a structured-output request asks for: a grammar kind and its text, as sent on the wire.
 
 Plain data, compared and hashed by value: the compiled-grammar cache keys on it
-(shared/engine/grammar_compiler.py). Compilation, not this, judges whether the text is valid.
+(shared/engine/sampling/grammar_compiler.py). Compilation, not this, judges whether the text is
+valid.
 """
 
 from __future__ import annotations

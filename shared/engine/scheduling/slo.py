@@ -32,10 +32,10 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
-from shared.engine.admission_queue import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S
 from shared.engine.errors import ResourcesExhausted
-from shared.engine.request import LlmRequest, LlmRequestState
-from shared.engine.service_level import ServiceLevel
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.scheduling.admission_queue import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S
+from shared.engine.scheduling.service_level import ServiceLevel
 
 S = LlmRequestState
 EWMA_ALPHA = 0.2

@@ -3,8 +3,8 @@
 libgomp's default keeps an idle worker spinning for about 3 ms (300,000 spins) after every
 parallel region. On a core the node shares (with its own event loop, gRPC and UCX threads, with
 another node on the host, or after an operator narrowed its CPUs and before the engine resized
-its team: shared/engine/cpu_threads.py) the spinning worker holds the core that the thread it
-waits for needs. SmolLM2 fp32, two threads on one core of two, a 16-token prompt's first token:
+its team: shared/engine/runtime/cpu_threads.py) the spinning worker holds the core that the thread
+it waits for needs. SmolLM2 fp32, two threads on one core of two, a 16-token prompt's first token:
 1,458 ms spinning, 58 ms passive. The price on cores a node has to itself is a futex wake-up per
 parallel region (1.6x slower batch-32 decode at 2 threads on a quiet machine,
 docs/performance.md); an operator who dedicates cores sets OMP_WAIT_POLICY or GOMP_SPINCOUNT
