@@ -323,9 +323,17 @@ class Landings:
             )
         token = secrets.token_bytes(protocol.TOKEN_BYTES)
         t = Landing(
-            self.new_transfer_id(now), request_id, token, block_ids, num_layers, now, on_layer,
-            done=loop.create_future(), quiesced=loop.create_future(), skipped=skipped,
-        )  # fmt: skip
+            self.new_transfer_id(now),
+            request_id,
+            token,
+            block_ids,
+            num_layers,
+            now,
+            on_layer,
+            done=loop.create_future(),
+            quiesced=loop.create_future(),
+            skipped=skipped,
+        )
         self.add(t)
         return t
 

@@ -203,8 +203,10 @@ class KvReceiver:
         log.warning(
             "transfer %#x: a payload write still posted %.3gs after it ended (sender stalled "
             "mid-message?): force-closing every KV endpoint, failing the %d transfers in flight",
-            transfer_id, timeout, self.live_transfers,
-        )  # fmt: skip
+            transfer_id,
+            timeout,
+            self.live_transfers,
+        )
         self.endpoint_resets += 1
         # the reset may discard messages their senders already count as sent
         self._reset_live(f"KV endpoints reset to end a stalled write of transfer {transfer_id:#x}")

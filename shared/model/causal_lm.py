@@ -106,9 +106,13 @@ class Model(nn.Module):
             else:
                 local = self.model.local_rotary_emb
                 step = StepContext(
-                    batch, kv_pool, rope, layer_hook, scratch or self._scratch,
+                    batch,
+                    kv_pool,
+                    rope,
+                    layer_hook,
+                    scratch or self._scratch,
                     None if local is None else local(batch.positions, x.dtype),
-                )  # fmt: skip
+                )
                 pending = None
                 for layer in self.model.layers:
                     pending = layer(x, pending, step)

@@ -96,9 +96,14 @@ class DecodeGraphRunner:
     def _fill(self, plan: PaddingPlan) -> None:
         bmax, pad = self._bmax, [0] * (self._bmax - plan.padded_size)
         flat = [
-            *plan.input_ids, *pad, *plan.positions, *pad, *plan.slot_mapping, *pad,
+            *plan.input_ids,
+            *pad,
+            *plan.positions,
+            *pad,
+            *plan.slot_mapping,
+            *pad,
             *plan.kv_block_ids,
-        ]  # fmt: skip
+        ]
         host = torch.tensor(flat, dtype=torch.long)
         n = 3 * bmax + len(plan.kv_block_ids)
         if self._staging is None:

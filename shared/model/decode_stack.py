@@ -48,10 +48,18 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         (name, _P)
         for name in (
-            "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
-            "input_norm", "post_norm",
+            "qkv_w",
+            "qkv_b",
+            "o_w",
+            "o_b",
+            "gate_up_w",
+            "gate_up_b",
+            "down_w",
+            "down_b",
+            "input_norm",
+            "post_norm",
         )
-    ] + [("window", _I)]  # fmt: skip
+    ] + [("window", _I)]
 
 
 class _Step(ctypes.Structure):
@@ -153,30 +161,22 @@ class DecodeStack:
         assert lib is not None
         if self._table is None:
             self._table = (_Layer * len(self._layers))(*map(_layer_entry, self._layers))
-        group = batch.groups[0]
-        assert group.kv_blocks is not None
-        blocks = group.kv_blocks.view(batch.num_seqs, -1)
-        pos = group.query_pos[:, 0].contiguous()
-        cos, ssin = (t.reshape(t.shape[0], -1) for t in rope)
-        attn = self._layers[0].self_attn
-        step = _Step(
-            M=batch.num_seqs, hidden=x.shape[1], Hq=attn.num_heads, Hk=attn.num_kv_heads,
-            D=attn.head_dim, inter=self._layers[0].mlp.intermediate_size,
-            num_blocks=kv_pool.shape[2], block_size=kv_pool.shape[3],
-            blocks_per_seq=blocks.shape[1], eps=self._layers[0].input_layernorm.eps,
-            scale=attn.scale, cos=cos.data_ptr(), ssin=ssin.data_ptr(),
-            slots=batch.slot_mapping.data_ptr(), blocks=blocks.data_ptr(), pos=pos.data_ptr(),
-            parallel_elements=fused_ops.PARALLEL_ELEMENTS, nthreads=torch.get_num_threads(),
-        )  # fmt: skip
-        assert cos.is_contiguous() and ssin.is_contiguous() and x.is_contiguous()
+        step, alive = self._step(x, batch, rope, kv_pool)
+        assert all(a.is_contiguous() for a in alive) and x.is_contiguous()
         ref = ctypes.byref(step)
         work = x.new_empty(lib.decode_stack_work(ref))
         out = torch.empty_like(x)
         code = native.call(
-            "pdserve::decode_stack", getattr(lib, _ENTRY[x.dtype]), self._table,
-            len(self._layers), ref, x.data_ptr(), kv_pool.data_ptr(), work.data_ptr(),
+            "pdserve::decode_stack",
+            getattr(lib, _ENTRY[x.dtype]),
+            self._table,
+            len(self._layers),
+            ref,
+            x.data_ptr(),
+            kv_pool.data_ptr(),
+            work.data_ptr(),
             out.data_ptr(),
-        )  # fmt: skip
+        )
         if code == -2:  # attention's per-thread scratch: the step is lost, as on any OOM
             raise MemoryError("decode stack: no memory for attention's scratch")
         if code != 0:  # checked before anything is written
@@ -185,6 +185,43 @@ class DecodeStack:
                 "out of the kernels' range"
             )
         return out
+
+    def _step(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_pool: torch.Tensor,
+    ) -> tuple[_Step, tuple[torch.Tensor, ...]]:
+        """The step's shapes and pointers for the C side, and the tensors it points into (new
+        ones among them), which the caller keeps alive until the call returns."""
+        group = batch.groups[0]
+        assert group.kv_blocks is not None
+        blocks = group.kv_blocks.view(batch.num_seqs, -1)
+        pos = group.query_pos[:, 0].contiguous()
+        cos, ssin = (t.reshape(t.shape[0], -1) for t in rope)
+        attn = self._layers[0].self_attn
+        step = _Step(
+            M=batch.num_seqs,
+            hidden=x.shape[1],
+            Hq=attn.num_heads,
+            Hk=attn.num_kv_heads,
+            D=attn.head_dim,
+            inter=self._layers[0].mlp.intermediate_size,
+            num_blocks=kv_pool.shape[2],
+            block_size=kv_pool.shape[3],
+            blocks_per_seq=blocks.shape[1],
+            eps=self._layers[0].input_layernorm.eps,
+            scale=attn.scale,
+            cos=cos.data_ptr(),
+            ssin=ssin.data_ptr(),
+            slots=batch.slot_mapping.data_ptr(),
+            blocks=blocks.data_ptr(),
+            pos=pos.data_ptr(),
+            parallel_elements=fused_ops.PARALLEL_ELEMENTS,
+            nthreads=torch.get_num_threads(),
+        )
+        return step, (cos, ssin, blocks, pos)
 
 
 def num_slots(kv_pool: torch.Tensor) -> int:
@@ -198,19 +235,32 @@ def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
 def _layer_ok(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     tensors = (
-        attn.qkv_weight, attn.qkv_bias, attn.o_proj.weight, attn.o_proj.bias,
-        mlp.gate_up_weight, mlp.gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias,
-        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-    )  # fmt: skip
+        attn.qkv_weight,
+        attn.qkv_bias,
+        attn.o_proj.weight,
+        attn.o_proj.bias,
+        mlp.gate_up_weight,
+        mlp.gate_up_bias,
+        mlp.down_proj.weight,
+        mlp.down_proj.bias,
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+    )
     return all(_plain(t, dtype) for t in tensors)
 
 
 def _layer_entry(layer: torch.nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     return _Layer(
-        _ptr(attn.qkv_weight), _ptr(attn.qkv_bias), _ptr(attn.o_proj.weight),
-        _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_weight), _ptr(mlp.gate_up_bias),
-        _ptr(mlp.down_proj.weight), _ptr(mlp.down_proj.bias),
-        _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+        _ptr(attn.qkv_weight),
+        _ptr(attn.qkv_bias),
+        _ptr(attn.o_proj.weight),
+        _ptr(attn.o_proj.bias),
+        _ptr(mlp.gate_up_weight),
+        _ptr(mlp.gate_up_bias),
+        _ptr(mlp.down_proj.weight),
+        _ptr(mlp.down_proj.bias),
+        _ptr(layer.input_layernorm.weight),
+        _ptr(layer.post_attention_layernorm.weight),
         attn.window or 0,
-    )  # fmt: skip
+    )

@@ -34,20 +34,37 @@ from shared.model.rotary import yarn_mscale
 DEEPSEEK_V2, DEEPSEEK_V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 MODEL_TYPES = {DEEPSEEK_V2: "deepseek_v2", DEEPSEEK_V3: "deepseek_v3"}
 # transformers' defaults for the keys a config.json may leave out
-_MLA_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-                 "qk_rope_head_dim": 64, "v_head_dim": 128}  # fmt: skip
+_MLA_DEFAULTS = {
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    DEEPSEEK_V2: _MLA_DEFAULTS | {
-        "max_position_embeddings": 2048, "n_routed_experts": 64, "n_shared_experts": 2,
-        "moe_intermediate_size": 1407, "first_k_dense_replace": 0, "topk_method": "greedy",
+    DEEPSEEK_V2: _MLA_DEFAULTS
+    | {
+        "max_position_embeddings": 2048,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "moe_intermediate_size": 1407,
+        "first_k_dense_replace": 0,
+        "topk_method": "greedy",
     },
-    DEEPSEEK_V3: _MLA_DEFAULTS | {
-        "max_position_embeddings": 4096, "n_routed_experts": 256, "n_shared_experts": 1,
-        "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "n_group": 8,
-        "topk_group": 4, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    DEEPSEEK_V3: _MLA_DEFAULTS
+    | {
+        "max_position_embeddings": 4096,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
     },
-}  # fmt: skip
+}
 
 
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:

@@ -296,9 +296,11 @@ def _group_tensors(
     tensors["kv_pos"] = torch.arange(kv_max)
     if q_max > 1:
         tensors.update(
-            seq_starts=g_start, seq_qlens=g_qlen, seq_computed=g_computed,
+            seq_starts=g_start,
+            seq_qlens=g_qlen,
+            seq_computed=g_computed,
             block_tables=seqs.tables[idx],
-        )  # fmt: skip
+        )
     whole_decode_batch = q_max == 1 and len(seq_ids) == seqs.q_lens.numel()
     if not whole_decode_batch:
         rows = torch.where(q_valid, g_start[:, None] + q_off[None, :], 0).reshape(-1)

@@ -76,10 +76,19 @@ def add_rms_norm(
     if delta is not None:
         assert delta.shape == x.shape and delta.stride(-1) == 1 and delta.dtype == x.dtype
     native.call(
-        "pdserve::add_rms_norm", _entry(lib, "add_rms_norm", x.dtype), x.data_ptr(),
-        None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim,
-        x.stride(0), 0 if delta is None else delta.stride(0), eps, _threads(rows * dim),
-    )  # fmt: skip
+        "pdserve::add_rms_norm",
+        _entry(lib, "add_rms_norm", x.dtype),
+        x.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        dim,
+        x.stride(0),
+        0 if delta is None else delta.stride(0),
+        eps,
+        _threads(rows * dim),
+    )
     return out
 
 
@@ -90,9 +99,15 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     rows = gate_up.shape[0]
     out = gate_up.new_empty(rows, inter)
     native.call(
-        "pdserve::silu_mul", _entry(lib, "silu_mul", gate_up.dtype), gate_up.data_ptr(),
-        out.data_ptr(), rows, inter, gate_up.stride(0), _threads(rows * inter),
-    )  # fmt: skip
+        "pdserve::silu_mul",
+        _entry(lib, "silu_mul", gate_up.dtype),
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        inter,
+        gate_up.stride(0),
+        _threads(rows * inter),
+    )
     return out
 
 
@@ -117,11 +132,23 @@ def rope_store(
     plane = num_blocks * block_size * kv_heads * head_dim * layer_pool.element_size()
     k_plane = layer_pool.data_ptr()
     code = native.call(
-        "pdserve::rope_store", _entry(lib, "rope_store", qkv.dtype), qkv.data_ptr(),
-        cos.data_ptr(), ssin.data_ptr(), qk.data_ptr(), k_plane, k_plane + plane, slots.data_ptr(),
-        num_tokens, num_heads, kv_heads, head_dim, qkv.stride(0), num_blocks * block_size,
+        "pdserve::rope_store",
+        _entry(lib, "rope_store", qkv.dtype),
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        ssin.data_ptr(),
+        qk.data_ptr(),
+        k_plane,
+        k_plane + plane,
+        slots.data_ptr(),
+        num_tokens,
+        num_heads,
+        kv_heads,
+        head_dim,
+        qkv.stride(0),
+        num_blocks * block_size,
         _threads(num_tokens * (num_heads + 2 * kv_heads) * head_dim),
-    )  # fmt: skip
+    )
     if code != 0:
         raise IndexError(f"a KV slot is outside the pool's {num_blocks * block_size} slots")
     return qk

@@ -107,10 +107,18 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     rows, (out_features, in_features) = x.shape[0], weight.shape
     out = x.new_empty(rows, out_features)
     native.call(
-        "pdserve::skinny_gemm", kernel, x.data_ptr(), x.stride(0), weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, out_features,
-        in_features, torch.get_num_threads(),
-    )  # fmt: skip
+        "pdserve::skinny_gemm",
+        kernel,
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -220,8 +228,10 @@ def fp32_rows_onednn() -> bool:
     onednn = choice == "onednn" or (choice == "auto" and vendor not in ("GenuineIntel", ""))
     log.info(
         "fp32 prefill GEMMs: %s (PDSERVE_FP32_GEMM=%s, CPU vendor %s)",
-        "oneDNN" if onednn else "MKL, transformers' bits", choice, vendor or "unknown",
-    )  # fmt: skip
+        "oneDNN" if onednn else "MKL, transformers' bits",
+        choice,
+        vendor or "unknown",
+    )
     return onednn
 
 

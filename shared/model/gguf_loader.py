@@ -178,9 +178,14 @@ def load_gguf_weights(model: Model, gguf: GgufFile, *, progress: bool = True) ->
     params = dict(model.named_parameters())
     plan = _tensor_plan(gguf, params, model.config)
     bar = tqdm(
-        total=len(plan), desc=f"loading {gguf.path.name}", unit="tensor", file=sys.stderr,
-        disable=not progress, mininterval=0.5, leave=False,
-    )  # fmt: skip
+        total=len(plan),
+        desc=f"loading {gguf.path.name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=0.5,
+        leave=False,
+    )
 
     def store(tensor: ReaderTensor, hf_names: list[str]) -> None:
         values = torch.from_numpy(_dequantized(gguf, tensor, model.config))

@@ -84,8 +84,10 @@ def _deepseek(g: GgufFile, arch: str) -> dict[str, Any]:
     v3 = gating == gg.ExpertGatingFuncType.SIGMOID
     norm = bool(g.get(f"{arch}.expert_weights_norm", False))
     if norm and not v3:
-        raise g.error("softmax routing with expert_weights_norm is not supported (DeepSeek-V2 "
-                      "never renormalises)")  # fmt: skip
+        raise g.error(
+            "softmax routing with expert_weights_norm is not supported (DeepSeek-V2 "
+            "never renormalises)"
+        )
     groups = int(g.get(f"{arch}.expert_group_count") or 1)
     if groups > 1 and not v3:
         # llama.cpp ranks groups by their two best scores for every arch; DeepSeek-V2's
@@ -139,8 +141,11 @@ def _rope_scaling(g: GgufFile, arch: str) -> dict[str, Any]:
     mscale_all_dim = float(g.get(f"{arch}.rope.scaling.yarn_log_multiplier") or 0.0)
     mscale_all_dim /= _YARN_LOG_MUL_SCALE
     # llama.cpp cancels yarn's cos/sin factor; only the softmax takes mscale_all_dim
-    return yarn | {"attention_factor": 1.0, "mscale": mscale_all_dim,
-                   "mscale_all_dim": mscale_all_dim}  # fmt: skip
+    return yarn | {
+        "attention_factor": 1.0,
+        "mscale": mscale_all_dim,
+        "mscale_all_dim": mscale_all_dim,
+    }
 
 
 def tensor_targets(g: GgufFile, architecture: str, params: Collection[str]) -> dict[str, list[str]]:
@@ -153,8 +158,9 @@ def tensor_targets(g: GgufFile, architecture: str, params: Collection[str]) -> d
         expert = _EXPERT.fullmatch(checkpoint)
         if expert:
             layer, index, proj = expert.groups()
-            stacked = names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight",
-                                     try_suffixes=(".weight",))  # fmt: skip
+            stacked = names.get_name(
+                f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",)
+            )
             if stacked is None:
                 raise ValueError(f"{g.architecture} GGUF has no tensor name for {checkpoint}")
             experts.setdefault(stacked, []).append((int(index), parts[0]))

@@ -50,8 +50,10 @@ class LatentAttention(nn.Module):
         # one GEMM for both projections of x: q (or its LoRA's down-projection) and the latent;
         # not where only the latent's has a bias (transformers' q_proj never has one)
         q_first = "q_proj" if m.q_lora_rank is None else "q_a_proj"
-        parts = {q_first: q_out if m.q_lora_rank is None else m.q_lora_rank,
-                 "kv_a_proj_with_mqa": m.latent_dim}  # fmt: skip
+        parts = {
+            q_first: q_out if m.q_lora_rank is None else m.q_lora_rank,
+            "kv_a_proj_with_mqa": m.latent_dim,
+        }
         self.fused_x_proj = not (m.q_lora_rank is None and bias)
         if self.fused_x_proj:
             register_fused_linear(self, "x_proj", h, parts, bias, device, dtype)
@@ -111,8 +113,9 @@ class LatentAttention(nn.Module):
             return apply_interleaved_rotary(x, *step.rope)
         return apply_rotary(x, *step.rope)
 
-    def _context(self, rows: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup
-                 ) -> torch.Tensor:  # fmt: skip
+    def _context(
+        self, rows: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
         """[G, Kmax, latent + rope]: this step's rows (fresh groups) or the pool's."""
         if group.fresh:
             return padded_rows(rows[:, None], group)[:, 0]
@@ -120,8 +123,9 @@ class LatentAttention(nn.Module):
         blocks = layer_pool[0].index_select(0, group.kv_blocks)  # [n, block_size, 1, D]
         return blocks.view(len(group.seq_ids), group.kv_len, -1).to(rows.dtype)
 
-    def _expanded(self, q: torch.Tensor, rows: torch.Tensor, layer_pool: torch.Tensor,
-                  group: AttentionGroup) -> torch.Tensor:  # fmt: skip
+    def _expanded(
+        self, q: torch.Tensor, rows: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
         """transformers' computation: the context's latents up-projected into per-head keys and
         values, SDPA over them. q: [T, heads, qk_head_dim]; returns [real queries, heads * v]."""
         m, heads = self.mla, self.num_heads
@@ -142,8 +146,9 @@ class LatentAttention(nn.Module):
         )
         return valid_rows(attn, group)
 
-    def _latent_decode(self, q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup
-                       ) -> torch.Tensor:  # fmt: skip
+    def _latent_decode(
+        self, q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
         """Single queries attending in latent space; returns [G, heads * v]."""
         m, heads = self.mla, self.num_heads
         q = q if group.query_rows is None else q.index_select(0, group.query_rows)

@@ -40,8 +40,9 @@ class Expert(nn.Module):
 class ExpertBank(nn.Module):
     """The routed experts: children `0` .. `E-1`, run one GEMM pair per active expert."""
 
-    def __init__(self, config: ModelConfig, moe: MoeConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, moe: MoeConfig, device: torch.device, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         e, h, i = moe.num_experts, config.hidden_size, moe.intermediate_size
         gate_up = torch.empty(e, 2 * i, h, device=device, dtype=dtype)
@@ -58,8 +59,9 @@ class ExpertBank(nn.Module):
     def run_expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `expert`'s SwiGLU over rows [n, H] -> [n, H]."""
         gate_up = self.gate_up_gemms[expert](rows)
-        return self.down_gemms[expert](gated_activation(gate_up, self.intermediate_size,
-                                                        self.activation))  # fmt: skip
+        return self.down_gemms[expert](
+            gated_activation(gate_up, self.intermediate_size, self.activation)
+        )
 
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor

@@ -51,8 +51,9 @@ class MoeConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MoeConfig.{name} must be a positive int, got {value!r}")
         if self.scoring not in SCORINGS:
-            raise ValueError(f"unsupported router scoring {self.scoring!r}; supported: "
-                             f"{list(SCORINGS)}")  # fmt: skip
+            raise ValueError(
+                f"unsupported router scoring {self.scoring!r}; supported: {list(SCORINGS)}"
+            )
         if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise ValueError(
                 f"{self.num_experts} experts cannot form {self.n_group} groups of which "

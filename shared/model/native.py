@@ -112,10 +112,14 @@ def _resolve(kernel: Kernel, cpu: frozenset[str]) -> KernelState:
         found = (best, built) if built is not None else found
     if found is None:
         dirs = " or ".join(str(d) for d in kernel_build.search_dirs())
-        why = f"build failed: {error}" if error else (
-            f"no library for {best.name} or a lesser variant in {dirs} and no C compiler to "
-            "build one: run `pdserve build-kernels`"
-        )  # fmt: skip
+        why = (
+            f"build failed: {error}"
+            if error
+            else (
+                f"no library for {best.name} or a lesser variant in {dirs} and no C compiler to "
+                "build one: run `pdserve build-kernels`"
+            )
+        )
         return KernelState(kernel.name, False, detail=why, act=True)
     variant, path = found
     covered = kernel.covered(variant.requires)
@@ -156,16 +160,21 @@ def _build_now(
         path, built = kernel_build.build(kernel.name, variant, kernel_build.cache_dir(), cc)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         if found is not None:
-            log.warning("%s: building %s failed (%s); %s kept", kernel.what, variant.name, e,
-                        found[0].name)  # fmt: skip
+            log.warning(
+                "%s: building %s failed (%s); %s kept", kernel.what, variant.name, e, found[0].name
+            )
         return None, str(e)
     if built:
         log.warning(
             "%s: no prebuilt library for this CPU's best variant, built %s for %s (%s) in "
             "%.1fs: %s (`pdserve build-kernels` builds every variant ahead of time)",
-            kernel.what, kernel.name, variant.name, variant.summary, time.monotonic() - start,
+            kernel.what,
+            kernel.name,
+            variant.name,
+            variant.summary,
+            time.monotonic() - start,
             path,
-        )  # fmt: skip
+        )
     return path, ""
 
 
@@ -184,8 +193,12 @@ def states() -> dict[str, KernelState]:
 def log_states() -> None:
     """One line per kernel (WARNING where a person can turn an off kernel on)."""
     for name, state in states().items():
-        log.log(logging.WARNING if state.act else logging.INFO, "C kernel %s: %s", name,
-                state.describe())  # fmt: skip
+        log.log(
+            logging.WARNING if state.act else logging.INFO,
+            "C kernel %s: %s",
+            name,
+            state.describe(),
+        )
 
 
 Signatures = dict[str, tuple[list[type], type | None]]
@@ -219,8 +232,13 @@ def load(name: str, switch: str, what: str, signatures: Signatures) -> ctypes.CD
             state = _states[name] = KernelState(name, False, detail=f"load failed: {e}", act=True)
     if not state.on:
         off = "unavailable" if state.act else "off"
-        log.log(logging.WARNING if state.act else logging.INFO, "%s %s (%s): torch path", what,
-                off, state.detail)  # fmt: skip
+        log.log(
+            logging.WARNING if state.act else logging.INFO,
+            "%s %s (%s): torch path",
+            what,
+            off,
+            state.detail,
+        )
         return None
     for symbol, (args, result) in signatures.items():
         fn = getattr(lib, symbol)

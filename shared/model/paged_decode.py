@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 _BF16 = {torch.bfloat16: 1, torch.float32: 0}
 _ARGTYPES = (
-    [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int64]
+    [ctypes.c_void_p] * 5
+    + [ctypes.c_int64] * 9
+    + [ctypes.c_float, ctypes.c_int64]
     + [ctypes.c_int] * 2
-)  # fmt: skip
+)
 
 
 @functools.cache
@@ -68,9 +70,12 @@ def usable(q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup) -> 
 
 
 def decode_attention(
-    q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup, scale: float,
+    q: torch.Tensor,
+    layer_pool: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
     window: int | None,
-) -> torch.Tensor | None:  # fmt: skip
+) -> torch.Tensor | None:
     """[G, heads * head_dim]: the group's single queries over their paged context, or None when
     the kernel declines the shape (the caller then runs SDPA). q: [T, heads, head_dim]."""
     lib = library()
@@ -82,9 +87,25 @@ def decode_attention(
     pos = group.query_pos[:, 0].contiguous()
     out = rows.new_empty(n_seqs, num_heads * head_dim)
     code = native.call(
-        "pdserve::paged_decode", lib.paged_decode, rows.data_ptr(), layer_pool.data_ptr(),
-        out.data_ptr(), blocks.data_ptr(), pos.data_ptr(), n_seqs, blocks.shape[1], num_heads,
-        kv_heads, head_dim, num_blocks, block_size, rows.stride(0), rows.stride(1), scale,
-        window or 0, _BF16[q.dtype], torch.get_num_threads(),
-    )  # fmt: skip
+        "pdserve::paged_decode",
+        lib.paged_decode,
+        rows.data_ptr(),
+        layer_pool.data_ptr(),
+        out.data_ptr(),
+        blocks.data_ptr(),
+        pos.data_ptr(),
+        n_seqs,
+        blocks.shape[1],
+        num_heads,
+        kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        rows.stride(0),
+        rows.stride(1),
+        scale,
+        window or 0,
+        _BF16[q.dtype],
+        torch.get_num_threads(),
+    )
     return out if code == 0 else None

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 MAX_HEAD_DIM = 256  # kernels/paged_prefill.c: MAX_D
 _ARGTYPES = (
     [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
-)  # fmt: skip
+)
 _ENTRY = {torch.bfloat16: "paged_prefill", torch.float32: "paged_prefill_f32"}
 
 
@@ -84,9 +84,13 @@ def usable(q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup) -> 
 
 
 def prefill_attention(
-    q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup, scale: float,
-    window: int | None, out: torch.Tensor,
-) -> bool:  # fmt: skip
+    q: torch.Tensor,
+    layer_pool: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> bool:
     """Write the group's queries' attention into their rows of `out` [T, heads * head_dim];
     False when the kernel declines (the caller then runs SDPA). q: [T, heads, head_dim]."""
     lib = library()
@@ -97,10 +101,26 @@ def prefill_attention(
     _, num_blocks, block_size, kv_heads, _ = layer_pool.shape
     tables = group.block_tables
     code = native.call(
-        "pdserve::paged_prefill", getattr(lib, _ENTRY[q.dtype]), q.data_ptr(),
-        layer_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), group.seq_starts.data_ptr(),
-        group.seq_qlens.data_ptr(), group.seq_computed.data_ptr(), tables.shape[0],
-        tables.shape[1], num_heads, kv_heads, head_dim, num_blocks, block_size, q.stride(0),
-        q.stride(1), scale, window or 0, torch.get_num_threads(),
-    )  # fmt: skip
+        "pdserve::paged_prefill",
+        getattr(lib, _ENTRY[q.dtype]),
+        q.data_ptr(),
+        layer_pool.data_ptr(),
+        out.data_ptr(),
+        tables.data_ptr(),
+        group.seq_starts.data_ptr(),
+        group.seq_qlens.data_ptr(),
+        group.seq_computed.data_ptr(),
+        tables.shape[0],
+        tables.shape[1],
+        num_heads,
+        kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        q.stride(0),
+        q.stride(1),
+        scale,
+        window or 0,
+        torch.get_num_threads(),
+    )
     return code == 0

@@ -62,8 +62,11 @@ def chosen(dtype: torch.dtype) -> bool:
     usable = wanted and _kernel_works(dtype)
     log.info(
         "%s GEMMs past the GEMV rows: %s (%s=%s)",
-        _SUFFIX[dtype], "panel kernel" if usable else "libraries", SWITCH, choice,
-    )  # fmt: skip
+        _SUFFIX[dtype],
+        "panel kernel" if usable else "libraries",
+        SWITCH,
+        choice,
+    )
     return usable
 
 
@@ -113,8 +116,15 @@ def linear(
     rows, in_features = x.shape
     out = x.new_empty(rows, out_features)
     args = (
-        x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
     native.call(PROFILER_NAME, getattr(lib, f"panel_gemm_{_SUFFIX[x.dtype]}"), *args)
     return out

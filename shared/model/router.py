@@ -76,8 +76,9 @@ def grouped_softmax_topk(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Te
 class Router(nn.Module):
     """`gate.weight` [E, H] (and DeepSeek's `gate.e_score_correction_bias` [E])."""
 
-    def __init__(self, hidden_size: int, moe: MoeConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self, hidden_size: int, moe: MoeConfig, device: torch.device, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.moe = moe
         # DeepSeek keeps its router in fp32 whatever the model dtype

@@ -68,15 +68,44 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 # Seconds; spans sub-millisecond steps up to minute-long requests.
 LATENCY_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
     60.0,
-)  # fmt: skip
+)
 
 # Seconds, signed: predicted minus actual (positive: the prediction was pessimistic).
 PREDICTION_ERROR_BUCKETS: tuple[float, ...] = (
-    -30.0, -10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    -30.0,
+    -10.0,
+    -5.0,
+    -2.5,
+    -1.0,
+    -0.5,
+    -0.25,
+    -0.1,
+    0.0,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
     30.0,
-)  # fmt: skip
+)
 
 ScrapeValue = float | Mapping[tuple[str, ...] | str, float]
 
