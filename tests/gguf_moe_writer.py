@@ -47,8 +47,10 @@ def _common(w: gguf.GGUFWriter, c: dict[str, Any]) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(params["factor"])
         w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
-        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
-                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):  # fmt: skip
+        for key, add in (
+            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+        ):
             if key in params:
                 add(params[key])
         if params.get("mscale_all_dim") is not None:

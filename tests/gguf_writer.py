@@ -175,10 +175,44 @@ def write_gguf(
 # --------------------------------------------------------------- SentencePiece-style tokenizer
 
 _SPM_PIECES = [
-    "▁", "▁t", "he", "▁the", "▁a", "in", "▁in", "er", "on", "▁o", "▁w", "or", "ld", "▁wor",
-    "▁world", "▁He", "ll", "llo", "▁Hello", "é", "▁é", "▁café", "caf", "▁caf", "日本", "日",
-    "本", "▁▁", "▁▁▁", "▁\n", "\n", "\n\n", "▁is", "is", "ing", "▁th", "▁this",
-]  # fmt: skip
+    "▁",
+    "▁t",
+    "he",
+    "▁the",
+    "▁a",
+    "in",
+    "▁in",
+    "er",
+    "on",
+    "▁o",
+    "▁w",
+    "or",
+    "ld",
+    "▁wor",
+    "▁world",
+    "▁He",
+    "ll",
+    "llo",
+    "▁Hello",
+    "é",
+    "▁é",
+    "▁café",
+    "caf",
+    "▁caf",
+    "日本",
+    "日",
+    "本",
+    "▁▁",
+    "▁▁▁",
+    "▁\n",
+    "\n",
+    "\n\n",
+    "▁is",
+    "is",
+    "ing",
+    "▁th",
+    "▁this",
+]
 
 
 def spm_tokens() -> tuple[list[str], list[float], list[int]]:

@@ -30,10 +30,23 @@ _CHOSEN_BY_NODE = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "PDSE
 
 def _node_argv() -> list[str]:
     return [
-        sys.executable, "-m", "pdserve.cli", "colocated", "--model", "tiny", "--port", "0",
-        "--http-port", "0", "--metrics-port", "-1", "--num-kv-blocks", "64",
-        "--log-level", "info",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "colocated",
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--num-kv-blocks",
+        "64",
+        "--log-level",
+        "info",
+    ]
 
 
 def _start(prefix: list[str], log: Path) -> NodeProcess:

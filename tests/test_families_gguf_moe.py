@@ -32,38 +32,96 @@ from tests.gguf_moe_writer import quantized_checkpoint, write_moe_gguf
 from tests.test_families_parity import engine_config, family_prompts
 
 MAX_TOKENS = 8
-_MLA = {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}  # fmt: skip
+_MLA = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
 # mscale = mscale_all_dim, as in the released models: llama.cpp has no key for a different one
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "mscale": 0.707,
-        "mscale_all_dim": 0.707, "original_max_position_embeddings": 64}  # fmt: skip
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 16.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "original_max_position_embeddings": 64,
+}
 # (arch, checkpoint overrides, split kv_b_proj as today's converter does)
 VARIANTS: dict[str, tuple[str, dict[str, object], bool]] = {
-    "qwen3moe-8x3-gqa": ("qwen3_moe", {
-        "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 3,
-        "moe_intermediate_size": 32, "head_dim": 32, "norm_topk_prob": True,
-    }, True),
-    "qwen3moe-4x2-yarn": ("qwen3_moe", {
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16,
-        "norm_topk_prob": True, "max_position_embeddings": 256,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                            "original_max_position_embeddings": 64},
-    }, True),
-    "deepseek-v3-grouped-qlora-split-kv-b": ("deepseek_v3", _MLA | {
-        "q_lora_rank": 48, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
-        "num_experts_per_tok": 3, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-        "n_shared_experts": 2,
-    }, True),
-    "deepseek-v2-lite-yarn-kv-b": ("deepseek_v2", _MLA | {
-        "q_lora_rank": None, "n_routed_experts": 8, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 2,
-        "topk_method": "greedy", "routed_scaling_factor": 1.5, "rope_parameters": YARN,
-    }, False),
-}  # fmt: skip
+    "qwen3moe-8x3-gqa": (
+        "qwen3_moe",
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "head_dim": 32,
+            "norm_topk_prob": True,
+        },
+        True,
+    ),
+    "qwen3moe-4x2-yarn": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "head_dim": 16,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        True,
+    ),
+    "deepseek-v3-grouped-qlora-split-kv-b": (
+        "deepseek_v3",
+        _MLA
+        | {
+            "q_lora_rank": 48,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 2,
+        },
+        True,
+    ),
+    "deepseek-v2-lite-yarn-kv-b": (
+        "deepseek_v2",
+        _MLA
+        | {
+            "q_lora_rank": None,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 2,
+            "topk_method": "greedy",
+            "routed_scaling_factor": 1.5,
+            "rope_parameters": YARN,
+        },
+        False,
+    ),
+}
 # inside what transformers' GGUF reader maps: it has no key for moe_intermediate_size and takes
 # its default, 768 (Qwen3-30B-A3B's)
-TRANSFORMERS_READABLE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
-                         "head_dim": 32, "norm_topk_prob": True}  # fmt: skip
+TRANSFORMERS_READABLE = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 768,
+    "head_dim": 32,
+    "norm_topk_prob": True,
+}
 
 
 def _tokens(path: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -165,8 +223,12 @@ def _rewrite(path: Path, out: Path, key: str, value: object) -> Path:
     elif value is not None:
         w.add_uint32(key, int(value))  # type: ignore[call-overload]
     for t in reader.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])),
-                     raw_dtype=t.tensor_type)  # fmt: skip
+        w.add_tensor(
+            t.name,
+            t.data,
+            raw_shape=list(reversed([int(d) for d in t.shape])),
+            raw_dtype=t.tensor_type,
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -177,18 +239,34 @@ def _rewrite(path: Path, out: Path, key: str, value: object) -> Path:
 @pytest.mark.parametrize(
     ("name", "key", "value", "problem"),
     [
-        ("deepseek-v3-grouped-qlora-split-kv-b", "deepseek2.expert_gating_func", 3,
-         "unsupported expert_gating_func 3"),
-        ("deepseek-v2-lite-yarn-kv-b", "deepseek2.expert_weights_norm", True,
-         "softmax routing with expert_weights_norm is not supported"),
-        ("deepseek-v2-lite-yarn-kv-b", "deepseek2.expert_group_count", 2,
-         "softmax routing over 2 expert groups is not supported"),
+        (
+            "deepseek-v3-grouped-qlora-split-kv-b",
+            "deepseek2.expert_gating_func",
+            3,
+            "unsupported expert_gating_func 3",
+        ),
+        (
+            "deepseek-v2-lite-yarn-kv-b",
+            "deepseek2.expert_weights_norm",
+            True,
+            "softmax routing with expert_weights_norm is not supported",
+        ),
+        (
+            "deepseek-v2-lite-yarn-kv-b",
+            "deepseek2.expert_group_count",
+            2,
+            "softmax routing over 2 expert groups is not supported",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_llama_cpp_would_run_otherwise_fails_at_load(
-    name: str, key: str, value: object, problem: str,
-    checkpoint: Callable[..., Path], tmp_path: Path,
-) -> None:  # fmt: skip
+    name: str,
+    key: str,
+    value: object,
+    problem: str,
+    checkpoint: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
     arch, kwargs, split = VARIANTS[name]
     path = write_moe_gguf(checkpoint(arch, **kwargs), tmp_path / "ok.gguf", split_kv_b=split)
     bad = _rewrite(path, tmp_path / "bad.gguf", key, value)

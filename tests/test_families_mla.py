@@ -44,33 +44,87 @@ from tests.test_families_parity import (
 )
 from tests.test_sampling_seeded import assert_same, by_request, mixed_params
 
-_MLA = {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}  # fmt: skip
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "mscale": 0.707,
-        "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}  # fmt: skip
+_MLA = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 16.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 64,
+}
 VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
-    "v3-8x3-grouped-qlora-dense-first": ("deepseek_v3", _MLA | {
-        "q_lora_rank": 48, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
-        "num_experts_per_tok": 3, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-    }),
-    "v3-16x4-half-rope-unnormed-bias": ("deepseek_v3", _MLA | {
-        "q_lora_rank": 24, "n_routed_experts": 16, "n_group": 8, "topk_group": 3,
-        "num_experts_per_tok": 4, "moe_intermediate_size": 16, "first_k_dense_replace": 0,
-        "n_shared_experts": 2, "norm_topk_prob": False, "rope_interleave": False,
-        "attention_bias": True, "v_head_dim": 24,
-    }),
-    "v2-lite-greedy-yarn-bias": ("deepseek_v2", _MLA | {
-        "q_lora_rank": None, "n_routed_experts": 8, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 2,
-        "topk_method": "greedy", "routed_scaling_factor": 1.5, "rope_parameters": YARN,
-        "attention_bias": True,  # on kv_a_proj_with_mqa and o_proj, never on q_proj
-    }),
-    "v2-group-limited-qlora": ("deepseek_v2", _MLA | {
-        "num_hidden_layers": 3, "q_lora_rank": 40, "n_routed_experts": 8, "n_group": 4,
-        "topk_group": 2, "topk_method": "group_limited_greedy", "num_experts_per_tok": 3,
-        "moe_intermediate_size": 16, "first_k_dense_replace": 1, "n_shared_experts": 1,
-    }),
-}  # fmt: skip
+    "v3-8x3-grouped-qlora-dense-first": (
+        "deepseek_v3",
+        _MLA
+        | {
+            "q_lora_rank": 48,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+        },
+    ),
+    "v3-16x4-half-rope-unnormed-bias": (
+        "deepseek_v3",
+        _MLA
+        | {
+            "q_lora_rank": 24,
+            "n_routed_experts": 16,
+            "n_group": 8,
+            "topk_group": 3,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 0,
+            "n_shared_experts": 2,
+            "norm_topk_prob": False,
+            "rope_interleave": False,
+            "attention_bias": True,
+            "v_head_dim": 24,
+        },
+    ),
+    "v2-lite-greedy-yarn-bias": (
+        "deepseek_v2",
+        _MLA
+        | {
+            "q_lora_rank": None,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 2,
+            "topk_method": "greedy",
+            "routed_scaling_factor": 1.5,
+            "rope_parameters": YARN,
+            "attention_bias": True,  # on kv_a_proj_with_mqa and o_proj, never on q_proj
+        },
+    ),
+    "v2-group-limited-qlora": (
+        "deepseek_v2",
+        _MLA
+        | {
+            "num_hidden_layers": 3,
+            "q_lora_rank": 40,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "topk_method": "group_limited_greedy",
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+        },
+    ),
+}
 PD_VARIANT = "v3-8x3-grouped-qlora-dense-first"
 
 
@@ -95,9 +149,11 @@ def deepseek_tie(
     rival = scores.masked_fill(picked, float("-inf")).max(dim=-1)
     gaps = last.values - rival.values
     t = int(gaps.argmin())
-    return float(gaps[t]), (f"token {t}: expert {int(last.indices[t])} "
-                            f"{float(last.values[t]):.8f} vs expert {int(rival.indices[t])} "
-                            f"{float(rival.values[t]):.8f}")  # fmt: skip
+    return float(gaps[t]), (
+        f"token {t}: expert {int(last.indices[t])} "
+        f"{float(last.values[t]):.8f} vs expert {int(rival.indices[t])} "
+        f"{float(rival.values[t]):.8f}"
+    )
 
 
 def closest_router_tie(path: Path, ids: list[int]) -> str:
@@ -137,9 +193,11 @@ def test_mla_pd_pushes_latents_and_matches_transformers(variant: Callable[[str],
     async def body() -> None:
         async with pd_cluster(path, num_prefill=2, prefill_engine=prefill) as c:
             results = await asyncio.gather(
-                *(generate(c.targets[0], p, max_tokens=m, timeout=120)
-                  for p, m in zip(prompts, max_tokens, strict=True))
-            )  # fmt: skip
+                *(
+                    generate(c.targets[0], p, max_tokens=m, timeout=120)
+                    for p, m in zip(prompts, max_tokens, strict=True)
+                )
+            )
             for p, m, r in zip(prompts, max_tokens, results, strict=True):
                 assert r.token_ids == hf_greedy(path, p, m), f"prompt of {len(p)} tokens"
             assert all(node.core.num_steps > 0 for node in c.prefills)  # both took prompts
@@ -223,8 +281,10 @@ def test_latent_pool_layout_and_sizing(variant: Callable[[str], Path]) -> None:
         (4 * 10 + b) * layout.plane_block_bytes for b in (4, 8)
     ]
     path = variant(PD_VARIANT)
-    llm = LLM(EngineConfig(model=str(path), kv_cache_memory_mb=1, block_size=8),
-              load_model(str(path), dtype=torch.float32))  # fmt: skip
+    llm = LLM(
+        EngineConfig(model=str(path), kv_cache_memory_mb=1, block_size=8),
+        load_model(str(path), dtype=torch.float32),
+    )
     core = llm.core
     assert core.layout.token_bytes == latent_bytes_per_token(path, itemsize=4)
     assert core.kv_manager.blocks.num_blocks == 2**20 // (core.layout.token_bytes * 8)
@@ -239,9 +299,16 @@ def test_yarn_rope_and_softmax_scale_match_transformers() -> None:
 
     from shared.model.rotary import RotaryEmbedding
 
-    hf_config = DeepseekV3Config(**{**_MLA, "hidden_size": 64, "q_lora_rank": 16,
-                                    "max_position_embeddings": 1024, "rope_parameters": YARN,
-                                    "architectures": ["DeepseekV3ForCausalLM"]})  # fmt: skip
+    hf_config = DeepseekV3Config(
+        **{
+            **_MLA,
+            "hidden_size": 64,
+            "q_lora_rank": 16,
+            "max_position_embeddings": 1024,
+            "rope_parameters": YARN,
+            "architectures": ["DeepseekV3ForCausalLM"],
+        }
+    )
     ours = config_from_hf(hf_config.to_dict())
     assert ours.mla is not None
     assert ours.mla.softmax_scale == hf_v3.DeepseekV3Attention(hf_config, 0).scaling
@@ -265,9 +332,16 @@ def test_deepseek_v2_router_matches_transformers(method: str) -> None:
     from shared.model.moe_hf import deepseek_v2_moe
     from shared.model.router import Router
 
-    hf_config = DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4,
-                                 n_group=4, topk_group=2, topk_method=method,
-                                 routed_scaling_factor=1.7, moe_intermediate_size=8)  # fmt: skip
+    hf_config = DeepseekV2Config(
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        topk_method=method,
+        routed_scaling_factor=1.7,
+        moe_intermediate_size=8,
+    )
     hf = DeepseekV2TopkRouter(hf_config)
     ours = Router(32, deepseek_v2_moe(hf_config.to_dict(), 2), torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(len(method))

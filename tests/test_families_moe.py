@@ -121,8 +121,9 @@ def nearest_router_tie(path: Path, ids: list[int], layer_tie: LayerTie) -> str:
 
         return record
 
-    handles = [m.register_forward_hook(hook(n, m)) for n, m in hf.named_modules()
-               if n.endswith("mlp.gate")]  # fmt: skip
+    handles = [
+        m.register_forward_hook(hook(n, m)) for n, m in hf.named_modules() if n.endswith("mlp.gate")
+    ]
     with torch.inference_mode():
         hf(torch.tensor([ids]))
     for h in handles:
@@ -140,8 +141,10 @@ def softmax_top_k_tie(
     gaps = probs[:, top_k - 1] - probs[:, top_k]
     t = int(gaps.argmin())
     a, b = int(experts[t, top_k - 1]), int(experts[t, top_k])
-    return float(gaps[t]), (f"token {t}: expert {a} {float(probs[t, top_k - 1]):.8f} vs "
-                            f"expert {b} {float(probs[t, top_k]):.8f}")  # fmt: skip
+    return float(gaps[t]), (
+        f"token {t}: expert {a} {float(probs[t, top_k - 1]):.8f} vs "
+        f"expert {b} {float(probs[t, top_k]):.8f}"
+    )
 
 
 def closest_router_tie(path: Path, ids: list[int]) -> str:
@@ -172,9 +175,11 @@ def test_moe_pd_matches_transformers_and_colocated_sampling(
     async def body() -> None:
         async with pd_cluster(path, num_prefill=2, prefill_engine=prefill) as c:
             greedy = await asyncio.gather(
-                *(generate(c.targets[0], p, max_tokens=m, timeout=120)
-                  for p, m in zip(prompts, max_tokens, strict=True))
-            )  # fmt: skip
+                *(
+                    generate(c.targets[0], p, max_tokens=m, timeout=120)
+                    for p, m in zip(prompts, max_tokens, strict=True)
+                )
+            )
             for p, m, r in zip(prompts, max_tokens, greedy, strict=True):
                 assert r.token_ids == hf_greedy(path, p, m), f"prompt of {len(p)} tokens"
             got = await asyncio.gather(
@@ -215,11 +220,15 @@ def test_moe_export_round_trips(name: str, variant: Callable[[str], Path], tmp_p
 DEEPSEEK_ROUTERS: dict[str, dict[str, object]] = {
     "grouped-8x4-of-2": {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 4},
     "grouped-16x6-of-3-unnormed": {
-        "n_routed_experts": 16, "n_group": 8, "topk_group": 3, "num_experts_per_tok": 6,
-        "norm_topk_prob": False, "n_shared_experts": 2,
+        "n_routed_experts": 16,
+        "n_group": 8,
+        "topk_group": 3,
+        "num_experts_per_tok": 6,
+        "norm_topk_prob": False,
+        "n_shared_experts": 2,
     },
     "ungrouped-8x2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
-}  # fmt: skip
+}
 
 
 def deepseek_pair(overrides: dict[str, object]) -> tuple[torch.nn.Module, SparseMoe]:
@@ -228,9 +237,15 @@ def deepseek_pair(overrides: dict[str, object]) -> tuple[torch.nn.Module, Sparse
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    base = {"hidden_size": 32, "moe_intermediate_size": 16, "n_routed_experts": 8,
-            "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
-            "num_hidden_layers": 2}  # fmt: skip
+    base = {
+        "hidden_size": 32,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 2,
+    }
     hf_config = DeepseekV3Config(**{**base, **overrides})
     gen = torch.Generator().manual_seed(7)
     hf = DeepseekV3MoE(hf_config).eval()
@@ -240,9 +255,17 @@ def deepseek_pair(overrides: dict[str, object]) -> tuple[torch.nn.Module, Sparse
     d = hf_config.to_dict()
     moe = deepseek_moe(d, hf_config.num_hidden_layers)
     assert moe.dense_layers == (0,) and moe.sparse(1)
-    config = ModelConfig(architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=32,
-                         intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=4,
-                         head_dim=8, moe=moe)  # fmt: skip
+    config = ModelConfig(
+        architecture="DeepseekV3ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+        moe=moe,
+    )
     ours = SparseMoe(config, torch.device("cpu"), torch.float32)
     shared = ours.shared_experts
     assert shared is not None

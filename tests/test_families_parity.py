@@ -167,8 +167,10 @@ def test_greedy_generation_matches_transformers(name: str, variant: Callable[[st
     greedy_matches_transformers(variant(name), name)
 
 
-@pytest.mark.parametrize("name", ["qwen3-gqa-untied", "gemma2-softcap", "gemma3-mqa-untied",
-                                  "phi3-partial-rotary-window"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3-gqa-untied", "gemma2-softcap", "gemma3-mqa-untied", "phi3-partial-rotary-window"],
+)
 def test_sampling_features_on_every_family(name: str, variant: Callable[[str], Path]) -> None:
     """Repetition penalty (token-exact with transformers), logprobs (transformers' log-softmax
     of the chosen tokens) and n = 2 greedy completions (both equal) on the family's model."""

@@ -56,9 +56,12 @@ def test_legacy_messages_reach_the_template_as_a_tool_exchange() -> None:
 async def named(client: Any, model: str) -> None:
     """A named function: its call, whole and streamed (greedy: the same call)."""
     kwargs = {
-        "model": model, "messages": ask("add"), "functions": FUNCTIONS, "max_tokens": 64,
+        "model": model,
+        "messages": ask("add"),
+        "functions": FUNCTIONS,
+        "max_tokens": 64,
         "temperature": 0.0,
-    }  # fmt: skip
+    }
     whole = await client.chat.completions.create(**kwargs, function_call={"name": "add"})
     choice = whole.choices[0]
     assert choice.finish_reason == "function_call", choice
@@ -109,9 +112,12 @@ async def two_turns(client: Any, http: httpx.AsyncClient, model: str) -> None:
     (as tool_calls and a tool message), and /tokenize counts that very prompt."""
     messages: list[Any] = ask("add")
     first = await client.chat.completions.create(
-        model=model, messages=messages, functions=FUNCTIONS, function_call={"name": "add"},
+        model=model,
+        messages=messages,
+        functions=FUNCTIONS,
+        function_call={"name": "add"},
         max_tokens=64,
-    )  # fmt: skip
+    )
     call = first.choices[0].message.function_call
     messages += [
         first.choices[0].message.model_dump(exclude_none=True),

@@ -29,9 +29,15 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _rope(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin as the model builds them for a step (llama.RotaryEmbedding)."""
     config = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=head_dim,
-        intermediate_size=head_dim, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim,
-    )  # fmt: skip
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=head_dim,
+        intermediate_size=head_dim,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=head_dim,
+    )
     return RotaryEmbedding(config, torch.device("cpu"))(positions, BF16)
 
 
@@ -108,8 +114,12 @@ def test_threads_do_not_change_results() -> None:
     outs = []
     for threads in (1, 2):
         with torch_threads(threads):
-            outs.append((fused_ops.add_rms_norm(x.clone(), x, weight, 1e-6),
-                         fused_ops.silu_mul(gate_up, 1536)))  # fmt: skip
+            outs.append(
+                (
+                    fused_ops.add_rms_norm(x.clone(), x, weight, 1e-6),
+                    fused_ops.silu_mul(gate_up, 1536),
+                )
+            )
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
@@ -173,8 +183,10 @@ def test_fp32_kernels_match_the_torch_formulas(rows: int, threads: int) -> None:
     torch.testing.assert_close(pool, theirs_pool, rtol=1e-6, atol=1e-6)
     untouched = torch.ones(pool.view(2, -1, kv_heads, head_dim).shape[1], dtype=torch.bool)
     untouched[slots] = False
-    assert torch.equal(pool.view(2, -1, kv_heads, head_dim)[:, untouched],
-                       theirs_pool.view(2, -1, kv_heads, head_dim)[:, untouched])  # fmt: skip
+    assert torch.equal(
+        pool.view(2, -1, kv_heads, head_dim)[:, untouched],
+        theirs_pool.view(2, -1, kv_heads, head_dim)[:, untouched],
+    )
 
 
 @needs_kernel

@@ -33,9 +33,12 @@ def hf_greedy(out_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> l
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=max_new_tokens, min_new_tokens=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=0,
+            )
         results.append(gen[0, len(prompt) :].tolist())
     return results
 

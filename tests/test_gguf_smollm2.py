@@ -108,9 +108,12 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             gen = hf_model().generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=MAX_TOKENS, min_new_tokens=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=0,
+            )
         out.append(gen[0, len(prompt) :].tolist())
     return out
 
@@ -118,8 +121,12 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
 def test_config_from_metadata(loaded: LoadedModel) -> None:
     c = loaded.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        30, 576, 9, 3, 64,
-    )  # fmt: skip
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert (c.vocab_size, c.rope_theta, c.max_position_embeddings) == (49152, 100000.0, 8192)
     assert c.tie_word_embeddings
     im_end = loaded.tokenizer.encode("<|im_end|>", add_special_tokens=False)
@@ -194,9 +201,12 @@ def test_export_hf_runs_in_transformers(
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=MAX_TOKENS, min_new_tokens=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=0,
+            )
         assert gen[0, len(prompt) :].tolist() == want
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     for text in (*_RAW, "<|im_start|>user\nhi<|im_end|>"):

@@ -244,8 +244,12 @@ def test_disconnect_before_first_token_and_timeout(run) -> None:
             "/v1/completions", json=_completion(stream=True), headers={"x-request-timeout": "0.3"}
         )
         assert _error(resp, 504)["code"] == "timeout"
-        _error(await client.post("/v1/completions", json=_completion(),
-                                 headers={"x-request-timeout": "soon"}), 400)  # fmt: skip
+        _error(
+            await client.post(
+                "/v1/completions", json=_completion(), headers={"x-request-timeout": "soon"}
+            ),
+            400,
+        )
         await busy
         # the deadline passes mid-stream: a final SSE error event, then [DONE]
         long = _completion(max_tokens=3000, ignore_eos=True, stream=True)

@@ -126,9 +126,12 @@ def test_completions_and_chat_through_the_sdk(cluster: Cluster) -> None:
             models = await client.models.list()
             assert [m.id for m in models.data] == [SERVED]
             done = await client.completions.create(
-                model=SERVED, prompt="Hello", max_tokens=5, temperature=0,
+                model=SERVED,
+                prompt="Hello",
+                max_tokens=5,
+                temperature=0,
                 extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            )
             assert done.object == "text_completion" and done.choices[0].finish_reason == "length"
             assert done.usage.completion_tokens == 5
             assert done.usage.total_tokens == done.usage.prompt_tokens + 5
@@ -138,9 +141,13 @@ def test_completions_and_chat_through_the_sdk(cluster: Cluster) -> None:
             assert bare.usage.prompt_tokens == done.usage.prompt_tokens - 1  # no BOS
 
             stream = await client.completions.create(
-                model=SERVED, prompt="Hello", max_tokens=5, temperature=0, stream=True,
+                model=SERVED,
+                prompt="Hello",
+                max_tokens=5,
+                temperature=0,
+                stream=True,
                 extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            )
             chunks = [c async for c in stream]
             assert all(c.usage is None for c in chunks)
             assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
@@ -152,9 +159,13 @@ def test_completions_and_chat_through_the_sdk(cluster: Cluster) -> None:
             assert chat.choices[0].message.role == "assistant"
             assert chat.choices[0].finish_reason in ("stop", "length")
             stream = await client.chat.completions.create(
-                model=SERVED, messages=CONVERSATIONS[1], max_tokens=6, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-            )  # fmt: skip
+                model=SERVED,
+                messages=CONVERSATIONS[1],
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = [c async for c in stream]
             assert chunks[0].choices[0].delta.role == "assistant"
             assert all(c.object == "chat.completion.chunk" for c in chunks)

@@ -140,9 +140,15 @@ def test_logprobs_equal_grpc_llm_and_transformers(run, llm: LLM, model_dir: Path
 
     async def body(cluster: PdCluster, http: httpx.AsyncClient, sdk: openai.AsyncOpenAI) -> None:
         out = await _post(
-            http, "/v1/completions", model=name, prompt=prompt, max_tokens=8, temperature=0,
-            logprobs=3, ignore_eos=True,
-        )  # fmt: skip
+            http,
+            "/v1/completions",
+            model=name,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            logprobs=3,
+            ignore_eos=True,
+        )
         choice = out["choices"][0]
         assert choice["text"] == want.text
         _assert_completion_logprobs(llm, choice["logprobs"], want.token_ids, want.logprobs, 3)
@@ -155,17 +161,30 @@ def test_logprobs_equal_grpc_llm_and_transformers(run, llm: LLM, model_dir: Path
         _assert_completion_logprobs(llm, choice["logprobs"], grpc.token_ids, grpc.logprobs, 3)
 
         chat = await _post(
-            http, "/v1/chat/completions", model=name, messages=MESSAGES, max_tokens=6,
-            temperature=1.0, seed=5, logprobs=True, top_logprobs=2, ignore_eos=True,
-        )  # fmt: skip
+            http,
+            "/v1/chat/completions",
+            model=name,
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=1.0,
+            seed=5,
+            logprobs=True,
+            top_logprobs=2,
+            ignore_eos=True,
+        )
         assert chat["choices"][0]["message"]["content"] == chat_want.text
         assert chat_want.logprobs is not None
         _assert_chat_logprobs(llm, chat["choices"][0]["logprobs"]["content"], chat_want.logprobs, 2)
         # logprobs asked without alternatives: top_logprobs empty
         bare = await _post(
-            http, "/v1/chat/completions", model=name, messages=MESSAGES, max_tokens=3,
-            temperature=0, logprobs=True,
-        )  # fmt: skip
+            http,
+            "/v1/chat/completions",
+            model=name,
+            messages=MESSAGES,
+            max_tokens=3,
+            temperature=0,
+            logprobs=True,
+        )
         content = bare["choices"][0]["logprobs"]["content"]
         assert len(content) == 3 and all(c["top_logprobs"] == [] for c in content)
         plain = await _post(http, "/v1/completions", model=name, prompt=prompt, max_tokens=2)
@@ -184,9 +203,14 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(run, llm: LLM, model_dir:
     assert want.prompt_logprobs is not None and want.logprobs is not None
     reference = hf_log_softmax(model_dir, prompt)
     fields = {
-        "model": name, "prompt": text, "max_tokens": 5, "temperature": 0, "logprobs": 2,
-        "echo": True, "ignore_eos": True,
-    }  # fmt: skip
+        "model": name,
+        "prompt": text,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": 2,
+        "echo": True,
+        "ignore_eos": True,
+    }
 
     async def body(cluster: PdCluster, http: httpx.AsyncClient, sdk: openai.AsyncOpenAI) -> None:
         choice = (await _post(http, "/v1/completions", **fields))["choices"][0]
@@ -214,9 +238,14 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(run, llm: LLM, model_dir:
 
         # vLLM's prompt_logprobs: {id: {logprob, rank, decoded_token}} per token, first null
         out = await _post(
-            http, "/v1/completions", model=name, prompt=text, max_tokens=2, temperature=0,
+            http,
+            "/v1/completions",
+            model=name,
+            prompt=text,
+            max_tokens=2,
+            temperature=0,
             prompt_logprobs=2,
-        )  # fmt: skip
+        )
         got = out["choices"][0]["prompt_logprobs"]
         assert got[0] is None and len(got) == len(prompt)
         for pos in range(1, len(prompt)):
@@ -251,23 +280,42 @@ def test_seeded_n_equals_llm_token_for_token(run, llm: LLM, model_dir: Path) -> 
     name = _name(model_dir)
     prompts = random_prompts(2, 500, min_len=5, max_len=30, seed=8)
     params = SamplingParams(
-        max_tokens=10, temperature=1.0, top_p=1.0, top_k=0, seed=7, n=4, logprobs=0,
+        max_tokens=10,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        seed=7,
+        n=4,
+        logprobs=0,
         ignore_eos=True,
-    )  # fmt: skip
+    )
     want = llm.generate(prompts, params)  # prompt i's completions at i * 4 + j
     assert len({tuple(o.token_ids) for o in want[:4]}) > 1  # each completion its own stream
     chat_ids = llm.tokenizer.encode(
         load_model(str(model_dir)).chat_template.render(MESSAGES, add_generation_prompt=True),
         add_special_tokens=False,
     )
-    chat_want = llm.generate([chat_ids], SamplingParams(
-        max_tokens=6, temperature=1.0, seed=3, n=2, logprobs=1, ignore_eos=True))  # fmt: skip
+    chat_want = llm.generate(
+        [chat_ids],
+        SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2, logprobs=1, ignore_eos=True),
+    )
 
     async def body(cluster: PdCluster, http: httpx.AsyncClient, sdk: openai.AsyncOpenAI) -> None:
         out = await _post(
-            http, "/v1/completions", model=name, prompt=prompts, max_tokens=10, temperature=1.0,
-            top_p=1.0, top_k=0, seed=7, n=4, best_of=4, logprobs=0, ignore_eos=True,
-        )  # fmt: skip
+            http,
+            "/v1/completions",
+            model=name,
+            prompt=prompts,
+            max_tokens=10,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            seed=7,
+            n=4,
+            best_of=4,
+            logprobs=0,
+            ignore_eos=True,
+        )
         assert [c["index"] for c in out["choices"]] == list(range(8))
         for c, w in zip(out["choices"], want, strict=True):
             assert c["text"] == w.text
@@ -279,9 +327,18 @@ def test_seeded_n_equals_llm_token_for_token(run, llm: LLM, model_dir: Path) -> 
         assert usage["prompt_tokens"] == sum(len(p) for p in prompts)  # once per prompt
 
         chat = await _post(
-            http, "/v1/chat/completions", model=name, messages=MESSAGES, max_tokens=6,
-            temperature=1.0, seed=3, n=2, logprobs=True, top_logprobs=1, ignore_eos=True,
-        )  # fmt: skip
+            http,
+            "/v1/chat/completions",
+            model=name,
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=1.0,
+            seed=3,
+            n=2,
+            logprobs=True,
+            top_logprobs=1,
+            ignore_eos=True,
+        )
         assert [c["index"] for c in chat["choices"]] == [0, 1]
         for c, w in zip(chat["choices"], chat_want, strict=True):
             assert c["message"]["content"] == w.text
@@ -335,9 +392,14 @@ def test_penalties_bias_min_tokens_stop_ids_equal_llm(run, llm: LLM, model_dir: 
     async def body(cluster: PdCluster, http: httpx.AsyncClient, sdk: openai.AsyncOpenAI) -> None:
         for (fields, _), want in zip(cases, wants, strict=True):
             request = {
-                "model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                "logprobs": 0, "ignore_eos": True, **fields,
-            }  # fmt: skip
+                "model": name,
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "logprobs": 0,
+                "ignore_eos": True,
+                **fields,
+            }
             choice = (await _post(http, "/v1/completions", **request))["choices"][0]
             assert choice["text"] == want.text, fields
             assert want.logprobs is not None
@@ -359,15 +421,26 @@ def test_penalties_bias_min_tokens_stop_ids_equal_llm(run, llm: LLM, model_dir: 
 def test_streaming_n2_indexes_and_one_usage_chunk(run, llm: LLM, model_dir: Path) -> None:
     name = _name(model_dir)
     common = {
-        "model": name, "max_tokens": 7, "temperature": 1.0, "seed": 12, "n": 2,
+        "model": name,
+        "max_tokens": 7,
+        "temperature": 1.0,
+        "seed": 12,
+        "n": 2,
         "ignore_eos": True,
-    }  # fmt: skip
+    }
 
     async def body(cluster: PdCluster, http: httpx.AsyncClient, sdk: openai.AsyncOpenAI) -> None:
         whole = await _post(http, "/v1/completions", prompt="Hello there", logprobs=1, **common)
-        resp = await http.post("/v1/completions", json={
-            "prompt": "Hello there", "logprobs": 1, "stream": True,
-            "stream_options": {"include_usage": True}, **common})  # fmt: skip
+        resp = await http.post(
+            "/v1/completions",
+            json={
+                "prompt": "Hello there",
+                "logprobs": 1,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                **common,
+            },
+        )
         chunks = _sse(resp.content)
         usage = [c for c in chunks if "usage" in c]
         assert len(usage) == 1 and usage[0] is chunks[-1] and chunks[-1]["choices"] == []
@@ -437,9 +510,14 @@ def test_sdk_parses_logprobs_and_raises_bad_request(run, model_dir: Path) -> Non
 
     async def body(cluster: PdCluster, http: httpx.AsyncClient, sdk: openai.AsyncOpenAI) -> None:
         done = await sdk.completions.create(
-            model=name, prompt="Hello", max_tokens=4, temperature=0, logprobs=3, n=2,
+            model=name,
+            prompt="Hello",
+            max_tokens=4,
+            temperature=0,
+            logprobs=3,
+            n=2,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         assert [c.index for c in done.choices] == [0, 1]
         lp = done.choices[0].logprobs
         assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == 4
@@ -448,19 +526,32 @@ def test_sdk_parses_logprobs_and_raises_bad_request(run, model_dir: Path) -> Non
         assert all(next(iter(top)) == t for top, t in zip(lp.top_logprobs, lp.tokens, strict=True))
         assert done.usage.completion_tokens == 8
         chat = await sdk.chat.completions.create(
-            model=name, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
+            model=name,
+            messages=MESSAGES,
+            max_tokens=3,
+            temperature=0,
+            logprobs=True,
             top_logprobs=2,
-        )  # fmt: skip
+        )
         content = chat.choices[0].logprobs.content
         assert len(content) == 3
         assert all(len(c.top_logprobs) == 2 and c.bytes is not None for c in content)
         assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
         stream = await sdk.chat.completions.create(
-            model=name, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True,
-            top_logprobs=2, stream=True,
-        )  # fmt: skip
-        streamed = [e for c in [c async for c in stream] if c.choices and c.choices[0].logprobs
-                    for e in c.choices[0].logprobs.content]  # fmt: skip
+            model=name,
+            messages=MESSAGES,
+            max_tokens=3,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+        streamed = [
+            e
+            for c in [c async for c in stream]
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
         assert [e.token for e in streamed] == [e.token for e in content]
 
         base = {"model": name, "prompt": "x", "max_tokens": 3}

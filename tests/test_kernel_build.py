@@ -102,8 +102,9 @@ def test_build_kernels_then_the_loader_takes_the_variant_the_cpu_runs(
     # a CPU with only the x86-64 baseline gets the baseline build, for real
     _tell_cpu(monkeypatch, frozenset({"fpu", "sse", "sse2"}))
     lib = fused_ops.library()
-    assert lib is not None and lib._name == str(prebuilt / kernel_build.library_name(
-        "fused_ops", BASELINE))  # fmt: skip
+    assert lib is not None and lib._name == str(
+        prebuilt / kernel_build.library_name("fused_ops", BASELINE)
+    )
     _rope_store_matches_torch()
     assert native.states()["fused_ops"].variant == "x86-64"
 
@@ -115,8 +116,10 @@ def test_build_kernels_then_the_loader_takes_the_variant_the_cpu_runs(
     assert lib is not None and lib._name == str(v3_path)
     _rope_store_matches_torch()
     assert native.states()["fused_ops"].as_dict() == {
-        "state": "on", "variant": "x86-64-v3", "path": str(v3_path)
-    }  # fmt: skip
+        "state": "on",
+        "variant": "x86-64-v3",
+        "path": str(v3_path),
+    }
     assert not cache.exists()
 
 
@@ -152,8 +155,9 @@ def test_each_off_state_says_why(dirs: tuple[Path, Path], monkeypatch: pytest.Mo
     )
     avx2 = frozenset({"avx", "avx2", "fma"})
     assert native.resolve("skinny_gemm", avx2).as_dict() == {
-        "state": "off", "reason": "CPU lacks avx512f"
-    }  # fmt: skip
+        "state": "off",
+        "reason": "CPU lacks avx512f",
+    }
     assert set(native.states()) == set(KERNELS)
 
 

@@ -171,8 +171,9 @@ def test_strict_validator_rejects_bad_text(bad: str) -> None:
 
 def test_exposition_format_is_strictly_valid() -> None:
     reg = CollectorRegistry()
-    c = Counter("pdserve_requests_total", "Requests finished.\nBy reason \\ role.", ["reason"],
-                registry=reg)  # fmt: skip
+    c = Counter(
+        "pdserve_requests_total", "Requests finished.\nBy reason \\ role.", ["reason"], registry=reg
+    )
     c.labels(reason="stop").inc()
     c.labels(reason="length").inc(3)
     c.labels("stop").inc(2)
@@ -284,9 +285,14 @@ def test_label_values_are_escaped_and_round_trip() -> None:
 def test_node_metrics_keep_their_names() -> None:
     """Every name and label dashboards and tests read, exactly as before the move."""
     snap = EngineSnapshot(
-        seq_slots_in_use=1, seq_slots_total=8, blocks_in_use=3, blocks_total=64, blocks_pinned=2,
-        blocks_cached=1, requests_by_state={"GENERATION_IN_PROGRESS": 1},
-    )  # fmt: skip
+        seq_slots_in_use=1,
+        seq_slots_total=8,
+        blocks_in_use=3,
+        blocks_total=64,
+        blocks_pinned=2,
+        blocks_cached=1,
+        requests_by_state={"GENERATION_IN_PROGRESS": 1},
+    )
     m = NodeMetrics(lambda: snap, rejected=lambda: 4)
     m.ttft.observe(0.01)
     m.itl.observe(0.001)
@@ -425,8 +431,9 @@ def test_http_bind_failure_raises() -> None:
         server = await AsgiServer.start(metrics_app(_registry(), lambda: True), "127.0.0.1", 0)
         try:
             with pytest.raises(OSError):
-                await AsgiServer.start(metrics_app(_registry(), lambda: True), "127.0.0.1",
-                                       server.port)  # fmt: skip
+                await AsgiServer.start(
+                    metrics_app(_registry(), lambda: True), "127.0.0.1", server.port
+                )
         finally:
             await server.close()
 

@@ -23,9 +23,16 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _config() -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=300, hidden_size=96, intermediate_size=64,
-        num_layers=1, num_heads=3, num_kv_heads=1, head_dim=32, rope_theta=100000.0,
-    )  # fmt: skip
+        architecture="LlamaForCausalLM",
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=32,
+        rope_theta=100000.0,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

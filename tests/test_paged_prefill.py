@@ -21,13 +21,15 @@ BF16, F32 = torch.bfloat16, torch.float32
 DTYPES = [
     pytest.param(BF16, 2e-2, marks=needs_kernel, id="bf16"),
     pytest.param(
-        F32, 1e-5, id="fp32",
+        F32,
+        1e-5,
+        id="fp32",
         marks=pytest.mark.skipif(
             not paged_prefill.covers(F32),
             reason="fp32 keeps SDPA here (no AVX-512, or fp32 prefill pinned to MKL's bits)",
         ),
     ),
-]  # fmt: skip
+]
 
 
 def _entries(specs: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[SeqEntry]:
@@ -47,9 +49,13 @@ def _batch(specs: list[tuple[int, int]], block_size: int, num_blocks: int) -> Fo
 
 
 def _reference(
-    q: torch.Tensor, pool: torch.Tensor, batch: ForwardBatch, scale: float, window: int | None,
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    window: int | None,
     tables: list[list[int]],
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """[T, heads * head_dim] in float64, straight from the definition."""
     heads, head_dim, kv_heads, bs = q.shape[1], q.shape[2], pool.shape[-2], pool.shape[2]
     out = torch.zeros(q.shape[0], heads, head_dim, dtype=torch.float64)

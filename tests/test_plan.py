@@ -162,8 +162,17 @@ def _profile_file(tmp_path: Path, data: dict[str, Any]) -> Path:
 
 
 def _plan(path: Path, *extra: str) -> list[str]:
-    return ["--profile", str(path), "--rate", "10", "--prompt-len", "1024", "--output-len", "64",
-            *extra]  # fmt: skip
+    return [
+        "--profile",
+        str(path),
+        "--rate",
+        "10",
+        "--prompt-len",
+        "1024",
+        "--output-len",
+        "64",
+        *extra,
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -198,8 +207,22 @@ def test_infeasible_targets_exit_2_saying_why(
     assert main(_plan(path, "--ttft-slo-ms", "1000", "--itl-slo-ms", "1")) == 2
     assert "a decode step alone takes" in capsys.readouterr().err
     # feasible, but not within the node budget
-    assert main(_plan(path, "--ttft-slo-ms", "250", "--itl-slo-ms", "20", "--rate", "500",
-                      "--max-nodes", "3")) == 2  # fmt: skip
+    assert (
+        main(
+            _plan(
+                path,
+                "--ttft-slo-ms",
+                "250",
+                "--itl-slo-ms",
+                "20",
+                "--rate",
+                "500",
+                "--max-nodes",
+                "3",
+            )
+        )
+        == 2
+    )
     assert "infeasible" in capsys.readouterr().err
 
 

@@ -144,8 +144,12 @@ def test_each_request_moves_one_outcome_on_each_node() -> None:
                 url = f"http://127.0.0.1:{c.decodes[0].http_port}"
                 async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                     body = {
-                        "model": MODEL, "prompt": SHORT, "max_tokens": 3, "n": 2, "ignore_eos": True
-                    }  # fmt: skip
+                        "model": MODEL,
+                        "prompt": SHORT,
+                        "max_tokens": 3,
+                        "n": 2,
+                        "ignore_eos": True,
+                    }
                     resp = await client.post("/v1/completions", json=body)
                 assert resp.status_code == 200, resp.text
                 assert [ch["finish_reason"] for ch in resp.json()["choices"]] == ["length"] * 2

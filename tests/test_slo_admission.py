@@ -220,11 +220,12 @@ async def _seats_used(c: PdCluster, prompts: list[list[int]]) -> set[int]:
     lowest first, so requests that never share the batch all hold seat 0."""
     await asyncio.gather(
         *(
-            generate(c.targets[0], p, max_tokens=8, ignore_eos=True, request_id=f"span-{i}",
-                     timeout=60)
+            generate(
+                c.targets[0], p, max_tokens=8, ignore_eos=True, request_id=f"span-{i}", timeout=60
+            )
             for i, p in enumerate(prompts)
         )
-    )  # fmt: skip
+    )
     history = c.decodes[0].core.recent_history
     return {s for rid, h in history if rid.startswith("span-") for _, s in h if s is not None}
 

@@ -276,11 +276,15 @@ def test_smollm2_schema_corpus_pd_matches_colocated() -> None:
             outs = []
             for c in clusters:
                 reqs = [
-                    {"prompt": "Answer in JSON:", "max_tokens": 40, "response_format": fmt(s),
-                     **mode}
+                    {
+                        "prompt": "Answer in JSON:",
+                        "max_tokens": 40,
+                        "response_format": fmt(s),
+                        **mode,
+                    }
                     for i, s in enumerate(SCHEMAS)
                     for mode in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 11 + i})
-                ]  # fmt: skip
+                ]
                 answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
                 stopped = 0
                 for r, a in zip(reqs, answers, strict=True):
@@ -382,8 +386,9 @@ def test_without_xgrammar_a_constrained_request_is_a_400_saying_what_to_install(
     async def body() -> None:
         async with pd_cluster("tiny", num_prefill=1, decode_overrides={"http_port": 0}) as c:
             fmt_ = {"type": "json_object"}
-            a = await post(c, "/v1/completions", {"prompt": "x", "max_tokens": 4,
-                                                   "response_format": fmt_})  # fmt: skip
+            a = await post(
+                c, "/v1/completions", {"prompt": "x", "max_tokens": 4, "response_format": fmt_}
+            )
             assert a.status_code == 400, a.text
             assert a.json()["error"]["param"] == "response_format", a.text
             assert "pip install 'pdserve[structured]'" in a.json()["error"]["message"], a.text

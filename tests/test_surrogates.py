@@ -41,21 +41,26 @@ def _cases(model: str) -> list[tuple[str, dict[str, Any], str]]:
         ("/v1/completions", {**done, "stop": ["ok", LONE]}, "stop.1"),
         ("/v1/completions", {**done, "stop": LONE, "stream": True}, "stop"),
         ("/v1/completions", {**done, "model": LONE}, "model"),
-        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": LONE}]},
-         "messages.0.content"),
-        ("/v1/chat/completions",
-         {**chat, "messages": [user, parts]},
-         "messages.1.content.0.text"),
-        ("/v1/chat/completions",
-         {**chat, "messages": [{"role": "user", "content": LONE}], "stream": True},
-         "messages.0.content"),
-        ("/v1/chat/completions",
-         {**chat, "messages": [user], "chat_template_kwargs": {"x": LONE}},
-         "chat_template_kwargs.x"),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": LONE}]},
+            "messages.0.content",
+        ),
+        ("/v1/chat/completions", {**chat, "messages": [user, parts]}, "messages.1.content.0.text"),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": LONE}], "stream": True},
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [user], "chat_template_kwargs": {"x": LONE}},
+            "chat_template_kwargs.x",
+        ),
         ("/v1/chat/completions", {**chat, "messages": [user], "user": "\udfff"}, "user"),
         ("/tokenize", {"model": model, "prompt": LONE}, "prompt"),
         ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
-    ]  # fmt: skip
+    ]
 
 
 def test_lone_surrogates_are_400_naming_the_field_on_every_endpoint(api: LiveHttp) -> None:

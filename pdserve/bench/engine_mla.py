@@ -29,31 +29,69 @@ from shared.model.mla_config import MlaConfig
 from shared.model.moe_config import SIGMOID, MoeConfig
 
 SHAPES = {
-    "full": {"hidden": 2048, "heads": 16, "kv_lora": 512, "q_lora": 0, "rope": 64, "nope": 128,
-             "v": 128, "experts": 8, "top_k": 2, "expert_width": 1408, "vocab": 4096},
-    "quick": {"hidden": 128, "heads": 4, "kv_lora": 64, "q_lora": 48, "rope": 16, "nope": 32,
-              "v": 32, "experts": 8, "top_k": 2, "expert_width": 64, "vocab": 512},
-}  # fmt: skip
+    "full": {
+        "hidden": 2048,
+        "heads": 16,
+        "kv_lora": 512,
+        "q_lora": 0,
+        "rope": 64,
+        "nope": 128,
+        "v": 128,
+        "experts": 8,
+        "top_k": 2,
+        "expert_width": 1408,
+        "vocab": 4096,
+    },
+    "quick": {
+        "hidden": 128,
+        "heads": 4,
+        "kv_lora": 64,
+        "q_lora": 48,
+        "rope": 16,
+        "nope": 32,
+        "v": 32,
+        "experts": 8,
+        "top_k": 2,
+        "expert_width": 64,
+        "vocab": 512,
+    },
+}
 # published shapes: (layers, heads, kv_lora_rank, qk_rope, qk_nope, v_head_dim)
-PUBLISHED = {"DeepSeek-V3": (61, 128, 512, 64, 128, 128),
-             "DeepSeek-V2-Lite": (27, 16, 512, 64, 128, 128)}  # fmt: skip
+PUBLISHED = {
+    "DeepSeek-V3": (61, 128, 512, 64, 128, 128),
+    "DeepSeek-V2-Lite": (27, 16, 512, 64, 128, 128),
+}
 
 
 def mla_config(shape: dict[str, int], layers: int) -> ModelConfig:
     mla = MlaConfig(
-        kv_lora_rank=shape["kv_lora"], qk_nope_head_dim=shape["nope"],
-        qk_rope_head_dim=shape["rope"], v_head_dim=shape["v"], q_lora_rank=shape["q_lora"] or None,
+        kv_lora_rank=shape["kv_lora"],
+        qk_nope_head_dim=shape["nope"],
+        qk_rope_head_dim=shape["rope"],
+        v_head_dim=shape["v"],
+        q_lora_rank=shape["q_lora"] or None,
         softmax_scale=(shape["nope"] + shape["rope"]) ** -0.5,
-    )  # fmt: skip
+    )
     return ModelConfig(
-        architecture="DeepseekV3ForCausalLM", vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"], intermediate_size=3 * shape["hidden"], num_layers=layers,
-        num_heads=shape["heads"], num_kv_heads=shape["heads"], head_dim=shape["rope"],
-        max_position_embeddings=8192, mla=mla,
-        moe=MoeConfig(num_experts=shape["experts"], top_k=shape["top_k"],
-                      intermediate_size=shape["expert_width"], scoring=SIGMOID,
-                      score_correction_bias=True, shared_intermediate_size=shape["expert_width"]),
-    )  # fmt: skip
+        architecture="DeepseekV3ForCausalLM",
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=3 * shape["hidden"],
+        num_layers=layers,
+        num_heads=shape["heads"],
+        num_kv_heads=shape["heads"],
+        head_dim=shape["rope"],
+        max_position_embeddings=8192,
+        mla=mla,
+        moe=MoeConfig(
+            num_experts=shape["experts"],
+            top_k=shape["top_k"],
+            intermediate_size=shape["expert_width"],
+            scoring=SIGMOID,
+            score_correction_bias=True,
+            shared_intermediate_size=shape["expert_width"],
+        ),
+    )
 
 
 def full_kv_bytes(layers: int, heads: int, rope: int, nope: int, v: int, itemsize: int) -> int:
@@ -66,8 +104,14 @@ def published_rows(itemsize: int) -> list[dict[str, object]]:
     for name, (layers, heads, kv_lora, rope, nope, v) in PUBLISHED.items():
         latent = layers * (kv_lora + rope) * itemsize
         full = full_kv_bytes(layers, heads, rope, nope, v, itemsize)
-        rows.append({"model": name, "latent_bytes_per_token": latent,
-                     "full_kv_bytes_per_token": full, "ratio": full / latent})  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "latent_bytes_per_token": latent,
+                "full_kv_bytes_per_token": full,
+                "ratio": full / latent,
+            }
+        )
     return rows
 
 
@@ -82,14 +126,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     shape = SHAPES["quick" if a.quick else "full"]
     config = mla_config(shape, a.layers)
     blocks = max(a.batches) * -(-(a.context + a.steps + 1) // 16) + 8
-    engine = EngineConfig(model="mla-dummy", num_kv_blocks=blocks, max_batch_size=max(a.batches),
-                          max_num_tokens=max(1024, a.context), dtype="float32")  # fmt: skip
+    engine = EngineConfig(
+        model="mla-dummy",
+        num_kv_blocks=blocks,
+        max_batch_size=max(a.batches),
+        max_num_tokens=max(1024, a.context),
+        dtype="float32",
+    )
     llm = LLM(engine, dummy_model(config))
     layout, pool = llm.core.layout, llm.core.kv_pool
     itemsize = pool.element_size()
     measured = pool.nbytes // (pool.shape[2] * layout.block_size)
-    full = full_kv_bytes(a.layers, shape["heads"], shape["rope"], shape["nope"], shape["v"],
-                         itemsize)  # fmt: skip
+    full = full_kv_bytes(
+        a.layers, shape["heads"], shape["rope"], shape["nope"], shape["v"], itemsize
+    )
     print(
         f"engine pool ({dtype_name(pool.dtype)}, {a.layers} layer): {measured} B/token latent "
         f"vs {full} B/token full K/V ({full / measured:.1f}x)"
@@ -109,11 +159,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     rows = compare_batches(llm, paths, a.batches, a.steps, a.reps, a.context, where)
     head: dict[str, object] = {
         "benchmark": "engine_mla",
-        "shape": shape, "layers": a.layers, "context": a.context, "steps": a.steps,
-        "kv_bytes_per_token": {"latent": measured, "full_kv": full, "layout": layout.token_bytes,
-                               "ratio": full / measured, "dtype": dtype_name(pool.dtype)},
+        "shape": shape,
+        "layers": a.layers,
+        "context": a.context,
+        "steps": a.steps,
+        "kv_bytes_per_token": {
+            "latent": measured,
+            "full_kv": full,
+            "layout": layout.token_bytes,
+            "ratio": full / measured,
+            "dtype": dtype_name(pool.dtype),
+        },
         "published_bf16": published,
-    }  # fmt: skip
+    }
     return write_result(llm, a.out / "engine_mla.json", head, rows)
 
 

@@ -33,11 +33,27 @@ from shared.model.moe_config import MoeConfig
 PROMPT_LEN = 16
 # Qwen3-30B-A3B's layer; `--quick`: a toy of the same structure
 SHAPES = {
-    "full": {"hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
-             "top_k": 8, "expert_width": 768, "vocab": 4096},
-    "quick": {"hidden": 128, "heads": 4, "kv_heads": 2, "head_dim": 32, "experts": 16,
-              "top_k": 4, "expert_width": 64, "vocab": 512},
-}  # fmt: skip
+    "full": {
+        "hidden": 2048,
+        "heads": 32,
+        "kv_heads": 4,
+        "head_dim": 128,
+        "experts": 128,
+        "top_k": 8,
+        "expert_width": 768,
+        "vocab": 4096,
+    },
+    "quick": {
+        "hidden": 128,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "experts": 16,
+        "top_k": 4,
+        "expert_width": 64,
+        "vocab": 512,
+    },
+}
 
 
 def moe_config(shape: dict[str, int], layers: int) -> ModelConfig:
@@ -104,8 +120,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     shape = SHAPES["quick" if a.quick else "full"]
     config = moe_config(shape, a.layers)
     loaded = dummy_model(config)
-    engine = EngineConfig(model="moe-dummy", num_kv_blocks=512, max_batch_size=64,
-                          max_num_tokens=1024, dtype="float32")  # fmt: skip
+    engine = EngineConfig(
+        model="moe-dummy",
+        num_kv_blocks=512,
+        max_batch_size=64,
+        max_num_tokens=1024,
+        dtype="float32",
+    )
     llm = LLM(engine, loaded)
     pack_experts(loaded)
     paths = DecodePaths(

@@ -111,17 +111,25 @@ def quick(a: argparse.Namespace) -> dict[str, Any]:
             requests=4, prompt_range=(16, 48), output_range=(4, 8), kv_gib=1
         )
         rows = vllm_offline.run_phase(
-            model, QUICK_MODEL["vocab_size"], vllm_setup.venv_python(), a.cores,
-            ["float32"], {4: 4}, w, a.out / "runs", pairs=2,
-        )  # fmt: skip
+            model,
+            QUICK_MODEL["vocab_size"],
+            vllm_setup.venv_python(),
+            a.cores,
+            ["float32"],
+            {4: 4},
+            w,
+            a.out / "runs",
+            pairs=2,
+        )
     result["engine"] = {"workload": w.__dict__, "rows": rows}
     vllm_report.write(a.out, result)
     return result
 
 
 def engine_phase(a: argparse.Namespace, model: Path, python: Path, work: Path) -> dict[str, Any]:
-    batches = {int(b): (a.batch1_requests if b == "1" else a.requests)
-               for b in a.batches.split(",")}  # fmt: skip
+    batches = {
+        int(b): (a.batch1_requests if b == "1" else a.requests) for b in a.batches.split(",")
+    }
     w = vllm_offline.EngineWorkload(requests=max(batches.values()))
     rows = vllm_offline.run_phase(
         model, model_vocab(model), python, a.cores, a.dtypes.split(","), batches, w, work, a.pairs
@@ -159,12 +167,14 @@ def online_phases(
             "dtype": a.serve_dtype,
             "config": {**oc.__dict__, "interference": oc.interference.__dict__},
             "sweep": {k: v["sweep"] for k, v in sessions.items() if "sweep" in v},
-            "interference": {k: v["interference"] for k, v in sessions.items()
-                             if "interference" in v},
-            "load_average": {k: [v["load_average_start"], v["load_average_end"]]
-                             for k, v in sessions.items()},
+            "interference": {
+                k: v["interference"] for k, v in sessions.items() if "interference" in v
+            },
+            "load_average": {
+                k: [v["load_average_start"], v["load_average_end"]] for k, v in sessions.items()
+            },
         }
-    }  # fmt: skip
+    }
     ttft = {k: v["ttft"] for k, v in sessions.items() if "ttft" in v}
     if ttft:
         out["pd"] = {"dtype": a.serve_dtype, "ttft": ttft}

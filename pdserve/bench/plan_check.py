@@ -176,8 +176,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    quick = {"rate": 2.0, "prompt_len": 128, "output_len": 8, "ttft_slo_ms": 2000.0,
-             "itl_slo_ms": 200.0, "num_prompts": 8}  # fmt: skip
+    quick = {
+        "rate": 2.0,
+        "prompt_len": 128,
+        "output_len": 8,
+        "ttft_slo_ms": 2000.0,
+        "itl_slo_ms": 200.0,
+        "num_prompts": 8,
+    }
     for key, value in quick.items():
         if getattr(a, key) is None:
             if not a.quick and key != "num_prompts":

@@ -226,8 +226,10 @@ def print_summary(result: dict[str, Any]) -> None:
         )
         print(f"{key:>15} ms by tokens  {cells}")
     t = result["transfer"]
-    print(f"{'':>15} fit: {t['fixed_s'] * 1e3:.2f} ms + {t['bytes_per_token']} B/token at "
-          f"{t['bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
+    print(
+        f"{'':>15} fit: {t['fixed_s'] * 1e3:.2f} ms + {t['bytes_per_token']} B/token at "
+        f"{t['bytes_per_s'] / 1e9:.2f} GB/s"
+    )
     d = result["decode"]
     for context, row in zip(d["contexts"], d["step_s"], strict=True):
         cells = " ".join(f"{b}:{s * 1e3:.2f}" for b, s in zip(d["batches"], row, strict=True))

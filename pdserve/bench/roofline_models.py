@@ -20,15 +20,25 @@ CACHE = Path.home() / ".cache" / "pdserve" / "roofline"
 _DUMMY_SHAPES: dict[str, dict[str, int]] = {
     # SmolLM2-135M's shape: the stand-in when its GGUF cannot be loaded
     "smollm2": dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-        num_kv_heads=3, head_dim=64,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
     ),
     # SmolLM2-360M's shape: 2.7x the linear-layer parameters
     "large": dict(
-        vocab_size=49152, hidden_size=960, intermediate_size=2560, num_layers=32, num_heads=15,
-        num_kv_heads=5, head_dim=64,
+        vocab_size=49152,
+        hidden_size=960,
+        intermediate_size=2560,
+        num_layers=32,
+        num_heads=15,
+        num_kv_heads=5,
+        head_dim=64,
     ),
-}  # fmt: skip
+}
 
 
 def linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:

@@ -25,10 +25,20 @@ from pdserve.bench.support.util import REPO_ROOT, child_env, load_average
 
 CLIENT = REPO_ROOT / "pdserve" / "bench" / "peers" / "vllm_bench_client.py"
 METRICS = (
-    "completed", "duration", "request_throughput", "output_throughput", "request_goodput",
-    "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-    "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms",
-)  # fmt: skip
+    "completed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "request_goodput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+)
 
 
 @dataclass(frozen=True)
@@ -50,15 +60,45 @@ def bench_serve(
     """One `vllm bench serve` run at `rate`; the metrics it saved."""
     name = f"{tag}-rate{rate}.json"
     cmd = [
-        str(cfg.vllm_python), str(CLIENT), "--backend", "openai", "--base-url", url,
-        "--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", str(cfg.model_dir),
-        "--dataset-name", "random", "--random-input-len", str(oc.input_len),
-        "--random-output-len", str(oc.output_len), "--num-prompts", str(oc.num_prompts),
-        "--request-rate", str(rate), "--seed", str(oc.seed), "--ignore-eos",
-        "--goodput", *oc.slo, "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out),
-        "--result-filename", name, "--disable-tqdm", "--save-detailed",
-    ]  # fmt: skip
+        str(cfg.vllm_python),
+        str(CLIENT),
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        MODEL_NAME,
+        "--tokenizer",
+        str(cfg.model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(oc.input_len),
+        "--random-output-len",
+        str(oc.output_len),
+        "--num-prompts",
+        str(oc.num_prompts),
+        "--request-rate",
+        str(rate),
+        "--seed",
+        str(oc.seed),
+        "--ignore-eos",
+        "--goodput",
+        *oc.slo,
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        name,
+        "--disable-tqdm",
+        "--save-detailed",
+    ]
     env = child_env()
     env.pop("PYTHONPATH", None)
     with open(out / f"{tag}-rate{rate}.log", "w") as log:
@@ -72,9 +112,15 @@ def bench_serve(
 
 
 def session(
-    name: str, server: Callable[[], contextlib.AbstractContextManager[str]], tasks: list[str],
-    cfg: ServerConfig, oc: OnlineConfig, vocab: int, out: Path, bar: tqdm,
-) -> dict[str, Any]:  # fmt: skip
+    name: str,
+    server: Callable[[], contextlib.AbstractContextManager[str]],
+    tasks: list[str],
+    cfg: ServerConfig,
+    oc: OnlineConfig,
+    vocab: int,
+    out: Path,
+    bar: tqdm,
+) -> dict[str, Any]:
     result: dict[str, Any] = {"load_average_start": load_average()}
     with server() as url:
         for task in tasks:

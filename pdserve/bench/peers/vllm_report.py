@@ -22,18 +22,21 @@ def engine_plot(path: Path, rows: list[dict[str, Any]]) -> None:
     bar_plot(
         path,
         "Offline engine, output tokens/s (same cores, weights, prompts)",
-        [f"{r['dtype'].replace('float', 'fp').replace('bfloat', 'bf')} b{r['max_batch_size']}"
-         for r in rows],
+        [
+            f"{r['dtype'].replace('float', 'fp').replace('bfloat', 'bf')} b{r['max_batch_size']}"
+            for r in rows
+        ],
         {
             "pdserve LLM": [r["pdserve_tokens_per_s"] for r in rows],
             "vLLM LLM": [r["vllm_tokens_per_s"] for r in rows],
         },
         "output tokens / s",
-    )  # fmt: skip
+    )
 
 
-def _lines(path: Path, title: str, panels: list[tuple[str, dict[str, tuple[list, list]]]],
-           xlabel: str) -> None:  # fmt: skip
+def _lines(
+    path: Path, title: str, panels: list[tuple[str, dict[str, tuple[list, list]]]], xlabel: str
+) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -74,8 +77,12 @@ def pd_plot(path: Path, pd: dict[str, Any]) -> None:
         system: ([r["prompt_tokens"] for r in rows], [r["ttft_ms_p50"] for r in rows])
         for system, rows in pd["ttft"].items()
     }
-    _lines(path, "1 prefill + 1 decode, one core per node", [("TTFT p50 (ms)", series)],
-           "prompt tokens")  # fmt: skip
+    _lines(
+        path,
+        "1 prefill + 1 decode, one core per node",
+        [("TTFT p50 (ms)", series)],
+        "prompt tokens",
+    )
 
 
 # ---- markdown (the tables in docs/performance.md come from here) -------------------------------

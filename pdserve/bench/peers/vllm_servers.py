@@ -65,16 +65,38 @@ def _popen(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[A
 
 
 def vllm_server(
-    cfg: ServerConfig, cores: str, port: int, log: Path, kv_role: str | None = None,
+    cfg: ServerConfig,
+    cores: str,
+    port: int,
+    log: Path,
+    kv_role: str | None = None,
     side_port: int = 0,
-) -> subprocess.Popen[Any]:  # fmt: skip
+) -> subprocess.Popen[Any]:
     cmd = [
-        "taskset", "-c", cores, str(cfg.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(cfg.model_dir), "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype, "--enforce-eager",
-        "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_batch),
-        "--seed", "0",
-    ]  # fmt: skip
+        "taskset",
+        "-c",
+        cores,
+        str(cfg.vllm_python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(cfg.model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        cfg.dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--max-num-seqs",
+        str(cfg.max_batch),
+        "--seed",
+        "0",
+    ]
     env = child_env(VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores)
     env.pop("PYTHONPATH", None)
     if kv_role is not None:
@@ -110,8 +132,17 @@ def vllm_pd(cfg: ServerConfig, prefill_cores: str, decode_cores: str, logs: Path
             urls.append(f"http://127.0.0.1:{port}")
             wait_http(urls[-1], procs, READY_TIMEOUT_S)
         port = free_port()
-        cmd = [sys.executable, "-m", "pdserve.bench.peers.vllm_pd_proxy", "--port", str(port),
-               "--prefill", urls[0], "--decode", urls[1]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.bench.peers.vllm_pd_proxy",
+            "--port",
+            str(port),
+            "--prefill",
+            urls[0],
+            "--decode",
+            urls[1],
+        ]
         procs.append(_popen(cmd, child_env(), logs / "vllm-pd-proxy.log"))
         url = f"http://127.0.0.1:{port}"
         wait_http(url, procs, 120.0)
@@ -123,8 +154,12 @@ def vllm_pd(cfg: ServerConfig, prefill_cores: str, decode_cores: str, logs: Path
 
 def _pdserve_engine(cfg: ServerConfig) -> dict[str, Any]:
     """The engine options every pdserve node of these sessions gets: vLLM's limits."""
-    return {"dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
-            "max_batch_size": cfg.max_batch, "kv_cache_mb": cfg.kv_gib * 1024}  # fmt: skip
+    return {
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "max_batch_size": cfg.max_batch,
+        "kv_cache_mb": cfg.kv_gib * 1024,
+    }
 
 
 @contextlib.contextmanager
@@ -139,14 +174,29 @@ def pdserve_pd(
             "prefill", "pdserve.cli", ["prefill", *base, "--port", "0"], prefill_cores, threads
         ),
         bench_nodes.NodeSpec(
-            "decode", "pdserve.cli",
-            ["decode", *base, "--port", "0", "--http-port", "0", "--served-model-name",
-             MODEL_NAME, "--prefill", "{port:prefill}",
-             # a 4k prompt takes > 30 s to prefill on one busy core
-             "--kv-transfer-timeout", "600", "--prefill-timeout", "600"],
-            decode_cores, threads,
+            "decode",
+            "pdserve.cli",
+            [
+                "decode",
+                *base,
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--served-model-name",
+                MODEL_NAME,
+                "--prefill",
+                "{port:prefill}",
+                # a 4k prompt takes > 30 s to prefill on one busy core
+                "--kv-transfer-timeout",
+                "600",
+                "--prefill-timeout",
+                "600",
+            ],
+            decode_cores,
+            threads,
         ),
-    ]  # fmt: skip
+    ]
     with bench_nodes.running(specs, logs) as nodes:
         yield f"http://127.0.0.1:{nodes.nodes['decode'].info['http_port']}"
 

@@ -53,8 +53,9 @@ def ensure_venv(venv: Path | None = None) -> Path:
     # the CPU torch wheel comes from pip's own sources where they have it (a local wheel
     # directory on these machines, where PyTorch's index is unreachable); its index otherwise
     if subprocess.run([*pip, VLLM_WHEEL, "torch==2.13.0+cpu"]).returncode != 0:
-        subprocess.run([*pip, "--extra-index-url", TORCH_INDEX, VLLM_WHEEL, "torch==2.13.0+cpu"],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [*pip, "--extra-index-url", TORCH_INDEX, VLLM_WHEEL, "torch==2.13.0+cpu"], check=True
+        )
     subprocess.run([*pip, "nixl"], check=True)  # vLLM's own P/D (NixlConnector, CPU buffers)
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *REMOVE], check=False)
     if not venv_ready(venv):

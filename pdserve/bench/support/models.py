@@ -65,6 +65,8 @@ async def described(model: BenchModel, target: str) -> BenchModel:
     kv = info.kv_layout
     layout = KvLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size, kv.dtype)
     return replace(
-        model, max_context=info.max_context, prompt_vocab=info.vocab_size,
+        model,
+        max_context=info.max_context,
+        prompt_vocab=info.vocab_size,
         kv_bytes_per_token=layout.token_bytes,
-    )  # fmt: skip
+    )
