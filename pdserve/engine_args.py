@@ -20,8 +20,27 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
         ),
         add("--block-size", type=int, default=16),
-        add("--num-kv-blocks", type=int, default=0, help="0: size from --kv-cache-mb"),
-        add("--kv-cache-mb", type=int, default=256),
+        add(
+            "--num-kv-blocks",
+            type=int,
+            default=0,
+            help="the KV pool's size in blocks, exactly; 0: from --kv-cache-mb",
+        ),
+        add(
+            "--kv-cache-mb",
+            type=int,
+            default=0,
+            help="the KV pool's size in MiB, exactly; 0: from --kv-cache-memory-fraction",
+        ),
+        add(
+            "--kv-cache-memory-fraction",
+            type=float,
+            default=0.0,
+            help="share of the memory free once the weights are loaded that the KV pool takes "
+            "(CPU: the cgroup's headroom or MemAvailable, whichever is less; CUDA: the device's "
+            "free memory); 0: 0.1 on CPU, where a local cluster's nodes share the machine, 0.9 "
+            "on CUDA",
+        ),
         add("--max-batch-size", type=int, default=32),
         add(
             "--max-num-tokens",
@@ -31,7 +50,13 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "prefill node (no decode steps to protect: a prompt that long is one chunk), 512 "
             "elsewhere",
         ),
-        add("--max-model-len", type=int, default=0),
+        add(
+            "--max-model-len",
+            type=int,
+            default=0,
+            help="0: the smaller of the model's context and what one request can hold in the KV "
+            "pool; a longer one than the pool holds is refused at start-up",
+        ),
         add("--no-prefix-caching", action="store_true"),
         add("--device", default="auto"),
         add(

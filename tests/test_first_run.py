@@ -186,10 +186,12 @@ def test_up_passes_a_nodes_port_line_on_and_exits_2(tmp_path: Path) -> None:
 def test_up_writes_its_engine_flags_back_as_a_node_reads_them() -> None:
     parser = build_parser()
     given = ["--dtype", "bfloat16", "--kv-cache-mb", "64", "--max-num-tokens", "128"]
+    given += ["--kv-cache-memory-fraction", "0.05", "--num-kv-blocks", "7"]
     switches = ["--no-prefix-caching", "--no-cuda-graphs", "--log-level", "INFO"]
     up = parser.parse_args(["up", "--model", "smollm2", *given, *switches])
     node = parser.parse_args(["prefill", "--model", "smollm2", *engine_argv(up)])
     fields = ("dtype", "kv_cache_mb", "max_num_tokens", "no_prefix_caching", "cuda_graphs")
+    fields += ("kv_cache_memory_fraction", "num_kv_blocks")
     for field in (*fields, "log_level"):
         assert getattr(node, field) == getattr(up, field), field
     assert node.log_level == "info" and not node.cuda_graphs and node.no_prefix_caching

@@ -13,11 +13,14 @@ class EngineConfig:
 
     model: str = "tiny"
     block_size: int = 16
-    num_kv_blocks: int = 0  # 0: size the pool from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 256
+    # the KV pool: num_kv_blocks, else kv_cache_memory_mb, else kv_cache_memory_fraction of the
+    # memory free after the weights load (shared/engine/runtime/kv_budget.py)
+    num_kv_blocks: int = 0
+    kv_cache_memory_mb: int = 0
+    kv_cache_memory_fraction: float = 0.0  # 0: the device's default (0.1 on CPU, 0.9 on CUDA)
     max_batch_size: int = 32
     max_num_tokens: int = 512  # per-step token budget (chunked prefill)
-    max_model_len: int = 0  # 0: the model's own maximum context
+    max_model_len: int = 0  # 0: the smaller of the model's context and the pool's tokens
     enable_prefix_caching: bool = True
     device: str = "auto"
     dtype: str = "auto"
@@ -28,8 +31,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
-        if self.num_kv_blocks == 0 and self.kv_cache_memory_mb <= 0:
-            raise ValueError("set num_kv_blocks or a positive kv_cache_memory_mb")
+        if self.kv_cache_memory_mb < 0:
+            raise ValueError(f"kv_cache_memory_mb must be >= 0, got {self.kv_cache_memory_mb}")
+        if not 0.0 <= self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                "kv_cache_memory_fraction must be in (0, 1] (0: the device's default), got "
+                f"{self.kv_cache_memory_fraction}"
+            )
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_num_tokens < 1:

@@ -37,7 +37,7 @@ from shared.engine.resources.resource_manager import (
 )
 from shared.engine.roles.decode_role import DecodeRole, DecodeSettings
 from shared.engine.roles.role import EngineParts, Role, RoleSettings
-from shared.engine.runtime import cpu_threads, malloc_policy
+from shared.engine.runtime import cpu_threads, kv_budget, malloc_policy
 from shared.engine.runtime.model_runner import ModelRunner
 from shared.engine.runtime.warmup import warm_up
 from shared.engine.sampling.sampler import SampleOutput, Sampler
@@ -72,10 +72,13 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.layout: KvLayout = self.model_config.kv_layout(config.block_size, self.dtype)
-        self.max_model_len = self._resolve_max_model_len()
         self.max_num_sequences = compute_max_num_sequences(config.max_batch_size)
-        block = self.layout.payload_bytes(self.layout.num_layers, 1)  # one block, every layer
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mb * 2**20 // block)
+        # after the weights: a memory-sized pool takes a share of what they left free
+        context = self.model_config.max_context_len
+        self.pool_size = kv_budget.engine_pool(config, self.layout, self.device, context)
+        num_blocks = self.pool_size.num_blocks
+        self.max_model_len = kv_budget.served_context(context, config.max_model_len, self.pool_size)
+        log.info("%s; max_model_len %d", self.pool_size.describe(), self.max_model_len)
         self._build_managers(num_blocks)
         self.sampler = Sampler(
             self.max_num_sequences, self.device, self.loaded.eos_token_ids, self.tokenizer
@@ -146,14 +149,6 @@ class EngineCore:
             self.limits, self.scheduler, self.kv_manager, outputs, self.free_request_resources
         )
 
-    def _resolve_max_model_len(self) -> int:
-        model_max = self.model_config.max_context_len
-        if self.config.max_model_len and self.config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {self.config.max_model_len} exceeds the model's context {model_max}"
-            )
-        return self.config.max_model_len or model_max
-
     # ---- the door -------------------------------------------------------------------------
     def execute(self, command: object) -> Any:
         """Run one command (shared/engine/commands.py); engine thread only."""
@@ -172,6 +167,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
             num_kv_blocks=self.kv_manager.blocks.num_blocks,
+            pool_size=self.pool_size,
             layout=self.layout,
             kv_pool=self.runner.kv_pool,
             device_type=self.device.type,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.requests.request_limits import RequestLimits
+from shared.engine.runtime.kv_budget import PoolSize
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.layout import KvLayout
 from shared.model.loader import LoadedModel
@@ -30,6 +31,7 @@ class EngineInfo:
     kv_pool: torch.Tensor
     device_type: str  # "cpu" or "cuda"
     limits: RequestLimits
+    pool_size: PoolSize  # the pool's blocks and tokens, and what sized it (/version says)
 
     @property
     def tokenizer(self) -> Tokenizer:

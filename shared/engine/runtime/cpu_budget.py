@@ -145,6 +145,13 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str, set[str]]]:
 def cgroup_cpu_dirs(proc: Path = PROC_SELF) -> list[tuple[str, Path, Path]]:
     """(version "v1"/"v2", the process's cgroup directory, its mount point) for each hierarchy
     that can hold a CPU quota; empty where there are no cgroups (not Linux, no /proc)."""
+    return cgroup_dirs("cpu", proc)
+
+
+def cgroup_dirs(controller: str, proc: Path = PROC_SELF) -> list[tuple[str, Path, Path]]:
+    """(version, the process's cgroup directory, its mount point) for each hierarchy that can
+    hold `controller`'s limits ("cpu", "memory"): the unified (v2) one and a v1 one mounted
+    with that controller."""
     try:
         memberships = (proc / "cgroup").read_text().splitlines()
         mounts = _mounts((proc / "mountinfo").read_text())
@@ -158,7 +165,11 @@ def cgroup_cpu_dirs(proc: Path = PROC_SELF) -> list[tuple[str, Path, Path]]:
         controllers, path = parts[1], parts[2]
         for fstype, root, point, options in mounts:
             v2 = fstype == "cgroup2" and controllers == ""
-            v1 = fstype == "cgroup" and "cpu" in options and "cpu" in controllers.split(",")
+            v1 = (
+                fstype == "cgroup"
+                and controller in options
+                and controller in controllers.split(",")
+            )
             if v2 or v1:
                 # a cgroup namespace shows the mount's own root, not the path /proc names
                 below = path == root or path.startswith(root.rstrip("/") + "/")

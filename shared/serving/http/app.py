@@ -109,7 +109,9 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     async def get_version() -> dict[str, object]:
         # each C kernel: on (variant, path) or off and why (shared/model/native.py)
         kernels = {name: state.as_dict() for name, state in native.states().items()}
-        return {"version": version, "kernels": kernels}
+        info = backend.info  # the pool, what sized it, and the context it serves
+        pool = {**info.pool_size.as_dict(), "max_model_len": info.max_model_len}
+        return {"version": version, "kernels": kernels, "kv_pool": pool}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
