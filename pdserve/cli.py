@@ -23,7 +23,7 @@ from decode_node.config import DecodeNodeConfig
 from pdserve.bench import BENCHMARKS
 from pdserve.bound_ports import check_bound_ports, port_in_use_line, up_ports
 from pdserve.cli_args import build_parser
-from pdserve.engine_args import engine_argv
+from pdserve.cluster_args import node_argv
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -86,8 +86,16 @@ def cmd_up(a: argparse.Namespace) -> int:
             return 2
     out = sys.stdout if prompt is None else sys.stderr
     port, http_port = up_ports(a)
-    cluster = Cluster(a.model, a.prefill, a.decode, port, engine_argv(a), http_port=http_port)
-    cluster.decode_extra += _decode_argv(a)
+    cluster = Cluster(
+        a.model,
+        a.prefill,
+        a.decode,
+        port,
+        [],
+        http_port=http_port,
+        prefill_extra=node_argv(a, "prefill"),
+        decode_extra=node_argv(a, "decode"),
+    )
     stop = False
     gave_up: str | None = None  # why the supervisor stopped restarting nodes
 
@@ -131,11 +139,6 @@ def cmd_up(a: argparse.Namespace) -> int:
     code = cluster.stop()
     print("stopped" + ("" if code == 0 else f" (a node exited with {code})"), flush=True)
     return max(code, 1) if gave_up is not None else code
-
-
-def _decode_argv(a: argparse.Namespace) -> list[str]:
-    """`up`'s flags for the decode nodes only (their HTTP API's)."""
-    return ["--tool-call-parser", a.tool_call_parser] if a.tool_call_parser else []
 
 
 def _refused(nodes: list[NodeProcess]) -> bool:

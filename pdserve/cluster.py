@@ -139,7 +139,8 @@ def stop_all(nodes: list[NodeProcess], grace: float = 15.0) -> int:
 
 class Cluster:
     """`port`/`http_port`: the first decode node's (the next ones count up; 0: ephemeral; an
-    http_port of -1: no HTTP API). `extra` goes to every node, `decode_extra` to decodes only."""
+    http_port of -1: no HTTP API). `extra` goes to every node, `prefill_extra` to prefill nodes
+    only, `decode_extra` to decodes only."""
 
     def __init__(
         self,
@@ -151,12 +152,14 @@ class Cluster:
         *,
         http_port: int = -1,
         decode_extra: list[str] | None = None,
+        prefill_extra: list[str] | None = None,
     ):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
         self.model = model
         self.http_port = http_port
         self.decode_extra = list(decode_extra or [])
+        self.prefill_extra = list(prefill_extra or [])
         self.num_prefill = num_prefill
         self.num_decode = num_decode
         self.port = port
@@ -170,7 +173,7 @@ class Cluster:
         # listener of its own) stay on loopback like the decode nodes' KV listeners, which bind
         # --ucx-host, 127.0.0.1 by default. An operator's UCX_NET_DEVICES wins.
         env.setdefault("UCX_NET_DEVICES", "lo")
-        prefill_args = ("--model", self.model, "--port", "0", *self.extra)
+        prefill_args = ("--model", self.model, "--port", "0", *self.extra, *self.prefill_extra)
         spec = NodeSpec("prefill", prefill_args, env, echo)
         prefills = self._start_nodes([spec] * self.num_prefill, timeout)
         targets = ",".join(f"127.0.0.1:{p.info['port']}" for p in prefills)

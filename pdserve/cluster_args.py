@@ -1,17 +1,75 @@
-"""The flags of `pdserve up`, the local cluster: the engine flags it passes on to every node,
-and how many nodes of each role it starts and keeps up."""
+"""The flags of `pdserve up`, the local cluster: how many nodes of each role it starts and keeps
+up, and every flag of the node commands it starts (`pdserve prefill`, `pdserve decode`), read
+from their own parsers and passed on to the nodes that take them."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 
-from pdserve.engine_args import engine_args
-from pdserve.http_args import tool_call_parser_arg
+from pdserve import node_args
+
+# The node flags `up` sets itself, per node: the ports (the first decode node's, then counting
+# up; ephemeral elsewhere), the prefill targets (its own --prefill is a count) and the listening
+# host (its nodes find each other on loopback).
+UP_SETS = frozenset({"--port", "--http-port", "--metrics-port", "--prefill", "--host", "--help"})
+NODE_ROLES = ("prefill", "decode")
+
+
+def node_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The parsers of the node commands `up` starts, as `pdserve` builds them."""
+    root = argparse.ArgumentParser(add_help=False)
+    sub = root.add_subparsers()
+    node_args.add_prefill(sub)
+    node_args.add_decode(sub)
+    return {role: sub.choices[role] for role in NODE_ROLES}
+
+
+def passed_on(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags of a node parser that `up` takes and passes on."""
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings and not UP_SETS.intersection(a.option_strings)
+    ]
+
+
+def node_argv(a: argparse.Namespace, role: str) -> list[str]:
+    """The flags of node command `role` that `a` (the parsed `up` line) holds away from their
+    defaults, written back as command-line arguments: what `up` gives each `role` node."""
+    argv: list[str] = []
+    for action in passed_on(node_parsers()[role]):
+        value = getattr(a, action.dest)
+        if action.dest == "model" or value == action.default:  # the model: Cluster's own argument
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true / store_false / store_const
+            argv.append(flag)
+        elif isinstance(value, list | tuple):  # append, nargs="+"
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _add_node_flags(up: argparse.ArgumentParser) -> None:
+    """Every flag of the node parsers, once (a flag both take is one `up` flag, given to both);
+    a node flag that clashes with one of `up`'s own is an error here, not a silent drop."""
+    groups = {role: up.add_argument_group(f"{role} nodes") for role in NODE_ROLES}
+    seen: dict[str, argparse.Action] = {}
+    for role, parser in reversed(node_parsers().items()):  # decode's first: it takes the most
+        for action in passed_on(parser):
+            if action.dest in seen:
+                assert seen[action.dest].option_strings == action.option_strings, action.dest
+                continue
+            seen[action.dest] = action
+            groups[role]._add_action(copy.copy(action))
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a local cluster (separate processes)")
-    engine_args(up)  # passed on to every node
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument(
@@ -42,4 +100,4 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         "has a chat template), then stop (the newcomer's demo)",
     )
     up.add_argument("--max-tokens", type=int, default=32, help="with --run")
-    tool_call_parser_arg(up)  # passed on to the decode nodes
+    _add_node_flags(up)  # passed on to the nodes that take them
