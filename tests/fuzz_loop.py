@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 from hypothesis import strategies as st
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from tests.engine_helpers import hf_greedy
+from tests.support.cluster import PdCluster, pd_cluster
 
 PROBE = [5, 6, 7]  # the greedy request that must come out the same after every example
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import create_channel, generate, generate_stream
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
@@ -20,6 +19,7 @@ from shared.engine.llm import LLM
 from shared.engine.requests.request import LlmRequestState as S
 from shared.engine.sampling.sampling_params import SamplingParams
 from tests.engine_helpers import random_max_tokens, random_prompts, single_torch_thread
+from tests.support.cluster import PdCluster, pd_cluster
 
 MODEL = "tiny"
 VOCAB = 256  # byte tokens only: clear of the tiny model's special ids

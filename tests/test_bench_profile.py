@@ -13,12 +13,12 @@ import pytest
 from pdserve.bench import plan_check
 from pdserve.bench import profile as bench_profile
 from pdserve.bench.support import models
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.bench.support.load import RequestRecord, RequestSpec
 from pdserve.plan import make_plan
 from pdserve.planner_model import Targets, Workload
 from pdserve.planner_profile import PROFILE_SCHEMA, PROFILE_VERSION, Profile
 from shared.model.loader import tiny_config
+from tests.support.cluster import pd_cluster
 
 
 def _record(start: float, times: list[float], error: str | None = None) -> RequestRecord:

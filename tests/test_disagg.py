@@ -9,7 +9,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
@@ -17,6 +16,7 @@ from shared.engine.requests.request import LlmRequestState
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
+from tests.support.cluster import pd_cluster
 
 S = LlmRequestState
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts
+from tests.support.cluster import pd_cluster
 from tests.test_families_parity import VARIANTS
 
 PD_VARIANTS = [

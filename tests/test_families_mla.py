@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from pdserve.bench.support.checkpoints import load_hf_model
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
@@ -32,6 +31,7 @@ from shared.model.mla import LatentAttention
 from shared.model.registry import config_from_hf
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate
+from tests.support.cluster import pd_cluster
 from tests.test_families_moe import nearest_router_tie
 from tests.test_families_parity import (
     VOCAB,

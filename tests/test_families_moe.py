@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from pdserve.bench.support.checkpoints import load_hf_model
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from pdserve.export_hf import export_hf
 from shared.engine.config import EngineConfig
@@ -29,6 +28,7 @@ from shared.model.moe import SparseMoe
 from shared.model.moe_hf import deepseek_moe
 from tests.engine_helpers import hf_greedy, random_max_tokens
 from tests.sampling_reference import pd_generate
+from tests.support.cluster import pd_cluster
 from tests.test_families_parity import (
     WINDOW,
     family_prompts,

@@ -18,8 +18,8 @@ import httpx
 import jsonschema
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from tests.engine_helpers import single_torch_thread
+from tests.support.cluster import pd_cluster
 from tests.test_tools import QWEN_TOOLS
 from tests.tool_corpus import SCHEMAS, TOOLS, ask
 

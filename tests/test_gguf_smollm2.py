@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
@@ -26,6 +25,7 @@ from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from shared.model.loader import LoadedModel, load_model
+from tests.support.cluster import pd_cluster
 
 MAX_TOKENS = 8
 CHUNK = 64  # max_num_tokens: prompts longer than this prefill in several steps

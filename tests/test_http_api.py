@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from shared.serving.tls import ServerTls
+from tests.support.cluster import PdCluster, pd_cluster
 
 MODEL = "tiny"
 _EVENT = re.compile(rb"data: ([^\n]*)\n\n")

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import httpx
 
-from pdserve.bench.support.inprocess import pd_cluster
+from tests.support.cluster import pd_cluster
 
 COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 

@@ -11,8 +11,8 @@ import time
 
 import httpx
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.proxy import Proxy
+from tests.support.cluster import PdCluster, pd_cluster
 
 MODEL = "tiny"
 

@@ -17,7 +17,6 @@ import httpx
 import openai
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM
@@ -26,6 +25,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import chat_checkpoint, random_prompts
 from tests.sampling_reference import hf_log_softmax, pd_generate
+from tests.support.cluster import PdCluster, pd_cluster
 
 MESSAGES = [{"role": "user", "content": "the cat sat on"}]
 TOL = 1e-4

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 import httpx
 from prometheus_client import CollectorRegistry
 
-from pdserve.bench.support.inprocess import pd_cluster
 from shared.serving.connection_limits import ConnectionLimits
 from shared.serving.metrics import AsgiServer, metrics_app
+from tests.support.cluster import pd_cluster
 
 HEADER_S, BODY_S = 1.0, 2.0
 # a stalled connection must be closed by its deadline; the slack absorbs a loaded machine

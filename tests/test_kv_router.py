@@ -10,9 +10,9 @@ import pytest
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.kv_router import PrefixIndex, prefill_cost, prompt_hashes
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from tests.engine_helpers import hf_greedy, random_prompts, single_torch_thread
+from tests.support.cluster import pd_cluster
 
 BS = 16
 

@@ -70,6 +70,58 @@ def test_nothing_shipped_imports_the_tests(package: str) -> None:
     assert violations(package, ("tests",)) == []
 
 
+# ---- fixtures live under tests/: nothing shipped is there only for the tests ----------------
+SHIPPED = ("pdserve", "shared", "transfer", "proto", "prefill_node", "decode_node")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def referenced_modules(path: Path) -> set[str]:
+    """Every module a file names: imports (relative ones resolved; `from package import module`
+    counts the module), strings naming a module (`python -m ...`, importlib), and the packages
+    above each, which importing it runs."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+    return {".".join(name.split(".")[:i]) for name in found for i in range(1, name.count(".") + 2)}
+
+
+def references(files: list[Path]) -> set[str]:
+    return set().union(*(referenced_modules(file) for file in files))
+
+
+def test_no_shipped_module_is_imported_only_by_tests() -> None:
+    """A module of the installed packages that only tests import is a test fixture: it belongs
+    under tests/support/. Shipped code reaches a module by importing it, by naming it in a
+    string (`python -m`, importlib), as a console-script entry point, or runs it as a program
+    of its own (a `__main__` guard: a benchmark run with `python -m`)."""
+    import tomllib
+
+    shipped = {module_name(f): f for package in SHIPPED for f in package_files(package)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    entry_points = {target.split(":")[0] for target in project["scripts"].values()}
+    entry_points |= {m for m, f in shipped.items() if '__name__ == "__main__"' in f.read_text()}
+    by_shipped = references(list(shipped.values())) | entry_points
+    by_tests = references(sorted((ROOT / "tests").rglob("*.py")))
+    assert "pdserve.bench.support.inprocess" in by_shipped & by_tests  # the walk sees both sides
+    only_tests = sorted(m for m in shipped if m in by_tests and m not in by_shipped)
+    assert only_tests == [], f"imported only by tests (move them to tests/support/): {only_tests}"
+
+
 BOOKKEEPING = [
     "shared.engine.resources.block_manager",
     "shared.engine.resources.resource_manager",

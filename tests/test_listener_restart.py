@@ -175,11 +175,11 @@ def test_a_listener_restart_asks_the_same_prefill_node_again(
     import numpy as np
     from prometheus_client import generate_latest
 
-    from pdserve.bench.support.inprocess import pd_cluster
     from pdserve.client import generate
     from shared.engine.config import EngineConfig
     from shared.serving.metrics import parse_prometheus_text
     from tests.engine_helpers import hf_greedy, random_prompts
+    from tests.support.cluster import pd_cluster
     from transfer.protocol import split_address
     from transfer.worker import UcxWorker
 

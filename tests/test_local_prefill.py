@@ -14,13 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.resources.block_manager import compute_block_hashes
 from shared.engine.sampling.sampling_params import SamplingParams
 from tests.engine_helpers import hf_greedy, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate, same_logprobs
+from tests.support.cluster import PdCluster, pd_cluster
 
 S = LlmRequestState
 

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import create_channel, generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling.sampling_params import SamplingParams
 from tests.engine_helpers import random_prompts, single_torch_thread
+from tests.support.cluster import pd_cluster
 
 MODEL = "tiny"
 VOCAB = 256

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.engine.commands import ContextPushed
 from tests.engine_helpers import random_prompts, single_torch_thread
+from tests.support.cluster import pd_cluster
 
 PROMPT = random_prompts(1, 256, min_len=200, max_len=200, seed=913)[0]
 

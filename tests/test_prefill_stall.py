@@ -15,7 +15,6 @@ import time
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from pdserve.cluster import NodeProcess, stop_all
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
@@ -25,6 +24,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.wire import sampling_to_proto
 from tests.engine_helpers import random_prompts
+from tests.support.cluster import pd_cluster
 from tests.test_faults import VOCAB, Nodes, metrics, target, wait_released
 
 KV_TIMEOUT_S = 3.0  # the decode node's --kv-transfer-timeout: each transfer's deadline

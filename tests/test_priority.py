@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import create_channel
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.requests.request import LlmRequest, LlmRequestState
@@ -19,6 +18,7 @@ from shared.engine.scheduling.admission_queue import AdmissionQueue
 from shared.engine.scheduling.scheduler import _victim
 from shared.engine.scheduling.service_level import MAX_PRIORITY, MIN_PRIORITY, ServiceLevel
 from tests.engine_helpers import single_torch_thread
+from tests.support.cluster import PdCluster, pd_cluster
 from tests.test_admission_cluster import long_request, wait_queued
 
 MODEL = "tiny"

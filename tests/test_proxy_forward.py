@@ -8,10 +8,10 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from pdserve.proxy import Proxy
 from tests.engine_helpers import single_torch_thread
+from tests.support.cluster import pd_cluster
 
 MODEL = "tiny"
 

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import httpx
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from pdserve.proxy import Proxy
 from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import single_torch_thread
+from tests.support.cluster import PdCluster, pd_cluster
 
 MODEL = "tiny"  # byte-level: a text prompt of N ASCII bytes is N tokens (plus BOS)
 # the decode replicas prefill these prompts themselves: their own prefix caches are what the

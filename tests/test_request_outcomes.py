@@ -14,12 +14,12 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import create_channel, generate, generate_stream
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.config import EngineConfig
 from shared.serving.request_outcomes import DECODE_OUTCOMES, PREFILL_OUTCOMES
 from tests.engine_helpers import random_prompts, single_torch_thread
+from tests.support.cluster import PdCluster, pd_cluster
 
 MODEL = "tiny"
 VOCAB = 256

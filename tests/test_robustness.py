@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate, generate_stream
 from shared.engine.config import EngineConfig
 from shared.engine.requests.request import LlmRequestState
 from tests.engine_helpers import hf_greedy, random_prompts
+from tests.support.cluster import PdCluster, pd_cluster
 
 S = LlmRequestState
 # the same public contract from a P/D pair and from a colocated node

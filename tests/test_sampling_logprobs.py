@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestRejected
 from shared.engine.llm import LLM
@@ -22,6 +21,7 @@ from tests.sampling_reference import (
     pd_generate,
     same_logprobs,
 )
+from tests.support.cluster import pd_cluster
 
 
 def check_against_hf(

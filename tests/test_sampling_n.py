@@ -12,7 +12,6 @@ import grpc
 import pytest
 from grpc import aio
 
-from pdserve.bench.support.inprocess import pd_cluster
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected
@@ -24,6 +23,7 @@ from shared.model.loader import load_model
 from shared.serving.wire import sampling_to_proto
 from tests.engine_helpers import hf_greedy, random_prompts
 from tests.sampling_reference import pd_generate, same_logprobs
+from tests.support.cluster import pd_cluster
 
 
 def engine(path: Path, **kwargs: object) -> LLM:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from pdserve.bench.support.checkpoints import EOS_TOKEN, special_ids
-from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.requests.request import FinishReason
@@ -22,6 +21,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import _hf_model, hf_greedy, random_prompts
 from tests.sampling_reference import pd_generate
+from tests.support.cluster import pd_cluster
 
 EOS = special_ids()[EOS_TOKEN]
 

@@ -11,7 +11,6 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import create_channel, generate
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.requests.request import LlmRequest, LlmRequestState
@@ -19,6 +18,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.service_level import ServiceLevel
 from shared.engine.scheduling.slo import PrefillRate, SloMiss, SloPolicy, StepTimes
 from tests.engine_helpers import random_prompts, single_torch_thread
+from tests.support.cluster import PdCluster, pd_cluster
 
 MODEL = "tiny"
 PROMPT = random_prompts(1, 256, min_len=300, max_len=300, seed=901)[0]

@@ -22,7 +22,6 @@ import openai
 import pydantic
 import pytest
 
-from pdserve.bench.support.inprocess import PdCluster, pd_cluster
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.grammar_compiler import compiler_for
@@ -31,6 +30,7 @@ from shared.engine.sampling.structured_output import StructuredOutput
 from shared.model.gguf_builtin import SMOLLM2_SPEC
 from tests.engine_helpers import chat_checkpoint
 from tests.structured_corpus import SCHEMAS
+from tests.support.cluster import PdCluster, pd_cluster
 
 ENGINE = EngineConfig(model="tiny", num_kv_blocks=512, max_batch_size=16)
 

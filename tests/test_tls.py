@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from shared.serving.tls import ClientTls, ServerTls
 from tests.engine_helpers import hf_greedy
+from tests.support.cluster import pd_cluster
 
 
 def openssl(*args: str) -> None:

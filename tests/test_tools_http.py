@@ -198,9 +198,9 @@ def assert_grammars_released(nodes: list[Any]) -> None:
 def test_smollm2_tools_over_http_pd() -> None:
     import openai
 
-    from pdserve.bench.support.inprocess import pd_cluster
     from shared.engine.config import EngineConfig
     from shared.model.gguf_builtin import SMOLLM2_SPEC
+    from tests.support.cluster import pd_cluster
 
     engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=16)
     http = {"http_port": 0, "tool_call_parser": "hermes"}
@@ -230,9 +230,9 @@ def test_langchain_structured_output_and_tools() -> None:
     import pydantic
     from langchain_openai import ChatOpenAI
 
-    from pdserve.bench.support.inprocess import pd_cluster
     from shared.engine.config import EngineConfig
     from shared.model.gguf_builtin import SMOLLM2_SPEC
+    from tests.support.cluster import pd_cluster
 
     class Pet(pydantic.BaseModel):
         kind: Literal["cat", "dog"]

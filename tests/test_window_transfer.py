@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import generate
 from proto.pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from shared.engine.config import EngineConfig
 from shared.kv.layout import KvLayout
 from shared.model.kv_window import skipped_blocks, skipped_problem
 from tests.engine_helpers import hf_greedy, random_prompts
+from tests.support.cluster import pd_cluster
 
 WINDOW, BLOCK = 16, 8
 SLIDING, FULL = "sliding_attention", "full_attention"

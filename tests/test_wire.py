@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import build_generate_request, generate
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -23,6 +22,7 @@ from shared.serving.wire import (
     validate_request,
 )
 from tests.engine_helpers import hf_greedy
+from tests.support.cluster import pd_cluster
 
 VOCAB = 1000
 

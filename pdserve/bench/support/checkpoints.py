@@ -1,4 +1,5 @@
-"""Tiny Hugging Face checkpoints for parity tests (built offline with transformers + tokenizers).
+"""Tiny Hugging Face checkpoints (built offline with transformers + tokenizers): the models of the
+benchmarks' quick runs and of the parity tests, and `load_hf_model`, their transformers reference.
 
 `build_checkpoint("llama" | "llama3" | "qwen2" | "mistral", out_dir)` writes a directory that both
 `transformers.AutoModelForCausalLM.from_pretrained` and `shared.model.loader.load_model` accept:

@@ -1,10 +1,9 @@
-"""In-process P/D clusters for tests: real gRPC servers, real UCX, one event loop."""
+"""In-process P/D clusters: real gRPC servers, real UCX, one event loop (the preempt-recompute
+benchmark's nodes; tests/support/cluster.py adds the tests' checks)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,7 +12,6 @@ from decode_node.config import DecodeNodeConfig
 from prefill_node.config import PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.model.loader import load_model
-from shared.serving.metrics import parse_prometheus_text
 
 
 @dataclass
@@ -24,35 +22,6 @@ class PdCluster:
     @property
     def targets(self) -> list[str]:
         return [f"127.0.0.1:{d.port}" for d in self.decodes]
-
-    def metrics(self) -> list[dict[str, float]]:
-        out = []
-        for node in [*self.prefills, *self.decodes]:
-            url = f"http://127.0.0.1:{node.serving.metrics_port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                out.append(parse_prometheus_text(resp.read().decode()))
-        return out
-
-    async def assert_idle_and_conserved(self, timeout: float = 10.0) -> None:
-        """Every node: zero seats and zero pinned blocks in use (via /metrics), then the
-        engine's own conservation check."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            samples = await asyncio.to_thread(self.metrics)
-            busy = [
-                m
-                for m in samples
-                if m["pdserve_seats_in_use"]
-                or m["pdserve_kv_blocks_pinned"]
-                or m["pdserve_kv_blocks_in_use"]
-            ]
-            if not busy:
-                break
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"nodes still hold resources: {busy}")
-            await asyncio.sleep(0.05)
-        for node in [*self.prefills, *self.decodes]:
-            await node.thread.inspect(lambda core: core.check_conservation())
 
 
 @contextlib.asynccontextmanager

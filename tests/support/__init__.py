@@ -1,0 +1,1 @@
+"""Fixtures the tests share: clusters with their conservation checks, model checkpoints."""
