@@ -11,7 +11,7 @@ from grpc import aio
 
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving.grpc_server import GRPC_SERVER_OPTIONS, describe_layout_info
-from shared.serving.replica_pool import Replica, ReplicaPool, reconnect_options
+from shared.serving.replica_pool import Health, Replica, ReplicaPool, reconnect_options
 
 
 class LayoutMismatch(Exception):
@@ -26,16 +26,32 @@ class PrefillPeer(Replica):
     stub: prefill_pb2_grpc.PrefillStub = field(default=None)  # type: ignore[assignment]
     layout: generation_pb2.KvLayoutInfo | None = None
     num_kv_blocks: int = 0  # its pool, as it reports it (0: not reported)
+    max_context: int = 0  # its max_model_len, as it reports it (0: not reported)
     layerwise: bool | None = None  # the push asked of it (decode_node/push_mode.py); None: not yet
 
     def forget(self) -> None:
         self.layout = None  # a restarted node may come back with another model
 
+    async def check_health(self, timeout: float) -> Health:
+        """Its health and, the first time it serves (again), its model info: the decode node
+        knows each prefill node's limits (decode_node/prefill_limits.py) before a request
+        needs them."""
+        health = await super().check_health(timeout)
+        if health is Health.SERVING and self.layout is None:
+            with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+                await self.learn(timeout)
+        return health
+
+    async def learn(self, timeout: float = 5.0) -> None:
+        """Ask its model info: KV layout, pool and context."""
+        info = await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+        self.num_kv_blocks, self.max_context = info.num_kv_blocks, info.max_context
+        self.layout = info.kv_layout  # last: a layout means the limits beside it are known
+
     async def ensure_layout(self, mine: generation_pb2.KvLayoutInfo) -> None:
         if self.layout is None:
-            info = await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5.0)
-            self.layout = info.kv_layout
-            self.num_kv_blocks = info.num_kv_blocks
+            await self.learn()
+        assert self.layout is not None
         if self.layout.fingerprint != mine.fingerprint:
             raise LayoutMismatch(
                 f"KV layout mismatch with prefill node {self.target}: decode has "

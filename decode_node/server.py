@@ -32,6 +32,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from decode_node import prefill_limits
 from decode_node.config import DecodeNodeConfig
 from decode_node.first_token import engine_took_first, release_first
 from decode_node.grammar_check import with_grammar
@@ -46,6 +47,7 @@ from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.commands import Abort, Command, Drain, PlacePrompt, Shutdown, TransferFailed
 from shared.engine.core import EngineCore
 from shared.engine.errors import RequestRejected, ResourcesExhausted
+from shared.engine.info import EngineInfo
 from shared.engine.requests.output import TokenDelta
 from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -72,11 +74,11 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.slo = config.slo_policy()  # shared with the engine's admission (thread-safe)
         # driven only through commands on self.thread; read only through self.info
         self.core = EngineCore(config.engine, loaded, role=config.decode_settings(self.slo))
-        self.info = self.core.info
-        self.layout_info = layout_info(self.info.layout)
+        self.engine_info = self.core.info  # `info` is it with the context served
+        self.layout_info = layout_info(self.engine_info.layout)
         self.streams: dict[str, Stream] = {}
         self.thread: EngineThread | None = None
-        parts = build_parts(config, self.info, lambda: self._snapshot())
+        parts = build_parts(config, self.engine_info, lambda: self._snapshot())
         self.receiver, self.pool, self.metrics = parts.receiver, parts.pool, parts.metrics
         self.counters = parts.counters
         self.outcomes = RequestOutcomes(self.metrics.requests_total, DECODE_OUTCOMES)
@@ -88,6 +90,17 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.serving: NodeServing | None = None
         self.http: AsgiServer | None = None
         self.port, self.accepting = 0, True
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's facts, `max_model_len` no more than the prefill nodes take (what
+        /v1/models, /tokenizer_info and GetModelInfo report)."""
+        return prefill_limits.served(self.engine_info, self._prefill_limit())
+
+    def _prefill_limit(self) -> prefill_limits.PrefillLimit | None:
+        if self.config.colocated:
+            return None
+        return prefill_limits.tightest(self.pool.replicas, self.layout_info.fingerprint)
 
     @property
     def transfer_log(self):
@@ -328,8 +341,11 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     ) -> SamplingParams:
         """Wire bounds and engine checks before any allocation (gRPC, HTTP); the seed resolved."""
         try:
-            validate_request(request_id, params, self.info.vocab_size)
-            self.info.validate(prompt, params)
+            validate_request(request_id, params, self.engine_info.vocab_size)
+            self.engine_info.validate(prompt, params)
+            limit = self._prefill_limit()
+            if limit is not None:
+                limit.check(len(prompt), params.max_tokens)
         except (WireError, RequestRejected) as e:
             raise self.outcomes.refused(GenerateError(Status.INVALID_ARGUMENT, str(e))) from None
         return params.with_resolved_seed()

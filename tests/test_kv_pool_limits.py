@@ -1,0 +1,123 @@
+"""The context a node advertises is the one its KV pool serves: `--kv-cache-mb 64` alone starts
+and advertises what fits (/v1/models, /tokenizer_info, GetModelInfo, /version), with
+`--max-model-len 8192` it refuses to start naming both flags (through `pdserve up`, so the flags
+reach the nodes it starts), and a decode node advertises and admits no more than its prefill
+node's pool holds, refusing at once a prompt that pool cannot take. Real nodes, gRPC, HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.bench.support.inprocess import pd_cluster
+from pdserve.client import get_model_info
+from shared.engine.config import EngineConfig
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.model.gguf_builtin import SMOLLM2_SPEC
+from tests.engine_helpers import random_prompts, single_torch_thread
+from tests.sampling_reference import pd_generate
+
+SMOLLM2_FP32_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers x K,V x tokens x heads x dim x bytes
+MB64_TOKENS = (64 << 20) // SMOLLM2_FP32_BLOCK * 16  # 91 blocks
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_torch_thread():
+        yield
+
+
+async def _advertised(node, http: httpx.AsyncClient) -> dict[str, int]:
+    """The context each surface reports."""
+    models = (await http.get("/v1/models")).json()["data"][0]
+    version = (await http.get("/version")).json()["kv_pool"]
+    info = await get_model_info(f"127.0.0.1:{node.port}")
+    return {
+        "models": models["max_model_len"],
+        "tokenizer_info": (await http.get("/tokenizer_info")).json()["model_max_length"],
+        "grpc": info.max_context,
+        "version": version["max_model_len"],
+    }
+
+
+def test_kv_cache_mb_64_alone_serves_what_fits() -> None:
+    engine = EngineConfig(model=SMOLLM2_SPEC, dtype="float32", kv_cache_memory_mb=64)
+
+    async def body() -> None:
+        async with pd_cluster(
+            SMOLLM2_SPEC, colocated=True, decode_engine=engine, decode_overrides={"http_port": 0}
+        ) as c:
+            node = c.decodes[0]
+            url = f"http://127.0.0.1:{node.http_port}"
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                seen = await _advertised(node, http)
+                assert MB64_TOKENS == 1456 and set(seen.values()) == {MB64_TOKENS}, seen
+                pool = (await http.get("/version")).json()["kv_pool"]
+                assert pool["num_blocks"] == 91 and pool["tokens"] == 1456, pool
+                assert pool["sized_by"] == "--kv-cache-mb 64", pool
+                # the advertised context is served: a prompt filling it but max_tokens
+                prompt = random_prompts(1, 49152, min_len=1448, max_len=1448, seed=3)[0]
+                got = await pd_generate(c.targets[0], prompt, SamplingParams(max_tokens=8))
+                assert len(got[0].token_ids) == 8, got
+                # and one token more is refused before anything is allocated, naming the limit
+                body = {"model": SMOLLM2_SPEC, "prompt": [*prompt, 7], "max_tokens": 8}
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 400, r.text
+                assert "exceeds the model's context of 1456 tokens" in r.json()["error"]["message"]
+
+    asyncio.run(body())
+
+
+def test_max_model_len_the_pool_cannot_hold_refuses_to_start() -> None:
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", SMOLLM2_SPEC]
+    argv += ["--dtype", "float32", "--kv-cache-mb", "64", "--max-model-len", "8192"]
+    argv += ["--port", "0", "--http-port", "0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    line = next(x for x in done.stderr.splitlines() if "invalid configuration" in x)
+    assert "--max-model-len 8192 needs 512 KV blocks" in line, line
+    assert "raise --kv-cache-mb to at least 360" in line, line
+    assert "lower --max-model-len to at most 1456" in line, line
+
+
+def test_decode_node_serves_no_more_than_the_prefill_pool_holds() -> None:
+    """Prefill pool 8 blocks (128 tokens), decode pool 64 (1,024): the decode node advertises
+    128 everywhere, serves a request that fills it, and refuses one token more at once with
+    the prefill node's limit, over gRPC and HTTP."""
+    tiny = "tiny"
+    prefill = EngineConfig(model=tiny, num_kv_blocks=8, max_batch_size=4)
+    decode = EngineConfig(model=tiny, num_kv_blocks=64, max_batch_size=4)
+
+    async def body() -> None:
+        async with pd_cluster(
+            tiny, prefill_engine=prefill, decode_engine=decode, decode_overrides={"http_port": 0}
+        ) as c:
+            node, target = c.decodes[0], c.targets[0]
+            assert node.engine_info.max_model_len == 1024  # its own pool: the prefill's limits
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{node.http_port}") as http:
+                seen = await _advertised(node, http)
+                assert set(seen.values()) == {128}, seen
+                prompt = random_prompts(1, 259, min_len=120, max_len=120, seed=5)[0]
+                got = await pd_generate(
+                    target, prompt, SamplingParams(max_tokens=8, ignore_eos=True)
+                )
+                assert len(got[0].token_ids) == 8 and got[0].finish_reason == "FINISH_REASON_LENGTH"
+                prefill_target = f"127.0.0.1:{c.prefills[0].port}"
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await pd_generate(target, [*prompt, 3], SamplingParams(max_tokens=8))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                message = e.value.details() or ""
+                assert "exceeds the prefill nodes' context of 128 tokens" in message, message
+                assert f"prefill node {prefill_target}: 8 KV blocks = 128 tokens" in message
+                body = {"model": tiny, "prompt": [*prompt, 3], "max_tokens": 8}
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 400 and "prefill nodes' context" in r.text, r.text
+            assert not node.streams
+
+    asyncio.run(body())
