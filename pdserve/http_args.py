@@ -24,8 +24,11 @@ def http_args(p: argparse.ArgumentParser) -> None:
 
 
 def tool_call_parser_arg(p: argparse.ArgumentParser) -> None:
-    why = 'how tool_choice "auto" reads calls (hermes: Qwen, Hermes; llama3_json: Llama 3.x)'
-    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], help=why)
+    why = (
+        'how tool_choice "auto" reads calls (hermes: Qwen, Hermes; llama3_json: Llama 3.x; '
+        "mistral: Mistral); default: chosen from the chat template, plain text if it has none"
+    )
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], help=why)
 
 
 def _http_connection_args(p: argparse.ArgumentParser) -> None:

@@ -9,11 +9,14 @@ answers the 400), goes least-loaded. It is sent to the replica's address with
 passed on as they arrive); a client that disconnects closes the upstream connection, which the
 decode node treats as a cancel. A replica that refuses the connection is marked unhealthy and the
 request goes to another one (nothing was sent yet); once a replica answered, its status and body
-pass through unchanged.
+pass through unchanged. A stored Responses API answer lives on the replica that made it: a
+request naming one (`GET`/`DELETE /v1/responses/{id}`, a `previous_response_id`) that a replica
+answers 404 `response_not_found` is asked of the next one, until one has it or all were asked.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -57,6 +60,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 MAX_PROXY_BODY_BYTES = 64 * 1024 * 1024
+RESPONSES_PATH = "/v1/responses"
+NOT_STORED_HERE = "response_not_found"  # the decode node's code (shared/serving/http/responses)
 CONNECT_TIMEOUT = 2.0  # the same network: a replica that does not accept in 2 s is gone
 
 
@@ -93,6 +98,33 @@ class _Relay(StreamingResponse):
         finally:
             self.release()
             await self.upstream.aclose()
+
+
+def _names_stored_response(request: Request, body: bytes) -> bool:
+    """Whether the request needs a stored response, which only the replica that made it has."""
+    path = request.url.path
+    if path.startswith(RESPONSES_PATH + "/"):
+        return request.method in ("GET", "DELETE")
+    if path != RESPONSES_PATH or request.method != "POST":
+        return False
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(parsed, dict) and parsed.get("previous_response_id") is not None
+
+
+async def _read_404(response: httpx.Response) -> tuple[Response, bool]:
+    """A replica's 404 (an error object: small) read whole, and whether it says that replica
+    does not hold the stored response (another may)."""
+    content = await response.aread()
+    await response.aclose()
+    answer = Response(content, 404, headers=dict(_forwardable(response.headers)))
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return answer, False
+    return answer, isinstance(error, dict) and error.get("code") == NOT_STORED_HERE
 
 
 class HttpForwarder:
@@ -153,9 +185,13 @@ class HttpForwarder:
         body = await request.body()
         headers = tracing.inject(_forwardable(request.scope["headers"]), span)
         key = self._prompt_key(request, body)
+        stored = _names_stored_response(request, body)
+        # a stored response is looked for on every replica; anything else retries connects only
+        attempts = max(self.max_attempts, len(self.pool.replicas)) if stored else self.max_attempts
         tried: set[str] = set()
         last_error = "no decode node is known"
-        for _ in range(self.max_attempts):
+        not_here: Response | None = None
+        for _ in range(attempts):
             backend = self.router.route(self.pool, key, tried)
             if backend is None:
                 break
@@ -185,10 +221,18 @@ class HttpForwarder:
             except BaseException:
                 self.router.release(backend, key)
                 raise
+            if stored and response.status_code == 404:  # read whole: maybe ask the next one
+                self.router.release(backend, key)
+                not_here, elsewhere = await _read_404(response)
+                if elsewhere:
+                    continue
+                return not_here
             self.requests.labels(backend.target, str(response.status_code)).inc()
             ok = response.status_code < 500
             tracing.attempt(span, backend.target, f"HTTP {response.status_code}", ok)
             return _Relay(response, backend, lambda b=backend: self.router.release(b, key))
+        if not_here is not None:  # every replica was asked: none holds it
+            return not_here
         return ApiError(503, f"no decode node could take the request ({last_error})").response()
 
     def _prompt_key(self, request: Request, body: bytes) -> PromptKey | None:

@@ -176,9 +176,8 @@ def test_tool_choice_checks_and_grammars() -> None:
             req = request(**fields)
             structured_output(req)
         assert e.value.param == param, fields
-    # "auto", the default with tools, needs the node's --tool-call-parser (vLLM's behaviour)
-    with pytest.raises(ApiError, match="--tool-call-parser") as e:
-        tool_parser(request(tools=TOOLS), None)
+    # "auto", the default with tools, with no parser (none given, none in the template): text
+    assert tool_parser(request(tools=TOOLS), None) is None
     assert isinstance(tool_parser(request(tools=TOOLS), "hermes")(), HermesParser)  # type: ignore[misc]
     assert tool_parser(request(tools=TOOLS, tool_choice="none"), None) is None
     # named: the tool's arguments; the deprecated functions/function_call spell the same

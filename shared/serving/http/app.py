@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API of a decode node, as a FastAPI app.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], vLLM's POST
-/tokenize, POST /detokenize and GET /tokenizer_info, GET /health, GET /metrics, GET /version.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and DELETE
+/v1/responses/{id} (responses.py), GET /v1/models[/{model}], vLLM's POST /tokenize, POST
+/detokenize and GET /tokenizer_info, GET /health, GET /metrics, GET /version; any other route
+is a 404 in OpenAI's error object naming it (errors.py).
 Served by uvicorn on the node's own event loop (see shared/serving/metrics.AsgiServer). A client
 that goes away — while its stream runs or before its first token — cancels the generation, which
 releases the request on both nodes exactly as a gRPC cancel does.
@@ -26,6 +28,8 @@ from shared.serving import tracing
 from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
 from shared.serving.http.render import Renderer, Rendering, merge_logprobs
+from shared.serving.http.response_store import ResponseStore
+from shared.serving.http.responses import install_responses
 from shared.serving.http.schemas import (
     ChatChoice,
     ChatCompletionRequest,
@@ -132,10 +136,13 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
-        tools = tool_parser(body, config.tool_call_parser)
+        tools = tool_parser(body, service.tool_call_parser)
         jobs = service.jobs(body, [service.chat_prompt(body)])
         await compile_structured(body, jobs[0].params.structured, backend.info)
         return await _answer(service, request, body, jobs, chat=True, tools=tools)
+
+    store = ResponseStore(config.responses_store_bytes, config.responses_store_entries)
+    install_responses(app, service, store)
 
     @app.post("/tokenize")
     async def tokenize_text(body: dict[str, Any]) -> dict[str, object]:

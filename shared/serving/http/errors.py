@@ -38,6 +38,10 @@ _TYPES = {
 _FIELD_RE = re.compile(r"\bsampling\.(\w+)")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
 RETRY_AFTER_SECONDS = "1"
+SERVED_ROUTES = (
+    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, "
+    "GET /v1/responses/{id}, GET /v1/models, POST /tokenize, POST /detokenize"
+)
 
 
 class ApiError(Exception):
@@ -103,6 +107,20 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{where}: {first.get('msg')}{more}", param=param)
 
 
+def _routing_error(request: Request, exc: StarletteHTTPException) -> ApiError:
+    """Starlette's bare "Not Found" / "Method Not Allowed" as OpenAI's error object, naming
+    the route asked for and the ones served (a client of another API learns which it hit)."""
+    route = f"{request.method} {request.url.path}"
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        message = f"Invalid URL ({route}): pdserve does not serve this route; it serves "
+        return ApiError(404, message + SERVED_ROUTES, code="unknown_url")
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"Invalid method ({route}): this route takes {allowed or 'another method'}"
+        return ApiError(405, message, code="method_not_allowed", headers=exc.headers)
+    return ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
@@ -118,7 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+        return _routing_error(request, exc).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -27,6 +27,7 @@ from shared.model.loader import LoadedModel
 from shared.serving.connection_limits import ConnectionLimits
 from shared.serving.http.errors import ApiError
 from shared.serving.http.logprobs import TokenTexts
+from shared.serving.http.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from shared.serving.http.sampling import to_sampling_params
 from shared.serving.http.schemas import (
     ChatCompletionRequest,
@@ -35,6 +36,7 @@ from shared.serving.http.schemas import (
     ModelList,
     Usage,
 )
+from shared.serving.http.template_tools import parser_for_template
 from shared.serving.http.tools import template_message, tool_definitions
 
 if TYPE_CHECKING:
@@ -69,8 +71,12 @@ class HttpApiConfig:
     served_model_name: str = ""  # "": the model's own name
     api_key: str | None = None  # None: no authentication
     chat_template: ChatTemplate | None = None  # overrides the model's own
-    tool_call_parser: str | None = None  # how "auto" tool choice reads calls (tool_parsers.py)
+    # how "auto" tool choice reads calls (tool_parsers.py); None: the chat template's format
+    tool_call_parser: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024
+    # stored Responses API answers (response_store.py): at most these bytes and entries
+    responses_store_bytes: int = DEFAULT_MAX_BYTES
+    responses_store_entries: int = DEFAULT_MAX_ENTRIES
     request_timeout: float | None = None  # seconds; None: no server-side deadline
     # per connection: header and body read deadlines, keep-alive, the connection cap
     connection: ConnectionLimits = field(default_factory=ConnectionLimits)
@@ -125,6 +131,8 @@ class OpenAIService:
         loaded = backend.info.loaded
         self.model_name = config.served_model_name or loaded.name
         self.chat_template = config.chat_template or loaded.chat_template
+        # None: the template writes no tool calls, and "auto" answers plain text
+        self.tool_call_parser = config.tool_call_parser or parser_for_template(self.chat_template)
         self.defaults = dict(loaded.generation_defaults)
         self.created = int(time.time())
         self.token_texts = TokenTexts(backend.info.tokenizer)

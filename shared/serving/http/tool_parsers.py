@@ -4,8 +4,10 @@ call carries its index, id, type and name with empty arguments; later ones argum
 
 `hermes` reads `<tool_call>{json}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes), `llama3_json` a
 bare `{"name": ..., "parameters": ...}` object, optionally after `<|python_tag|>`, several joined
-by `;` (Llama 3.x). `required` and `named` read what the tool grammars (tools.py) let any model
-write. The non-streamed answer is the same parser fed the same deltas, so both agree.
+by `;` (Llama 3.x), `mistral` a `[TOOL_CALLS]` tag then a JSON list of calls (Mistral, Mixtral,
+Mistral Nemo; the tag may have been dropped as a special token). `required` and `named` read
+what the tool grammars (tools.py) let any model write. The non-streamed answer is the same
+parser fed the same deltas, so both agree.
 
 Written by hand: the streamed deltas must follow the text as it arrives, and a call's arguments
 are passed on as the model wrote them (no re-serialisation), which a JSON library does not do.
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -356,6 +359,26 @@ class RequiredParser(Llama3JsonParser):
         self.buffer = rest
 
 
+class MistralParser(RequiredParser):
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`: calls only when the answer starts
+    with them; a leading `[{` counts too (the tag is a special token a decoder may drop)."""
+
+    arg_keys = ("arguments",)
+    cut_is_content = True  # the model's own text, not a grammar's
+
+    def _start(self, out: Parsed) -> None:
+        rest = self.buffer.lstrip()
+        if rest.startswith(MISTRAL_TAG):
+            rest = rest[len(MISTRAL_TAG) :].lstrip()
+        elif MISTRAL_TAG.startswith(rest):
+            return  # maybe the tag: wait for more
+        after = rest[1:].lstrip()
+        if rest.startswith("[") and after.startswith("{"):
+            self.state, self.buffer = "between", after
+        elif rest and not (rest.startswith("[") and not after):  # "[" alone: wait for more
+            self.state = "text"
+
+
 class NamedParser(ToolParser):
     """A named tool_choice: the whole output is that tool's arguments (tools.py's grammar)."""
 
@@ -380,4 +403,5 @@ class NamedParser(ToolParser):
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
 }

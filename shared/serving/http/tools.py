@@ -4,7 +4,8 @@ for "required" or a named tool the grammar that makes any model write a valid ca
 
 The grammar travels as a json_schema StructuredOutput, the path response_format takes (the
 prefill node samples the first token under it). "auto" reads calls out of free text with the
-node's `--tool-call-parser` (tool_parsers.py); without one it is refused, as vLLM does.
+node's `--tool-call-parser`, else the parser for the format the chat template writes
+(template_tools.py); a template that writes no calls answers "auto" with plain text.
 """
 
 from __future__ import annotations
@@ -150,17 +151,8 @@ def tool_parser(req: ChatCompletionRequest, parser: str | None) -> Callable[[], 
         return RequiredParser
     if choice.mode == "none":
         return None
-    if parser is None:
-        field, named = "tool_choice", '{"type": "function", "function": {"name": ...}}'
-        if req.functions:
-            field, named = "function_call", '{"name": ...}'
-        raise ApiError(
-            400,
-            f'"auto" {field} (the default with tools) needs the node started with '
-            f"--tool-call-parser ({' or '.join(TOOL_PARSERS)}); or set {field} to "
-            f'"none", "required" or {named}',
-            param=field,
-        )
+    if parser is None:  # the template writes no tool calls: the model answers in text
+        return None
     return TOOL_PARSERS[parser]
 
 
