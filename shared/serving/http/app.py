@@ -47,6 +47,7 @@ from shared.serving.http.service import (
     new_id,
     usage_of,
 )
+from shared.serving.http.shutdown_answer import ShutdownAnswer
 from shared.serving.http.sse import SSE_HEADERS, ChunkWriter, sse_stream
 from shared.serving.http.structured import compile_structured
 from shared.serving.http.tokenization import (
@@ -101,6 +102,7 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     app.state.service = service
     install_error_handlers(app)
     app.add_middleware(ApiGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
+    app.add_middleware(ShutdownAnswer)  # outermost: a request the drain cuts off gets a 503
     health = metrics_routes(registry, lambda: backend.health[0], lambda: backend.health[1])
     app.router.routes.extend(health)
     version = _version()
