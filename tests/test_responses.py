@@ -78,9 +78,11 @@ def test_text_format_and_tool_choice_take_their_chat_spellings() -> None:
     assert chat.tool_choice == {"type": "function", "function": {"name": "f"}}
     passed = chat_request(responses(), [], {"seed": 3, "ignore_eos": True, "bogus": 1})
     assert passed.seed == 3 and passed.ignore_eos
+    logprobs = ["message.output_text.logprobs"]
     with pytest.raises(ApiError, match="background, include") as e:
-        chat_request(responses(background=True, include=["x"]), [], {})
+        chat_request(responses(background=True, include=logprobs), [], {})
     assert e.value.param == "background"
+    chat_request(responses(include=["reasoning.encrypted_content"]), [], {})  # none written
 
 
 def entry(owner: str, size: int) -> StoredResponse:

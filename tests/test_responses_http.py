@@ -5,7 +5,8 @@ round trip by previous_response_id renders exactly the prompt the same turns giv
 "auto" reads the template's own call format, text.format json_schema fits its schema,
 retrieve/delete/store:false/another credential, refusals name their field, and an unserved route
 is OpenAI's 404 naming it. Then through the proxy, with two replicas: a stored response is
-found on the replica that made it."""
+found on the replica that made it. pydantic-ai's OpenAIResponsesModel (when installed): text,
+a tool-call output (tool_choice required) and a native json_schema output, whole and streamed."""
 
 from __future__ import annotations
 
@@ -284,3 +285,38 @@ async def chain(proxied: openai.AsyncOpenAI, direct: list[str], model: str) -> N
     with pytest.raises(openai.NotFoundError) as e:
         await proxied.responses.retrieve("resp_nowhere")
     assert e.value.body["code"] == "response_not_found"  # type: ignore[index]
+
+
+async def pydantic_ai_agent(url: str, model_name: str) -> None:
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIResponsesModel(model_name, provider=OpenAIProvider(base_url=url, api_key="x"))
+    words = {"max_tokens": 8, "extra_body": {"structured_outputs": {"regex": "[a-z]{3,9}"}}}
+    text = await Agent(model, instructions="Be brief.").run("Say hi.", model_settings=words)
+    assert isinstance(text.output, str) and text.output, text
+    budget = {"max_tokens": 256, "temperature": 0.8, "extra_body": {"seed": 1}}
+    for output in (Pet, NativeOutput(Pet)):  # a final_result tool call; text.format json_schema
+        agent = Agent(model, output_type=output)
+        done = await agent.run("A pet, please.", model_settings=budget)
+        assert isinstance(done.output, Pet), done
+        async with agent.run_stream("A pet, please.", model_settings=budget) as streamed:
+            assert isinstance(await streamed.get_output(), Pet)
+
+
+def test_pydantic_ai_responses_model(tmp_path: Path) -> None:
+    """pydantic-ai's OpenAIResponsesModel (skipped without pydantic-ai, which pdserve does not
+    depend on)."""
+    pytest.importorskip("pydantic_ai")
+
+    async def body() -> None:
+        template = tmp_path / "tools.jinja"
+        template.write_text(QWEN_TOOLS)
+        http_api = {"http_port": 0, "chat_template": str(template)}
+        async with pd_cluster("tiny", colocated=True, decode_overrides=http_api) as c:
+            url = f"http://127.0.0.1:{c.decodes[0].http_port}/v1"
+            await pydantic_ai_agent(url, c.decodes[0].core.loaded.name)
+            await c.assert_idle_and_conserved()
+
+    asyncio.run(asyncio.wait_for(body(), 300))

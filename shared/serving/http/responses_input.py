@@ -16,7 +16,7 @@ import pydantic
 
 from shared.serving.http.errors import ApiError
 from shared.serving.http.responses_schemas import ResponsesRequest, TextFormat
-from shared.serving.http.schemas import ChatCompletionRequest, ChatMessage
+from shared.serving.http.schemas import ChatCompletionRequest
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -185,16 +185,6 @@ def chat_request(
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ApiError(400, f"input: {where}: {first['msg']}", param="input") from None
-
-
-def output_messages(items: list[dict[str, Any]], history: list[dict[str, Any]]) -> list[Any]:
-    """A response's output items as the assistant messages the next turn's template gets."""
-    return input_messages(items, history)
-
-
-def checked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as ChatMessage reads them (a stored turn is replayed exactly)."""
-    return [ChatMessage.model_validate(m).model_dump(exclude_none=True) for m in messages]
 
 
 CHAT_TO_RESPONSES = (

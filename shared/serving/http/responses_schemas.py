@@ -21,6 +21,7 @@ _NO_OPS: dict[str, tuple[object, ...]] = {
     "top_logprobs": (None, 0),
     "max_tool_calls": (None,),
 }
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class TextFormat(BaseModel):
@@ -78,7 +79,9 @@ class ResponsesRequest(BaseModel):
         bad = [name for name, ok in _NO_OPS.items() if getattr(self, name) not in ok]
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             bad.append("reasoning")
-        if self.include:
+        # the other includables are parts of items pdserve never writes (reasoning, built-in
+        # tools' results, images): asking for them changes nothing
+        if self.include and LOGPROBS_INCLUDE in self.include:
             bad.append("include")
         return bad
 
