@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -41,6 +42,8 @@ from shared.serving.http.tools import template_message, tool_definitions
 
 if TYPE_CHECKING:
     from shared.serving.http.tokenization_schemas import TokenizeChatRequest
+
+log = logging.getLogger(__name__)
 
 
 class RequestStats(Protocol):
@@ -133,6 +136,10 @@ class OpenAIService:
         self.chat_template = config.chat_template or loaded.chat_template
         # None: the template writes no tool calls, and "auto" answers plain text
         self.tool_call_parser = config.tool_call_parser or parser_for_template(self.chat_template)
+        if config.tool_call_parser is None:  # say what "auto" will do, chosen without a flag
+            parser = self.tool_call_parser
+            how = f"the {parser} parser" if parser else "none: the template writes no calls"
+            log.info('tool_choice "auto" reads tool calls with %s (the chat template\'s)', how)
         self.defaults = dict(loaded.generation_defaults)
         self.created = int(time.time())
         self.token_texts = TokenTexts(backend.info.tokenizer)
