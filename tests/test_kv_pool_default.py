@@ -1,0 +1,82 @@
+"""With no sizing flag a node serves the context it advertises: fp32 SmolLM2, the KV pool sized
+from the memory free after the weights load, a prompt of `max_model_len - 32` tokens with
+max_tokens 24 gives transformers' greedy tokens exactly, on a colocated node and through P/D.
+Slow (three 8k-token prefills of a 135M model in fp32 on the CPU): one test."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import cache
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from pdserve.bench.support.inprocess import pd_cluster
+from shared.engine.config import EngineConfig
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
+from tests.engine_helpers import hf_greedy_with, random_prompts, single_torch_thread
+from tests.sampling_reference import pd_generate
+
+ENGINE = EngineConfig(model=SMOLLM2_SPEC, dtype="float32")  # no --kv-cache-mb, --num-kv-blocks
+# a long prompt's prefill on a loaded two-core machine outlasts the default 30 s / 60 s
+SLOW_MACHINE = {"http_port": 0, "kv_transfer_timeout": 900.0, "prefill_timeout": 900.0}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_torch_thread():
+        yield
+
+
+@cache
+def _hf_model() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+async def _serve(colocated: bool, prompt_for: Any) -> tuple[int, list[int], dict[str, Any]]:
+    """(the advertised max_model_len, the tokens, /version's kv_pool) from a fresh cluster."""
+    async with pd_cluster(
+        SMOLLM2_SPEC,
+        colocated=colocated,
+        prefill_engine=ENGINE,
+        decode_engine=ENGINE,
+        decode_overrides=SLOW_MACHINE,
+    ) as c:
+        node = c.decodes[0]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{node.http_port}") as http:
+            max_len = (await http.get("/v1/models")).json()["data"][0]["max_model_len"]
+            pool = (await http.get("/version")).json()["kv_pool"]
+        params = SamplingParams(max_tokens=24)
+        got = await pd_generate(c.targets[0], prompt_for(max_len), params, timeout=900)
+        return max_len, got[0].token_ids, pool
+
+
+def test_memory_sized_pool_serves_max_model_len_minus_32_exactly() -> None:
+    prompts: dict[int, list[int]] = {}
+
+    def prompt_for(max_len: int) -> list[int]:
+        length = max_len - 32
+        return prompts.setdefault(
+            length, random_prompts(1, 49152, seed=62, min_len=length, max_len=length)[0]
+        )
+
+    colocated = asyncio.run(_serve(True, prompt_for))
+    pd = asyncio.run(_serve(False, prompt_for))
+    max_len, _, pool = colocated
+    assert pool["sized_by"].startswith("--kv-cache-memory-fraction 0.1 of "), pool
+    # SmolLM2's whole 8,192-token context where 0.1 of the free memory holds it (360 MiB)
+    assert max_len == pool["max_model_len"] == min(8192, pool["tokens"] + 1), pool
+    assert pd[0] == max_len, (pd, max_len)
+    prompt = prompts[max_len - 32]
+    want = hf_greedy_with(_hf_model(), prompt, 24)
+    assert colocated[1] == want, (colocated[1], want)
+    assert pd[1] == want, (pd[1], want)
