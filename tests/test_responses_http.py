@@ -211,6 +211,28 @@ async def refusals(http: httpx.AsyncClient, model: str) -> None:
     assert error["code"] == "unknown_url"
 
 
+async def cut_short(http: httpx.AsyncClient, model: str) -> None:
+    """A deadline mid-stream ends it with an `error` event and response.failed; a client that
+    leaves mid-stream, or before a whole answer, cancels the request (the pools are checked
+    after)."""
+    body = {"model": model, "input": "Go on.", "max_output_tokens": 2000, "ignore_eos": True}
+    timeout = {"x-request-timeout": "1.5"}
+    async with http.stream(
+        "POST", "/v1/responses", json={**body, "stream": True}, headers=timeout
+    ) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) async for line in r.aiter_lines() if line[:6] == "data: "]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"], events[-3:]
+    assert events[-2]["code"] == "timeout" and events[-1]["response"]["status"] == "failed"
+    whole = await http.post("/v1/responses", json=body, headers=timeout)
+    assert whole.status_code == 504, whole.text
+    async with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        async for _ in r.aiter_lines():
+            break  # gone: the request is cancelled
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/v1/responses", json=body, timeout=0.5)
+
+
 def test_responses_api_on_a_colocated_node(tmp_path: Path) -> None:
     template = tmp_path / "tools.jinja"
     template.write_text(QWEN_TOOLS)
@@ -228,6 +250,7 @@ def test_responses_api_on_a_colocated_node(tmp_path: Path) -> None:
                 await json_schema_format(client, model)
                 await stored(client, url + "/v1", model)
                 await refusals(http, model)
+                await cut_short(http, model)
             await client.close()
             await c.assert_idle_and_conserved()
 

@@ -62,7 +62,7 @@ class OutputBuilder:
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        data = json.dumps(body, separators=(",", ":"))  # ASCII: U+2028 splits some readers
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def _snapshot(self) -> dict[str, Any]:
