@@ -6,8 +6,12 @@ itself, its UTF-8 bytes cut into `TEXT_CHUNK_BYTES`-byte chunks and chain-hashed
 tokenizes equally, so a shared text prefix predicts a shared cached prefix (SGLang's cache-aware
 router works on text the same way). A chat request is keyed on its messages serialized in order
 (role, then content), which is how the chat template lays them out: a conversation that grows by
-turns keeps its earlier turns' chunks. Lengths are in `units`, about a token each (text: one
-unit per `BYTES_PER_UNIT` bytes), so text and token prompts weigh alike in the cost.
+turns keeps its earlier turns' chunks. A Responses API request is keyed as the chat request it
+runs as (`instructions` a system message first, `input` a user message or its items in order):
+text turns key alike in both APIs. One continuing a stored response (`previous_response_id`)
+has no key: only the replica holding that response can serve it. Lengths are in `units`, about
+a token each (text: one unit per `BYTES_PER_UNIT` bytes), so text and token prompts weigh alike
+in the cost.
 
 Anything that is not a well-formed prompt gives no key (None): such a call is still forwarded
 untouched (the decode node answers the error) and routed least-loaded.
@@ -113,9 +117,40 @@ def chat_key(body: dict[str, object]) -> PromptKey | None:
     return text_key("".join(parts), domain=b"chat")
 
 
+def _item_message(item: object) -> dict[str, object] | None:
+    """A Responses `input` item as the chat message it becomes (calls and their outputs as the
+    assistant's and the tool's)."""
+    if not isinstance(item, dict):
+        return None
+    kind = item.get("type", "message")
+    if kind == "message":
+        return item
+    if kind == "function_call":
+        return {"role": "assistant", "content": [item]}
+    if kind == "function_call_output":
+        return {"role": "tool", "content": item.get("output")}
+    return None
+
+
+def responses_key(body: dict[str, object]) -> PromptKey | None:
+    """`/v1/responses`: as chat_key keys the chat request it runs as."""
+    if body.get("previous_response_id") is not None:
+        return None
+    given = body.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    if not isinstance(items, list):
+        return None
+    messages = [_item_message(item) for item in items]
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        messages.insert(0, {"role": "system", "content": instructions})
+    return chat_key({"messages": messages})
+
+
 HTTP_KEYS: dict[str, Callable[[dict[str, object]], PromptKey | None]] = {
     "/v1/completions": completion_key,
     "/v1/chat/completions": chat_key,
+    "/v1/responses": responses_key,
 }
 
 

@@ -21,6 +21,7 @@ from pdserve.prompt_key import (
     completion_key,
     grpc_key,
     http_key,
+    responses_key,
     text_key,
     token_key,
 )
@@ -92,6 +93,24 @@ def test_chat_bodies_key_on_roles_and_contents_in_order() -> None:
     )
     for bad in ({}, {"messages": []}, {"messages": "hi"}, {"messages": [{"content": "x"}]}):
         assert chat_key(bad) is None, bad
+
+
+def test_responses_bodies_key_as_the_chat_they_run_as() -> None:
+    chat = [{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}]
+    want = chat_key({"messages": chat})
+    assert responses_key({"instructions": LONG, "input": "hi"}) == want
+    parts = [{"type": "input_text", "text": "hi"}]
+    assert (
+        responses_key({"instructions": LONG, "input": [{"role": "user", "content": parts}]}) == want
+    )
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c", "output": LONG}
+    turn = responses_key({"instructions": LONG, "input": [chat[1], call, output]})
+    assert turn is not None and want is not None
+    assert shared_blocks(want.hashes, turn.hashes) == len(want.hashes)  # the turn grows it
+    assert responses_key({"input": "hi", "previous_response_id": "resp_1"}) is None
+    for bad in ({}, {"input": 3}, {"input": [{"type": "reasoning"}]}, {"input": [1]}):
+        assert responses_key(bad) is None, bad
 
 
 def test_http_and_grpc_requests() -> None:
