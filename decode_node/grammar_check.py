@@ -9,21 +9,31 @@ from __future__ import annotations
 
 from decode_node.remote_prefill import FirstTokens
 from shared.engine.info import EngineInfo
-from shared.engine.sampling.grammar_compiler import GrammarError, compile_async, compiler_for
+from shared.engine.sampling.grammar_compiler import (
+    GrammarBusy,
+    GrammarError,
+    compile_async,
+    compiler_for,
+)
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.grpc_server import GenerateError
 from shared.serving.status import Status
 
 
 async def with_grammar(
-    info: EngineInfo, prompt: list[int], params: SamplingParams
+    info: EngineInfo, prompt: list[int], params: SamplingParams, deadline: float | None = None
 ) -> tuple[list[int], SamplingParams]:
-    """(prompt, params) once params' grammar is compiled (off the engine thread)."""
+    """(prompt, params) once params' grammar is compiled (in a compile worker, stopped at the
+    request's `deadline`, monotonic seconds, or the compile time limit)."""
     if params.structured is not None:
         try:
-            await compile_async(info.tokenizer, info.vocab_size, params.structured)
+            await compile_async(
+                info.tokenizer, info.vocab_size, params.structured, deadline=deadline
+            )
         except GrammarError as e:
             raise GenerateError(Status.INVALID_ARGUMENT, f"{e.field}: {e}") from None
+        except GrammarBusy as e:
+            raise GenerateError(Status.RESOURCE_EXHAUSTED, f"sampling.structured: {e}") from None
     return prompt, params
 
 

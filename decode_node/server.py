@@ -215,7 +215,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self, rid: str, request: generation_pb2.GenerateRequest, time_left: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
-        prompt, params = await with_grammar(self.info, *self._parse(request))
+        prompt, params = await with_grammar(self.info, *self._parse(request), deadline)
         # closed explicitly: a cancelled call releases the request now, not when collected
         async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
             async for stream, delta in gen:

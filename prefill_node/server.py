@@ -31,7 +31,7 @@ from prefill_node.tracing import traced_prefill
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine.commands import AddRequest, ContextPushed, Shutdown
 from shared.engine.core import EngineCore
-from shared.engine.errors import RequestRejected
+from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import LlmRequest
 from shared.engine.roles.prefill_role import KvAccess, PrefillSettings
@@ -175,6 +175,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             return await self.jobs.run(job, self._run(job, request))
         except RequestRejected as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ResourcesExhausted as e:  # no grammar compile worker free, or no room for it
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid}: {e}")
         except TransferError as e:
@@ -238,7 +240,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         params = sampling_from_proto(request.sampling, seed=request.seed)
         prompt = list(request.prompt_token_ids)
         self._check_destination(prompt, job)
-        if params.structured is not None:  # off the engine thread; invalid: INVALID_ARGUMENT
+        # in a compile worker, stopped when the job's deadline cancels this task; invalid:
+        # INVALID_ARGUMENT, no worker free in time: RESOURCE_EXHAUSTED
+        if params.structured is not None:
             await compile_async(self.info.tokenizer, self.info.vocab_size, params.structured)
         job.push = push = self.sender.open(job.destination, self.info.kv_pool)
         req = await self.thread.call(AddRequest(prompt, params, job.request_id))

@@ -359,18 +359,20 @@ def test_wire_round_trip_and_unknown_kind() -> None:
     assert e.value.field == "sampling.structured.kind"
 
 
-def test_compiled_grammars_are_a_bounded_lru_and_slow_compiles_time_out() -> None:
+def test_compiled_grammars_are_a_byte_bounded_lru_and_slow_compiles_time_out() -> None:
     from shared.engine.sampling.grammar_compiler import GrammarCompiler, GrammarError, compile_async
     from shared.model.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    compiler = GrammarCompiler(tok, 259, entries=2)
     specs = [StructuredOutput("regex", f"a{{{i}}}") for i in range(1, 4)]
+    sizes = [GrammarCompiler(tok, 259).get(s).memory_size_bytes for s in specs]
+    compiler = GrammarCompiler(tok, 259, cache_bytes=sizes[0] + sizes[2] + 1)
     first = compiler.get(specs[0])
     compiler.get(specs[1])
     assert compiler.get(specs[0]) is first  # a hit, now the most recent
-    compiler.get(specs[2])  # evicts specs[1], the least recent
+    compiler.get(specs[2])  # evicts specs[1], the least recent: the two others fit
     assert len(compiler) == 2 and compiler.get(specs[0]) is first
+    assert compiler.cache.held_bytes == sizes[0] + sizes[2] <= compiler.cache.budget_bytes
     slow = StructuredOutput("json_schema", json.dumps(SCHEMAS[10]))
     with pytest.raises(GrammarError, match="did not compile within"):
         asyncio.run(compile_async(ByteTokenizer(), 259, slow, timeout=1e-9))

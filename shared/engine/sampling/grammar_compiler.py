@@ -1,54 +1,51 @@
 """Structured outputs' grammars: a request's StructuredOutput compiled against the model's
-vocabulary (xgrammar), cached in a bounded LRU per tokenizer.
+vocabulary (xgrammar), held in a cache bounded in bytes per tokenizer (grammar_cache.py).
 
-Compiling a large schema can take a while, so the serving layers compile off the engine thread
-(`compile_async`, with a time limit) before a request is queued; the engine thread then finds
-the grammar here. Should the LRU have dropped it meanwhile, the engine compiles it again (the
-spec already compiled once, so it is valid).
+The serving layers compile before a request is queued (`compile_async`), in worker processes
+killed at the request's deadline, at most COMPILE_WORKERS at once per node (grammar_worker.py),
+and hand the grammar to the engine on the request's StructuredOutput. The engine thread takes it
+from there (`GrammarCompiler.get`); only a request that never went through `compile_async` (the
+offline LLM API) is compiled on the thread that asks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
+import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from types import ModuleType
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from shared.engine.errors import RequestRejected
+from shared.engine.sampling.grammar_cache import CACHE_BYTES, GrammarCache, HeldGrammar
+from shared.engine.sampling.grammar_kinds import (
+    GrammarBusy,
+    GrammarError,
+    compile_spec,
+    field_of,
+    xgrammar,
+)
+from shared.engine.sampling.grammar_worker import ZYGOTE, CompilePool
 from shared.engine.sampling.structured_output import StructuredOutput
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-CACHE_ENTRIES = 64  # compiled grammars kept per tokenizer
+__all__ = [
+    "GrammarBusy",
+    "GrammarCompiler",
+    "GrammarError",
+    "compile_async",
+    "compile_pool",
+    "compiler_for",
+    "xgrammar",
+]
+
 COMPILE_TIMEOUT_S = 10.0  # longer is a 400: the schema is too large or too ambiguous
-
-
-class GrammarError(RequestRejected):
-    """The spec does not compile (INVALID_ARGUMENT / 400); `field` names it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-def xgrammar() -> ModuleType:
-    """xgrammar, imported on first use: it is the optional `structured` extra (it brings
-    transformers and triton, which nothing else on a CPU node needs)."""
-    try:
-        import xgrammar as module
-    except ImportError:
-        raise GrammarError(
-            "sampling.structured",
-            "structured outputs need xgrammar, which this server does not have: "
-            "pip install 'pdserve[structured]'",
-        ) from None
-    return module
+COMPILE_WORKERS = 4  # compiles at once per node (each in a worker process, at nice 10)
+COMPILE_LIMIT_BYTES = 256 * 1024 * 1024  # one compile's heap growth past this is a 400
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
@@ -96,55 +93,138 @@ def _vocab_type(spec: dict) -> tuple[xgr.VocabType, bool]:
     return xgr.VocabType.RAW, False
 
 
-class GrammarCompiler:
-    """One tokenizer's compiler and its LRU of compiled grammars; thread-safe (the serving
-    threads compile, the engine thread reads)."""
+class _Abandoned(Exception):
+    """A shared compile's request went away before it finished: a waiter compiles itself."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, entries: int = CACHE_ENTRIES):
+
+def _cancelled(e: BaseException) -> bool:
+    return isinstance(e, asyncio.CancelledError | KeyboardInterrupt | SystemExit)
+
+
+class GrammarCompiler:
+    """One tokenizer's grammars: compiled in the worker pool (`compile_async`) or here (`get`),
+    held in a byte-bounded cache; thread-safe (the serving threads compile, the engine thread
+    reads)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = CACHE_BYTES):
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.vocab_size = vocab_size
+        self.cache = GrammarCache(cache_bytes)
+        self.key = f"{os.getpid()}-{id(self)}"  # the workers' name for this vocabulary
         self._compiler = xgrammar().GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._entries = entries
-        self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+        self._vocab_json: str | None = None
         self._lock = threading.Lock()
+        # the compiles running, by spec: a request with the same spec waits for that one
+        self._inflight: dict[StructuredOutput, Future[HeldGrammar]] = {}
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return len(self.cache)
+
+    def vocab_json(self) -> str:
+        with self._lock:
+            if self._vocab_json is None:
+                self._vocab_json = self.info.serialize_json()
+            return self._vocab_json
 
     def get(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                return hit
-        compiled = self._compile(spec)
-        with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > self._entries:
-                self._cache.popitem(last=False)
-        return compiled
+        """The request's grammar: the one `compile_async` gave it, else the cache's, else
+        compiled here (blocking; only for requests that skipped `compile_async`)."""
+        held = spec.compiled or self.cache.get(spec)
+        if held is None:
+            held = self.cache.put(spec, compile_spec(self._compiler, spec))
+        assert isinstance(held, HeldGrammar)
+        return held.grammar
 
-    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        field = f"sampling.structured ({spec.kind})"
+    async def compile_async(
+        self,
+        spec: StructuredOutput,
+        timeout: float = COMPILE_TIMEOUT_S,
+        deadline: float | None = None,
+    ) -> None:
+        """Compile `spec` in a worker (see CompilePool.compile) into the cache and onto `spec`
+        itself. GrammarError: invalid, too slow, too large; GrammarBusy: no worker free in time,
+        or the grammars in use leave no room for it. Requests with the same spec at once share
+        one compile (and its outcome)."""
+        while True:
+            held = spec.compiled or self.cache.get(spec)
+            if held is not None:
+                break
+            with self._lock:
+                shared = self._inflight.get(spec)
+                if shared is None:
+                    mine: Future[HeldGrammar] = Future()
+                    self._inflight[spec] = mine
+            if shared is None:
+                held = await self._compile_shared(spec, mine, timeout, deadline)
+                break
+            try:  # bounded: by the compile's own time limit
+                # shielded: a waiter that goes away must not cancel the compile it shares
+                held = await asyncio.shield(asyncio.wrap_future(shared))
+                break
+            except _Abandoned:  # its request went away mid-compile: compile it here
+                continue
+        object.__setattr__(spec, "compiled", held)  # frozen; `compiled` is not part of its value
+
+    async def _compile_shared(
+        self,
+        spec: StructuredOutput,
+        mine: Future[HeldGrammar],
+        timeout: float,
+        deadline: float | None,
+    ) -> HeldGrammar:
         try:
-            if spec.kind == "json_schema":
-                # one space after `:` and `,`, no other whitespace: a weak model cannot spend its
-                # tokens on newlines, and the text is what json.dumps writes
-                return self._compiler.compile_json_schema(spec.spec, any_whitespace=False)
-            if spec.kind == "json_object":
-                # OpenAI's json_object is an object (xgrammar's builtin JSON is any value)
-                return self._compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False
-                )
-            if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.spec)
-            if spec.kind == "choice":
-                return self._compiler.compile_regex(_choice_regex(spec.spec))
-            return self._compiler.compile_grammar(spec.spec)
-        except GrammarError:
+            held = await self._compile_new(spec, timeout, deadline)
+        except BaseException as e:
+            self._finish(spec, mine, exception=_Abandoned() if _cancelled(e) else e)
             raise
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own kinds
-            raise GrammarError(field, f"invalid {spec.kind}: {_reason(e)}") from None
+        self._finish(spec, mine, result=held)
+        return held
+
+    def _finish(
+        self,
+        spec: StructuredOutput,
+        mine: Future[HeldGrammar],
+        result: HeldGrammar | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        with self._lock:
+            del self._inflight[spec]
+        if exception is not None:
+            mine.set_exception(exception)
+        else:
+            mine.set_result(result)  # type: ignore[arg-type]
+
+    async def _compile_new(
+        self, spec: StructuredOutput, timeout: float, deadline: float | None
+    ) -> HeldGrammar:
+        plain = StructuredOutput(spec.kind, spec.spec)  # what goes to the worker
+        pool = compile_pool()
+        result = await pool.compile(self.key, self.vocab_json(), plain, timeout, deadline)
+        self._check_room(spec, result.nbytes)
+        if result.payload is not None:
+            grammar = await asyncio.to_thread(
+                xgrammar().CompiledGrammar.deserialize_json, result.payload, self.info
+            )
+        else:  # too large to ship: compiled again, bounded by the worker's proof
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                _background(), compile_spec, self._compiler, spec
+            )
+        return self.cache.put(spec, grammar)
+
+    def _check_room(self, spec: StructuredOutput, nbytes: int) -> None:
+        if nbytes > self.cache.budget_bytes:
+            raise GrammarError(
+                field_of(spec),
+                f"the {spec.kind} compiles to {nbytes / 2**20:.0f} MiB, more than this node "
+                f"holds for all grammars ({self.cache.budget_bytes / 2**20:.0f} MiB); make it "
+                "smaller (fewer enum values, properties or alternatives)",
+            )
+        if not self.cache.fits(nbytes):
+            raise GrammarBusy(
+                f"the grammars of requests in flight leave no room for this {spec.kind}'s "
+                f"({nbytes / 2**20:.0f} MiB of {self.cache.budget_bytes / 2**20:.0f}); "
+                "retry later"
+            )
 
     def allows(self, spec: StructuredOutput, tokens: Sequence[int]) -> bool:
         """Whether the grammar accepts these tokens as the start of an output."""
@@ -152,30 +232,33 @@ class GrammarCompiler:
         return all(matcher.accept_token(t) for t in tokens)
 
 
-def _reason(e: Exception) -> str:
-    """xgrammar's message without its C++ source location and check boilerplate."""
-    lines = str(e).strip().splitlines()
-    text = _LOCATION.sub("", lines[0] if lines else type(e).__name__)
-    return text.replace("Check failed: (error.empty()) is false: ", "")[:500]
+_state_lock = threading.Lock()
+_compile_pool: CompilePool | None = None
+_background_pool: ThreadPoolExecutor | None = None
 
 
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+def compile_pool() -> CompilePool:
+    """The node's compile workers, one pool for every tokenizer."""
+    global _compile_pool
+    with _state_lock:
+        if _compile_pool is None:
+            _compile_pool = CompilePool(COMPILE_WORKERS, COMPILE_LIMIT_BYTES)
+        return _compile_pool
 
 
-def _choice_regex(spec: str) -> str:
-    try:
-        choices = json.loads(spec)
-    except json.JSONDecodeError as e:
-        raise GrammarError("sampling.structured (choice)", f"not a JSON array: {e}") from None
-    if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
-        raise GrammarError(
-            "sampling.structured (choice)", "choice must be a non-empty list of strings"
-        )
-    return "|".join(f"({_escape(c)})" for c in choices)
+def _lower_priority() -> None:
+    """This thread (Linux: a thread's nice value is its own) yields to the engine's."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-def _escape(text: str) -> str:
-    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in text)
+def _background() -> ThreadPoolExecutor:
+    global _background_pool
+    with _state_lock:
+        if _background_pool is None:
+            _background_pool = ThreadPoolExecutor(
+                COMPILE_WORKERS, "grammar-compile", initializer=_lower_priority
+            )
+        return _background_pool
 
 
 _compilers: dict[int, tuple[Tokenizer, GrammarCompiler]] = {}
@@ -198,16 +281,11 @@ async def compile_async(
     vocab_size: int,
     spec: StructuredOutput,
     timeout: float = COMPILE_TIMEOUT_S,
+    deadline: float | None = None,
 ) -> None:
-    """Compile into the cache on a worker thread (never the engine's or the event loop's);
-    GrammarError on an invalid spec or past `timeout` (the compile finishes in the
-    background, its result cached)."""
-    try:
-        await asyncio.wait_for(
-            asyncio.to_thread(lambda: compiler_for(tokenizer, vocab_size).get(spec)), timeout
-        )
-    except TimeoutError:
-        raise GrammarError(
-            f"sampling.structured ({spec.kind})",
-            f"the {spec.kind} did not compile within {timeout:g}s; simplify it",
-        ) from None
+    """Compile `spec` for a request (see GrammarCompiler.compile_async) in at most `timeout`
+    seconds of a worker's time and before `deadline` (monotonic seconds: the request's own)."""
+    if spec.compiled is None:
+        ZYGOTE.warm()  # no-op once up; else it starts while this node builds the vocabulary
+    compiler = await asyncio.to_thread(compiler_for, tokenizer, vocab_size)
+    await compiler.compile_async(spec, timeout, deadline)

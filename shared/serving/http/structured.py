@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 from shared.engine.info import EngineInfo
-from shared.engine.sampling.grammar_compiler import GrammarError, compile_async
-from shared.engine.sampling.structured_output import StructuredOutput
+from shared.engine.sampling.grammar_compiler import GrammarBusy, GrammarError, compile_async
+from shared.engine.sampling.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from shared.serving.http.errors import ApiError
 from shared.serving.http.schemas import ChatCompletionRequest, CompletionRequest
 from shared.serving.http.tools import tool_grammar
@@ -70,10 +70,14 @@ def _response_format(value: dict[str, Any] | None) -> StructuredOutput | None:
         raise ApiError(
             400, "response_format.json_schema must be an object", param="response_format"
         )
-    schema = body.get("schema")
-    if schema is None:  # OpenAI's schema is optional: any JSON object
-        return StructuredOutput("json_object")
-    return _spec("response_format.json_schema.schema", "json_schema", schema)
+    if body.get("schema") is None:  # a json_schema without one would constrain nothing
+        raise ApiError(
+            400,
+            "response_format.json_schema.schema is required with type json_schema (for any "
+            'JSON object, use {"type": "json_object"})',
+            param="response_format",
+        )
+    return _spec("response_format.json_schema.schema", "json_schema", body["schema"])
 
 
 def _structured_outputs(value: Any) -> list[tuple[str, StructuredOutput | None]]:
@@ -101,21 +105,64 @@ def _spec(name: str, kind: str, value: Any) -> StructuredOutput | None:
     if value is None:
         return None
     if kind == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ApiError(400, f"{name} is not valid JSON: {e}", param=name) from None
-        if not isinstance(value, dict | bool):
-            raise ApiError(400, f"{name} must be a JSON schema object", param=name)
-        return StructuredOutput("json_schema", json.dumps(value))
+        return _sized(name, "json_schema", json.dumps(_schema(name, value)))
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
             raise ApiError(400, f"{name} must be a non-empty list of strings", param=name)
-        return StructuredOutput("choice", json.dumps(value))
+        return _sized(name, "choice", json.dumps(value))
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"{name} must be a non-empty string", param=name)
-    return StructuredOutput(kind, value)  # type: ignore[arg-type]
+    return _sized(name, kind, value)
+
+
+def _schema(name: str, value: Any) -> dict[str, Any] | bool:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"{name} is not valid JSON: {e}", param=name) from None
+        except RecursionError:
+            raise ApiError(400, f"{name} nests too deeply to parse", param=name) from None
+    if not isinstance(value, dict | bool):
+        raise ApiError(400, f"{name} must be a JSON schema object", param=name)
+    ref = _remote_ref(value)
+    if ref is not None:
+        raise ApiError(
+            400,
+            f"{name}: $ref {ref!r} is not supported: only references within the schema "
+            "(#/$defs/...) are; inline the referenced schema",
+            param=name,
+        )
+    return value
+
+
+def _remote_ref(schema: Any) -> str | None:
+    """The first `$ref` that points outside the schema (a URL or another file); walked without
+    recursion, so that no nesting depth fails here."""
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+def _sized(name: str, kind: str, text: str) -> StructuredOutput:
+    """The StructuredOutput of `text`, refused here (naming the client's field) when larger
+    than the engine takes."""
+    if len(text) > MAX_SPEC_CHARS:
+        raise ApiError(
+            400,
+            f"{name} has {len(text)} characters; at most {MAX_SPEC_CHARS} are allowed (e.g. "
+            "fewer enum values)",
+            param=name,
+        )
+    return StructuredOutput(kind, text)  # type: ignore[arg-type]
 
 
 async def compile_structured(req: Request, spec: StructuredOutput | None, info: EngineInfo) -> None:
@@ -128,3 +175,7 @@ async def compile_structured(req: Request, spec: StructuredOutput | None, info: 
     except GrammarError as e:
         field = structured_field(req)
         raise ApiError(400, f"{field}: {e}", param=field) from None
+    except GrammarBusy as e:
+        retry = {"Retry-After": str(e.retry_after_s)}
+        field = structured_field(req)
+        raise ApiError(429, f"{field}: {e}", param=field, headers=retry) from None

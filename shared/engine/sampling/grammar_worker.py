@@ -1,0 +1,240 @@
+"""Compiling grammars in worker processes that are killed at their request's deadline.
+
+xgrammar's compile cannot be interrupted, and a thread cannot be stopped: a schema that compiles
+for minutes would keep a core and its memory after its request got its 400. So compiles run in
+a few worker processes, forked from a process that imported xgrammar once (grammar_zygote.py;
+a fresh interpreter spends seconds importing torch and transformers for xgrammar). A worker
+runs at a lower priority (nice 10) than the node's engine and event loop, keeps each
+tokenizer's vocabulary once, compiles one grammar at a time, and is killed when that grammar's
+deadline passes or its memory grows past its limit; whatever it allocated returns with it. A
+worker whose heap grew past RECYCLE_BYTES over its start exits after its answer (freed memory
+stays with a process); the pool starts another when one is needed.
+
+A small grammar comes back serialized (xgrammar's `CompiledGrammar.serialize_json`). A large one
+does not: its JSON is about its size (55 MB for a 65 MB grammar) and takes longer to write and
+read than to compile again (11 s + 3 s against 4 s), so the worker reports only its size and the
+node compiles it again on a low-priority thread. That compile is bounded: the same input already
+finished, in time, in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from shared.engine.sampling.grammar_kinds import (
+    GrammarBusy,
+    GrammarError,
+    compile_spec,
+    field_of,
+    xgrammar,
+)
+from shared.engine.sampling.grammar_zygote import Zygote
+from shared.engine.sampling.structured_output import StructuredOutput
+
+SHIP_BYTES = 8 * 1024 * 1024  # larger compiled grammars are compiled again by the node
+RECYCLE_BYTES = 64 * 1024 * 1024  # a worker whose heap grew more exits after its answer
+WORKER_NICE = 10
+ZYGOTE = Zygote()  # one per node: every pool forks its workers from it
+POLL_S = 0.02  # how often the node looks at a running compile (its result, deadline, memory)
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    nbytes: int  # the compiled grammar's size, as xgrammar reports it
+    payload: str | None  # serialize_json's text, when nbytes <= SHIP_BYTES
+    seconds: float  # the compile's own time, in the worker
+
+
+def anon_bytes(pid: int) -> int:
+    """A process's resident anonymous memory (its heap; 0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def worker_main(conn: Connection) -> None:
+    """A worker's loop: ("vocab", key, json) keeps a tokenizer's info; ("compile", key, spec)
+    answers ("ok", ChildResult, retire) or ("invalid", message, retire)."""
+    os.nice(WORKER_NICE)
+    xgr = xgrammar()
+    compilers: dict[str, Any] = {}
+    base = anon_bytes(os.getpid())
+    conn.send(("ready", base))
+    with contextlib.suppress(EOFError, KeyboardInterrupt):
+        while True:
+            msg = conn.recv()
+            if msg[0] == "vocab":
+                info = xgr.TokenizerInfo.deserialize_json(msg[2])
+                compilers[msg[1]] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                continue
+            answer = _compile(compilers[msg[1]], msg[2])
+            conn.send((*answer, anon_bytes(os.getpid()) - base > RECYCLE_BYTES))
+
+
+def _compile(compiler: Any, spec: StructuredOutput) -> tuple[str, object]:
+    start = time.perf_counter()
+    try:
+        compiled = compile_spec(compiler, spec)
+    except GrammarError as e:
+        return "invalid", str(e)
+    except MemoryError:
+        return "invalid", "out of memory"
+    seconds = time.perf_counter() - start
+    nbytes = int(compiled.memory_size_bytes)
+    payload = compiled.serialize_json() if nbytes <= SHIP_BYTES else None
+    return "ok", ChildResult(nbytes, payload, seconds)
+
+
+@dataclass(eq=False)
+class _Worker:
+    pid: int
+    conn: Connection
+    base: int  # its heap once ready: what a compile's growth is measured from
+    vocabs: set[str] = field(default_factory=set)
+
+    def stop(self) -> None:
+        """Kill it (mid-compile: its memory returns now); the zygote reaps it."""
+        self.conn.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _start_worker(zygote: Zygote) -> _Worker:
+    pid, conn = zygote.fork()
+    status, base = conn.recv()  # ("ready", its heap): xgrammar was imported before the fork
+    assert status == "ready", status
+    return _Worker(pid, conn, base)
+
+
+class CompilePool:
+    """At most `size` compiles at once, each in a worker of its own; a compile that finds every
+    worker busy waits for one until its deadline (then GrammarBusy: 429 / RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, size: int, limit_bytes: int):
+        self.size = size
+        self.limit_bytes = limit_bytes  # a compile's heap growth past this kills it: a 400
+        self._idle: list[_Worker] = []
+        self._live = 0  # workers busy, idle or starting
+        self._lock = threading.Lock()
+
+    @property
+    def workers(self) -> int:
+        return self._live
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [w.pid for w in self._idle]
+
+    async def compile(
+        self,
+        key: str,
+        vocab: str,
+        spec: StructuredOutput,
+        timeout: float,
+        deadline: float | None = None,
+    ) -> ChildResult:
+        """`spec` compiled for tokenizer `key` (`vocab`: its TokenizerInfo JSON) in at most
+        `timeout` seconds of a worker's time, and before `deadline` (monotonic seconds, the
+        request's). GrammarError when it is invalid, too large or too slow; GrammarBusy when no
+        worker is free within `timeout` (or by `deadline`)."""
+        end = math.inf if deadline is None else deadline
+        worker = await self._acquire(spec, min(time.monotonic() + timeout, end), timeout, end)
+        acquired = time.monotonic()
+        kill_at = min(acquired + timeout, end)
+        keep = False
+        try:
+            if key not in worker.vocabs:
+                worker.conn.send(("vocab", key, vocab))
+                worker.vocabs.add(key)
+            worker.conn.send(("compile", key, spec))
+            status, value, retire = await self._answer(worker, spec, kill_at, kill_at - acquired)
+            keep = not retire
+        finally:
+            self._give_back(worker, keep)
+        if status == "invalid":
+            raise GrammarError(field_of(spec), str(value))
+        assert isinstance(value, ChildResult)
+        return value
+
+    async def _acquire(
+        self, spec: StructuredOutput, wait_until: float, timeout: float, end: float
+    ) -> _Worker:
+        """A worker, waiting for one until `wait_until`; while the zygote starts (the node's
+        first compile: seconds), waiting does not count, up to the request's own `end`."""
+        while True:
+            with self._lock:
+                if self._idle:
+                    return self._idle.pop()
+                start = self._live < self.size
+                if start:
+                    self._live += 1
+            if start:
+                try:
+                    return await asyncio.to_thread(_start_worker, ZYGOTE)
+                except BaseException:
+                    with self._lock:
+                        self._live -= 1
+                    raise
+            now = time.monotonic()
+            if not ZYGOTE.up:
+                wait_until = min(end, max(wait_until, now + timeout))
+            if now >= wait_until:
+                raise GrammarBusy(
+                    f"all {self.size} grammar compile workers stayed busy past the time this "
+                    f"{spec.kind} could wait; retry later"
+                )
+            await asyncio.sleep(POLL_S)
+
+    def _give_back(self, worker: _Worker, keep: bool) -> None:
+        if keep:
+            with self._lock:
+                self._idle.append(worker)
+            return
+        worker.stop()
+        with self._lock:
+            self._live -= 1
+
+    async def _answer(
+        self, worker: _Worker, spec: StructuredOutput, kill_at: float, allowed: float
+    ) -> tuple[str, object, bool]:
+        while not worker.conn.poll():  # True on an answer, or EOF: the worker died
+            if time.monotonic() >= kill_at:
+                raise GrammarError(
+                    field_of(spec),
+                    f"the {spec.kind} did not compile within {max(allowed, 0):.3g}s; simplify it",
+                )
+            if anon_bytes(worker.pid) - worker.base > self.limit_bytes:
+                raise GrammarError(field_of(spec), _too_large(spec, self.limit_bytes))
+            await asyncio.sleep(POLL_S)
+        try:
+            return await asyncio.to_thread(worker.conn.recv)
+        except EOFError:
+            raise GrammarError(field_of(spec), f"the {spec.kind} crashed its compiler") from None
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._live -= len(idle)
+        for worker in idle:
+            worker.stop()
+
+
+def _too_large(spec: StructuredOutput, limit: int) -> str:
+    return (
+        f"the {spec.kind} needs more than {limit / 2**20:.0f} MiB to compile; make it smaller "
+        "(fewer enum values, properties or alternatives)"
+    )
