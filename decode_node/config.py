@@ -50,6 +50,10 @@ class DecodeNodeConfig:
     # how "auto" tool choice reads calls out of the text (hermes, llama3_json); None: refused
     tool_call_parser: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024  # HTTP request bodies over this get 413
+    # stored Responses API answers (GET /v1/responses/{id}, previous_response_id): at most this
+    # many MiB and entries in memory, least recently used evicted first (0: keep none)
+    responses_store_mb: int = 64
+    responses_store_entries: int = 10_000
     # HTTP connections (shared/serving/connection_limits.py): a request's headers and body must
     # arrive within these seconds, an idle keep-alive connection closes after its timeout, and
     # past max_connections open connections a request gets 503
@@ -130,6 +134,8 @@ class DecodeNodeConfig:
             chat_template=template,
             tool_call_parser=self.tool_call_parser,
             max_request_bytes=self.max_request_bytes,
+            responses_store_bytes=self.responses_store_mb * 1024 * 1024,
+            responses_store_entries=self.responses_store_entries,
             connection=self.http_connection,
         )
 
@@ -176,6 +182,9 @@ class DecodeNodeConfig:
                 raise ValueError(f"{name} must be -1 (off) or a port, got {value}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        for name in ("responses_store_mb", "responses_store_entries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: keep none), got {getattr(self, name)}")
         self.http_connection.validate()
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a readable file")

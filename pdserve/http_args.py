@@ -20,6 +20,16 @@ def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE", help="override the model's")
     tool_call_parser_arg(p)
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument(
+        "--responses-store-mb",
+        type=int,
+        default=64,
+        help="memory for stored Responses API answers (GET /v1/responses/{id}, "
+        "previous_response_id); least recently used evicted first; 0: keep none",
+    )
+    p.add_argument(
+        "--responses-store-entries", type=int, default=10_000, help="stored answers at most"
+    )
     _http_connection_args(p)
 
 

@@ -105,6 +105,8 @@ def test_the_store_is_bounded_in_bytes_and_entries_lru_first_per_owner() -> None
     assert not store.delete("r4", a) and store.delete("r4", b)
     assert store.bytes == 600 and store.get("r4", b) is None
     assert json.loads(store.entries["r0"].conversation) == []
+    for keep_none in (ResponseStore(0, 10), ResponseStore(1000, 0)):  # --responses-store-* 0
+        assert not keep_none.put("r", entry(a, 100)) and keep_none.get("r", a) is None
 
 
 CHATML_NO_TOOLS = (

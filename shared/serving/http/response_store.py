@@ -52,8 +52,9 @@ class ResponseStore:
 
     def put(self, rid: str, entry: StoredResponse) -> bool:
         """Keep `entry`, evicting the least recently used ones; False if it alone is too big."""
-        if entry.size > self.max_bytes:
-            log.warning("response %s (%d bytes) exceeds the store's bound", rid, entry.size)
+        if entry.size > self.max_bytes or self.max_entries == 0:
+            if self.max_bytes and self.max_entries:  # not an operator's "keep none"
+                log.warning("response %s (%d bytes) exceeds the store's bound", rid, entry.size)
             return False
         self.delete(rid, entry.owner)
         while self.entries and (
