@@ -8,13 +8,9 @@ refused with INTERNAL instead of being streamed: the output would silently break
 from __future__ import annotations
 
 from decode_node.remote_prefill import FirstTokens
+from shared.engine.errors import ResourcesExhausted
 from shared.engine.info import EngineInfo
-from shared.engine.sampling.grammar_compiler import (
-    GrammarBusy,
-    GrammarError,
-    compile_async,
-    compiler_for,
-)
+from shared.engine.sampling.grammar_compiler import GrammarError, compile_async, compiler_for
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.grpc_server import GenerateError
 from shared.serving.status import Status
@@ -32,7 +28,7 @@ async def with_grammar(
             )
         except GrammarError as e:
             raise GenerateError(Status.INVALID_ARGUMENT, f"{e.field}: {e}") from None
-        except GrammarBusy as e:
+        except ResourcesExhausted as e:  # no compile worker free in time, or no room
             raise GenerateError(Status.RESOURCE_EXHAUSTED, f"sampling.structured: {e}") from None
     return prompt, params
 

@@ -43,7 +43,7 @@ from shared.engine.sampling.structured_output import StructuredOutput
 SHIP_BYTES = 8 * 1024 * 1024  # larger compiled grammars are compiled again by the node
 RECYCLE_BYTES = 64 * 1024 * 1024  # a worker whose heap grew more exits after its answer
 WORKER_NICE = 10
-ZYGOTE = Zygote()  # one per node: every pool forks its workers from it
+ZYGOTE = Zygote(f"{__name__}:worker_main")  # one per node: every pool forks from it
 POLL_S = 0.02  # how often the node looks at a running compile (its result, deadline, memory)
 
 

@@ -1,12 +1,12 @@
 """The process that grammar compile workers are forked from.
 
 Importing xgrammar takes seconds and ~180 MB (it imports torch and transformers), so a node pays
-it once, in this process, started as `python -m shared.engine.sampling.grammar_zygote FD` on the
-first compile. Asked over its control socket, it forks a worker (grammar_worker.worker_main)
-and hands the node the worker's pid and one end of a socket pair to it (SCM_RIGHTS). A fork
-shares the imported pages; what a worker allocates is its own and returns when it exits. Not
-multiprocessing's forkserver: its children re-import the node's __main__ module first (the
-whole `pdserve` command), or fail when that has no `__main__` guard.
+it once, in this process, started as `python -m shared.engine.sampling.grammar_zygote FD ENTRY`
+on the first compile. Asked over its control socket, it forks a worker (ENTRY: the function
+grammar_worker.worker_main) and hands the node the worker's pid and one end of a socket pair to
+it (SCM_RIGHTS). A fork shares the imported pages; what a worker allocates is its own and returns
+when it exits. Not multiprocessing's forkserver: its children re-import the node's __main__
+module first (the whole `pdserve` command), or fail when that has no `__main__` guard.
 
 It exits when the node closes the control socket (the node is gone); workers exit when the
 node closes theirs (or, mid-compile, are killed by it).
@@ -14,6 +14,7 @@ node closes theirs (or, mid-compile, are killed by it).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -28,9 +29,11 @@ log = logging.getLogger(__name__)
 
 
 class Zygote:
-    """The node's side: starts the zygote on first use, forks workers from it."""
+    """The node's side: starts the zygote on first use, forks workers from it; each worker runs
+    `entry` ("module:function", given its Connection to the node)."""
 
-    def __init__(self) -> None:
+    def __init__(self, entry: str) -> None:
+        self.entry = entry
         self._proc: subprocess.Popen[bytes] | None = None
         self._ctl: socket.socket | None = None
         self._lock = threading.Lock()
@@ -73,7 +76,7 @@ class Zygote:
         self._stop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        cmd = [sys.executable, "-m", __name__, str(theirs.fileno())]
+        cmd = [sys.executable, "-m", __name__, str(theirs.fileno()), self.entry]
         self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         ours.settimeout(START_TIMEOUT_S)
@@ -99,11 +102,13 @@ class Zygote:
             self._stop()
 
 
-def main(fd: int) -> None:
+def main(fd: int, entry: str) -> None:
+    """Serve forks on control socket `fd`; a worker runs `entry` ("module:function", given a
+    Connection), named rather than imported here: the workers' module imports this one."""
     import xgrammar  # noqa: F401  (the point: imported once, shared by every fork)
 
-    from shared.engine.sampling import grammar_worker
-
+    module, _, function = entry.partition(":")
+    worker_main = getattr(importlib.import_module(module), function)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
     ctl = socket.socket(fileno=fd)
     ctl.sendall(b"r")
@@ -115,7 +120,7 @@ def main(fd: int) -> None:
             here.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             try:
-                grammar_worker.worker_main(Connection(there.detach()))
+                worker_main(Connection(there.detach()))
             finally:
                 os._exit(0)
         there.close()
@@ -124,4 +129,4 @@ def main(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), sys.argv[2])
