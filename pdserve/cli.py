@@ -86,16 +86,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             return 2
     out = sys.stdout if prompt is None else sys.stderr
     port, http_port = up_ports(a)
-    cluster = Cluster(
-        a.model,
-        a.prefill,
-        a.decode,
-        port,
-        [],
-        http_port=http_port,
-        prefill_extra=node_argv(a, "prefill"),
-        decode_extra=node_argv(a, "decode"),
-    )
+    cluster = Cluster(a.model, a.prefill, a.decode, port, [], http_port=http_port)
+    cluster.prefill_extra, cluster.decode_extra = node_argv(a, "prefill"), node_argv(a, "decode")
     stop = False
     gave_up: str | None = None  # why the supervisor stopped restarting nodes
 
