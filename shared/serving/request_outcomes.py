@@ -7,10 +7,12 @@ its one request path took (`DecodeNode.generate`: a gRPC Generate call, or one p
 request; its n completions together): the engine's finish reason (`stop`, `length`, `aborted`;
 n > 1: the worst of its completions'), `cancelled` when its consumer went away first (the client,
 or a failed sibling prompt of an HTTP batch), else the status it failed with, in lower case
-(`invalid_argument`, `resource_exhausted`, ...). What an API refuses while reading the request,
-before the node's check (HTTP's schema and fields, a gRPC request without a prompt, a grammar that
-does not compile), is not counted. A tool call is the HTTP API's reading of a `stop`, counted as
-that. A prefill node counts each Prefill call: `pushed`, `cancelled` or the status it answered.
+(`invalid_argument`, `resource_exhausted`, ...). What the HTTP API refuses while reading the
+request, before the node's check (its schema and fields, a body it cannot parse, a grammar that
+does not compile), is counted too, by its status (shared/serving/http/refusals.py); a gRPC
+request refused before the node's check (no prompt, a grammar) is not. A tool call is the HTTP
+API's reading of a `stop`, counted as that. A prefill node counts each Prefill call: `pushed`,
+`cancelled` or the status it answered.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from shared.model import native
 from shared.serving import tracing
 from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
+from shared.serving.http.refusals import outcomes_of
 from shared.serving.http.render import Renderer, Rendering, merge_logprobs
 from shared.serving.http.response_store import ResponseStore
 from shared.serving.http.responses import install_responses
@@ -100,7 +101,7 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     service = OpenAIService(backend, config)
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-    install_error_handlers(app)
+    install_error_handlers(app, outcomes_of(backend))
     app.add_middleware(ApiGuard, api_key=config.api_key, max_request_bytes=config.max_request_bytes)
     app.add_middleware(ShutdownAnswer)  # outermost: a request the drain cuts off gets a 503
     health = metrics_routes(registry, lambda: backend.health[0], lambda: backend.health[1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.serving.grpc_server import GenerateError
+from shared.serving.http.refusals import count_refusal
+from shared.serving.request_outcomes import RequestOutcomes
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +112,16 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 
 def _routing_error(request: Request, exc: StarletteHTTPException) -> ApiError:
     """Starlette's bare "Not Found" / "Method Not Allowed" as OpenAI's error object, naming
-    the route asked for and the ones served (a client of another API learns which it hit)."""
+    the route asked for and the ones served (a client of another API learns which it hit);
+    FastAPI's "There was an error parsing the body" with its cause."""
     route = f"{request.method} {request.url.path}"
+    if isinstance(exc.__cause__, RecursionError):  # Python's JSON parser nests ~1,000 deep
+        return ApiError(
+            400,
+            "the request body nests JSON arrays and objects too deeply to parse (more than "
+            f"about {sys.getrecursionlimit()} levels); flatten it, e.g. a schema with $defs "
+            "and $ref instead of nesting",
+        )
     if exc.status_code == 404 and exc.detail == "Not Found":
         message = f"Invalid URL ({route}): pdserve does not serve this route; it serves "
         return ApiError(404, message + SERVED_ROUTES, code="unknown_url")
@@ -121,9 +132,13 @@ def _routing_error(request: Request, exc: StarletteHTTPException) -> ApiError:
     return ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, outcomes: RequestOutcomes | None = None) -> None:
+    """The handlers; `outcomes`: where the API's own refusals are counted (refusals.py)."""
+    app.state.outcomes = outcomes
+
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        count_refusal(request.app, exc.status)
         return exc.response()
 
     @app.exception_handler(GenerateError)
@@ -132,11 +147,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count_refusal(request.app, 400)
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _routing_error(request, exc).response()
+        error = _routing_error(request, exc)
+        count_refusal(request.app, error.status)
+        return error.response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.serving.connection_limits import drain
 from shared.serving.http.errors import ApiError
+from shared.serving.http.refusals import count_refusal
 from shared.serving.http.unicode_text import lone_surrogate
 
 # how much of an oversized body is read and dropped before the connection is just closed
@@ -105,5 +106,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _reply(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+    count_refusal(scope.get("app"), error.status)
     response: Any = error.response()
     await response(scope, receive, send)
