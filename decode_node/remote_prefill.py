@@ -255,10 +255,11 @@ class RemotePrefill:
     def _rpc_failure(self, e: grpc.RpcError, stream: Stream, peer: PrefillPeer) -> Exception:
         code = e.code()
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            return GenerateError(code, f"prefill node {peer.target}: {e.details()}")
+            return GenerateError(Status[code.name], f"prefill node {peer.target}: {e.details()}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and stream.deadline_passed():
             return GenerateError(
-                code, f"request {stream.request_id} exceeded its deadline during prefill"
+                Status.DEADLINE_EXCEEDED,
+                f"request {stream.request_id} exceeded its deadline during prefill",
             )
         self._mark_unhealthy(peer, f"Prefill failed: {code.name} {e.details()}")
         return PrefillFailed(f"{peer.target}: {code.name} {e.details()}")

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.clusters import SHARED, SHARED_CLUSTERS, shared
+from tests.support.shared_cluster import SharedCluster
+
 # UCX must be configured before ucxx is imported anywhere in the test process
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # One intra-op thread per process (the test process and every node it starts inherit it): the
@@ -47,3 +50,27 @@ def variant(
         return checkpoint(arch, **kwargs)
 
     return get
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """How many of the tests to run use each shared cluster: the last one stops it."""
+    for name in SHARED_CLUSTERS:
+        SHARED.expect(name, sum(name in item.fixturenames for item in session.items))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """After the test's own fixtures: its shared clusters conserved, the last user's stopped."""
+    for name in SHARED_CLUSTERS:
+        if name in item.fixturenames:
+            SHARED.release(name)
+
+
+def pytest_sessionfinish() -> None:
+    SHARED.close_all()  # one a test stopped midway (interrupted, -x) left running
+
+
+@pytest.fixture
+def smollm2_pd() -> SharedCluster:
+    """tests/support/clusters.py's SmolLM2 P/D cluster, shared with the other tests using it."""
+    return shared("smollm2_pd")

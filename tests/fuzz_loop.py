@@ -4,10 +4,7 @@ the strings fuzzers send that are valid JSON but not Unicode text (lone surrogat
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -17,25 +14,9 @@ from hypothesis import strategies as st
 from pdserve.client import generate
 from tests.engine_helpers import hf_greedy
 from tests.support.cluster import PdCluster, pd_cluster
+from tests.support.shared_cluster import LoopThread
 
 PROBE = [5, 6, 7]  # the greedy request that must come out the same after every example
-
-
-class LoopThread:
-    """The cluster's event loop on its own thread, so hypothesis can drive it synchronously."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 class LiveCluster:

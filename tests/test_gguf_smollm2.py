@@ -25,10 +25,11 @@ from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from shared.model.loader import LoadedModel, load_model
-from tests.support.cluster import pd_cluster
+from tests.support.clusters import SMOLLM2_PD_CHUNK
+from tests.support.shared_cluster import SharedCluster
 
 MAX_TOKENS = 8
-CHUNK = 64  # max_num_tokens: prompts longer than this prefill in several steps
+CHUNK = SMOLLM2_PD_CHUNK  # max_num_tokens: prompts longer than this prefill in several steps
 _SHARED = (
     "You are a careful assistant. Answer in one short sentence, and never invent facts. "
     "The user asks about geography, history and science. "
@@ -146,19 +147,19 @@ def test_greedy_matches_transformers_through_llm(
 
 
 def test_greedy_matches_transformers_through_pd(
-    prompts: list[list[int]], reference: list[list[int]]
+    smollm2_pd: SharedCluster, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    prefill = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_num_tokens=CHUNK)
+    """On the shared SmolLM2 cluster: 2 prefill nodes, prefill chunked at CHUNK tokens."""
+    c = smollm2_pd.cluster
 
     async def body() -> None:
-        async with pd_cluster(SMOLLM2_SPEC, num_prefill=2, prefill_engine=prefill) as c:
-            results = await asyncio.gather(
-                *(generate(c.targets[0], p, max_tokens=MAX_TOKENS, timeout=300) for p in prompts)
-            )
-            assert [list(r.token_ids) for r in results] == reference
-            await c.assert_idle_and_conserved()
+        results = await asyncio.gather(
+            *(generate(c.targets[0], p, max_tokens=MAX_TOKENS, timeout=300) for p in prompts)
+        )
+        assert [list(r.token_ids) for r in results] == reference
+        await c.assert_idle_and_conserved()
 
-    asyncio.run(body())
+    smollm2_pd.run(body())
 
 
 def test_prefill_logits_allclose(loaded: LoadedModel, prompts: list[list[int]]) -> None:

@@ -13,12 +13,12 @@ import httpx
 import pytest
 import torch
 
-from pdserve.bench.support.inprocess import pd_cluster
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from tests.engine_helpers import hf_greedy_with, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate
+from tests.support.cluster import pd_cluster
 
 ENGINE = EngineConfig(model=SMOLLM2_SPEC, dtype="float32")  # no --kv-cache-mb, --num-kv-blocks
 # a long prompt's prefill on a loaded two-core machine outlasts the default 30 s / 60 s

@@ -15,13 +15,13 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.bench.support.inprocess import pd_cluster
 from pdserve.client import get_model_info
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.gguf_builtin import SMOLLM2_SPEC
 from tests.engine_helpers import random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate
+from tests.support.cluster import pd_cluster
 
 SMOLLM2_FP32_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers x K,V x tokens x heads x dim x bytes
 MB64_TOKENS = (64 << 20) // SMOLLM2_FP32_BLOCK * 16  # 91 blocks

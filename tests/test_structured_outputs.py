@@ -31,6 +31,8 @@ from shared.model.gguf_builtin import SMOLLM2_SPEC
 from tests.engine_helpers import chat_checkpoint
 from tests.structured_corpus import SCHEMAS
 from tests.support.cluster import PdCluster, pd_cluster
+from tests.support.clusters import SMOLLM2_PD_CHUNK
+from tests.support.shared_cluster import SharedCluster
 
 ENGINE = EngineConfig(model="tiny", num_kv_blocks=512, max_batch_size=16)
 
@@ -266,13 +268,20 @@ def test_openai_sdk_parse_with_pydantic(checkpoint: Callable[..., Path], tmp_pat
     run(body())
 
 
-def test_smollm2_schema_corpus_pd_matches_colocated() -> None:
+def test_smollm2_schema_corpus_pd_matches_colocated(smollm2_pd: SharedCluster) -> None:
     """The real model on every schema of the corpus, greedy and seeded-sampled: every output
-    that stops validates, and P/D (2 prefill nodes) answers exactly what colocated answers."""
-    engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32)
+    that stops validates, and P/D (the shared SmolLM2 cluster: 2 prefill nodes) answers exactly
+    what colocated (prefilling in steps of the same size) answers."""
+    engine = EngineConfig(
+        model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32, max_num_tokens=SMOLLM2_PD_CHUNK
+    )
+    colocated = pd_cluster(
+        SMOLLM2_SPEC, colocated=True, prefill_engine=engine, decode_overrides={"http_port": 0}
+    )
 
     async def body() -> None:
-        async with both(SMOLLM2_SPEC, engine) as clusters:
+        async with colocated as co:
+            clusters = [smollm2_pd.cluster, co]
             outs = []
             for c in clusters:
                 reqs = [
@@ -307,8 +316,10 @@ def test_smollm2_schema_corpus_pd_matches_colocated() -> None:
                     ids = tokenizer.encode(text, add_special_tokens=False)
                     assert ids and compiler.allows(spec, ids), (text, ids)
             assert outs[0] == outs[1], "P/D and colocated disagree"
+            for c in clusters:
+                await c.assert_idle_and_conserved()
 
-    run(body())
+    smollm2_pd.run(asyncio.wait_for(body(), 170))
 
 
 def test_preempted_requests_resume_their_grammar() -> None:

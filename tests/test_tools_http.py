@@ -13,6 +13,7 @@ from typing import Any, Literal
 import jsonschema
 import pytest
 
+from tests.support.shared_cluster import SharedCluster
 from tests.tool_corpus import SCHEMAS, TOOLS, ask
 
 
@@ -195,32 +196,25 @@ def assert_grammars_released(nodes: list[Any]) -> None:
         assert all(m is None for m in node.core.sampler.grammars.matchers), "a matcher is held"
 
 
-def test_smollm2_tools_over_http_pd() -> None:
+def test_smollm2_tools_over_http_pd(smollm2_pd: SharedCluster) -> None:
+    """On the shared SmolLM2 cluster (its decode node reads hermes tool calls)."""
     import openai
 
-    from shared.engine.config import EngineConfig
-    from shared.model.gguf_builtin import SMOLLM2_SPEC
-    from tests.support.cluster import pd_cluster
-
-    engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=16)
-    http = {"http_port": 0, "tool_call_parser": "hermes"}
+    c = smollm2_pd.cluster
 
     async def body() -> None:
-        async with pd_cluster(
-            SMOLLM2_SPEC, prefill_engine=engine, decode_engine=engine, decode_overrides=http
-        ) as c:
-            url = f"http://127.0.0.1:{c.decodes[0].http_port}/v1"
-            model = c.decodes[0].core.loaded.name
-            client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
-            for part in (named_and_required, streamed, auto_hermes, two_turns, sdk_parse):
-                await part(client, model)
-            await c.assert_idle_and_conserved()
-            await cancel_and_timeout(url, model)
-            await c.assert_idle_and_conserved()
-            assert_grammars_released([*c.prefills, *c.decodes])
-            await client.close()
+        url = f"http://127.0.0.1:{c.decodes[0].http_port}/v1"
+        model = c.decodes[0].core.loaded.name
+        client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+        for part in (named_and_required, streamed, auto_hermes, two_turns, sdk_parse):
+            await part(client, model)
+        await c.assert_idle_and_conserved()
+        await cancel_and_timeout(url, model)
+        await c.assert_idle_and_conserved()
+        assert_grammars_released([*c.prefills, *c.decodes])
+        await client.close()
 
-    run(body())
+    smollm2_pd.run(asyncio.wait_for(body(), 400), timeout=420)
 
 
 def test_langchain_structured_output_and_tools() -> None:

@@ -83,17 +83,32 @@ def spawn(spec: NodeSpec, log_dir: Path) -> NodeProcess:
 @contextlib.contextmanager
 def running(specs: list[NodeSpec], log_dir: Path) -> Iterator[RunningNodes]:
     """Start nodes in order (a spec's args may name an earlier node's port as
-    '{port:NAME}'), wait until each is ready, always stop them all."""
+    '{port:NAME}'), wait until each is ready, always stop them all. Nodes that name no port of
+    a node not yet ready start together (a cluster's prefill nodes), each on its own cores."""
     nodes = RunningNodes()
     try:
-        for spec in specs:
-            args = [_resolve(arg, nodes) for arg in spec.args]
-            node = spawn(NodeSpec(spec.name, spec.module, args, spec.cpus, spec.threads), log_dir)
-            nodes.nodes[spec.name] = node
-            wait_ready([node], READY_TIMEOUT_S)
+        for wave in _waves(specs):
+            started = []
+            for spec in wave:
+                args = [_resolve(arg, nodes) for arg in spec.args]
+                spec_now = NodeSpec(spec.name, spec.module, args, spec.cpus, spec.threads)
+                nodes.nodes[spec.name] = spawn(spec_now, log_dir)
+                started.append(nodes.nodes[spec.name])
+            wait_ready(started, READY_TIMEOUT_S)
         yield nodes
     finally:
         stop_all(list(nodes.nodes.values()), grace=15.0)
+
+
+def _waves(specs: list[NodeSpec]) -> list[list[NodeSpec]]:
+    """`specs` in order, cut before each spec that names the port of one in the current wave."""
+    waves: list[list[NodeSpec]] = [[]]
+    for spec in specs:
+        names = {s.name for s in waves[-1]}
+        if any(f"{{port:{name}}}" in arg for arg in spec.args for name in names):
+            waves.append([])
+        waves[-1].append(spec)
+    return [wave for wave in waves if wave]
 
 
 def _resolve(arg: str, nodes: RunningNodes) -> str:

@@ -1,0 +1,41 @@
+"""The clusters several tests share (tests/conftest.py makes each a fixture of the same name):
+starting one costs a model load per node, so the tests that can serve the same cluster do.
+Importing this module loads no torch: conftest imports it before the environment is set."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tests.support.shared_cluster import SharedCluster, SharedClusters
+
+# the prefill nodes' step budget: a prompt longer than this prefills in several steps
+SMOLLM2_PD_CHUNK = 64
+
+
+def smollm2_pd() -> SharedCluster:
+    """SmolLM2 on 2 prefill nodes (chunked at SMOLLM2_PD_CHUNK tokens) and a decode node with the
+    HTTP API reading hermes tool calls: greedy parity, the schema corpus and tool calling."""
+    from shared.engine.config import EngineConfig
+    from shared.model.gguf_builtin import SMOLLM2_SPEC
+
+    base = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32)
+    prefill = EngineConfig(
+        model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32, max_num_tokens=SMOLLM2_PD_CHUNK
+    )
+    http = {"http_port": 0, "tool_call_parser": "hermes"}
+    return SharedCluster(
+        SMOLLM2_SPEC,
+        num_prefill=2,
+        prefill_engine=prefill,
+        decode_engine=base,
+        decode_overrides=http,
+    )
+
+
+SHARED_CLUSTERS: dict[str, Callable[[], SharedCluster]] = {"smollm2_pd": smollm2_pd}
+SHARED = SharedClusters()
+
+
+def shared(name: str) -> SharedCluster:
+    """A shared cluster's fixture: tests/conftest.py releases it after each test using it."""
+    return SHARED.acquire(name, SHARED_CLUSTERS[name])
