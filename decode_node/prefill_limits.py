@@ -33,16 +33,17 @@ class PrefillLimit:
     @property
     def context(self) -> int:
         """The longest prompt + max_tokens it takes: its max_model_len, and no more than its
-        pool holds (a node that does not check its max_model_len against its pool)."""
-        return min(self.max_context, self.prompt_tokens)
+        pool holds (a node that does not check its max_model_len against its pool): a whole
+        pool of prompt and the first token, which it samples but never stores."""
+        return min(self.max_context, self.prompt_tokens + 1)
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
         """Raise RequestRejected naming the prefill node's limit."""
         total = prompt_len + max_tokens
-        if total > self.max_context:
+        if total > self.context:
             raise RequestRejected(
                 f"prompt ({prompt_len} tokens) + sampling.max_tokens ({max_tokens}) = {total} "
-                f"exceeds the prefill nodes' context of {self.max_context} tokens (prefill node "
+                f"exceeds the prefill nodes' context of {self.context} tokens (prefill node "
                 f"{self.target}: {self.pool_blocks} KV blocks = {self.prompt_tokens} tokens); "
                 "shorten the prompt or max_tokens, or give the prefill nodes a larger KV pool"
             )

@@ -117,8 +117,10 @@ def test_queued_requests_hold_nothing_and_are_admitted_fifo_as_blocks_free() -> 
 def test_never_fits_is_refused_at_once_and_full_queue_is_resource_exhausted() -> None:
     core = engine(blocks=4, max_queued=1)
     collect(core)
+    # within the context the 4-block pool serves, but 3 completions need 4 + 2 x 2 blocks
+    huge = SamplingParams(max_tokens=20, ignore_eos=True, n=3)
     with pytest.raises(RequestRejected, match="could never be served"):
-        core.admission.enqueue(list(range(3, 100)), greedy(1), "huge")  # 7 blocks > 4
+        core.admission.enqueue(list(range(3, 43)), huge, "huge")
     core.admission.enqueue(list(range(3, 50)), greedy(2), "a")  # 3 blocks (+1 token)
     core.admission.enqueue(list(range(3, 50)), greedy(2), "b")  # queued
     with pytest.raises(ResourcesExhausted, match="admission queue is full") as err:

@@ -155,7 +155,9 @@ def test_served_context_is_what_the_pool_holds_or_a_startup_error() -> None:
         return PoolSize(blocks, 16, BLOCK, why, flag)
 
     mb64 = pool(91, "--kv-cache-mb 64", "--kv-cache-mb")
-    assert served_context(8192, 0, mb64) == 1456  # the pool, not the model, limits it
+    # the pool, not the model, limits it: its 1,456 tokens and a last one, sampled but never
+    # written
+    assert served_context(8192, 0, mb64) == 1457
     assert served_context(8192, 1000, mb64) == 1000
     assert served_context(8192, 0, pool(4096, "x", "--num-kv-blocks")) == 8192
     with pytest.raises(ValueError) as e:
@@ -163,7 +165,7 @@ def test_served_context_is_what_the_pool_holds_or_a_startup_error() -> None:
     message = str(e.value)
     assert "--max-model-len 8192 needs 512 KV blocks" in message
     assert "raise --kv-cache-mb to at least 360" in message  # 512 blocks x 720 KiB
-    assert "lower --max-model-len to at most 1456" in message
+    assert "lower --max-model-len to at most 1457" in message
     with pytest.raises(ValueError, match="raise --num-kv-blocks to at least 512"):
         served_context(8192, 8192, pool(91, "--num-kv-blocks 91", "--num-kv-blocks"))
     with pytest.raises(ValueError, match="raise --kv-cache-memory-fraction"):

@@ -25,6 +25,7 @@ from tests.support.cluster import pd_cluster
 
 SMOLLM2_FP32_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers x K,V x tokens x heads x dim x bytes
 MB64_TOKENS = (64 << 20) // SMOLLM2_FP32_BLOCK * 16  # 91 blocks
+MB64_CONTEXT = MB64_TOKENS + 1  # a request's last token is sampled, never stored
 
 
 @pytest.fixture(autouse=True)
@@ -57,19 +58,19 @@ def test_kv_cache_mb_64_alone_serves_what_fits() -> None:
             url = f"http://127.0.0.1:{node.http_port}"
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
                 seen = await _advertised(node, http)
-                assert MB64_TOKENS == 1456 and set(seen.values()) == {MB64_TOKENS}, seen
+                assert MB64_TOKENS == 1456 and set(seen.values()) == {MB64_CONTEXT}, seen
                 pool = (await http.get("/version")).json()["kv_pool"]
                 assert pool["num_blocks"] == 91 and pool["tokens"] == 1456, pool
                 assert pool["sized_by"] == "--kv-cache-mb 64", pool
                 # the advertised context is served: a prompt filling it but max_tokens
-                prompt = random_prompts(1, 49152, min_len=1448, max_len=1448, seed=3)[0]
+                prompt = random_prompts(1, 49152, min_len=1449, max_len=1449, seed=3)[0]
                 got = await pd_generate(c.targets[0], prompt, SamplingParams(max_tokens=8))
                 assert len(got[0].token_ids) == 8, got
                 # and one token more is refused before anything is allocated, naming the limit
                 body = {"model": SMOLLM2_SPEC, "prompt": [*prompt, 7], "max_tokens": 8}
                 r = await http.post("/v1/completions", json=body)
                 assert r.status_code == 400, r.text
-                assert "exceeds the model's context of 1456 tokens" in r.json()["error"]["message"]
+                assert "exceeds the model's context of 1457 tokens" in r.json()["error"]["message"]
 
     asyncio.run(body())
 
@@ -83,13 +84,14 @@ def test_max_model_len_the_pool_cannot_hold_refuses_to_start() -> None:
     line = next(x for x in done.stderr.splitlines() if "invalid configuration" in x)
     assert "--max-model-len 8192 needs 512 KV blocks" in line, line
     assert "raise --kv-cache-mb to at least 360" in line, line
-    assert "lower --max-model-len to at most 1456" in line, line
+    assert "lower --max-model-len to at most 1457" in line, line
 
 
 def test_decode_node_serves_no_more_than_the_prefill_pool_holds() -> None:
     """Prefill pool 8 blocks (128 tokens), decode pool 64 (1,024): the decode node advertises
-    128 everywhere, serves a request that fills it, and refuses one token more at once with
-    the prefill node's limit, over gRPC and HTTP."""
+    129 everywhere (a pool of prompt and the first token, never stored), serves a request that
+    fills it, and refuses one token more at once with the prefill node's limit, over gRPC and
+    HTTP."""
     tiny = "tiny"
     prefill = EngineConfig(model=tiny, num_kv_blocks=8, max_batch_size=4)
     decode = EngineConfig(model=tiny, num_kv_blocks=64, max_batch_size=4)
@@ -99,11 +101,11 @@ def test_decode_node_serves_no_more_than_the_prefill_pool_holds() -> None:
             tiny, prefill_engine=prefill, decode_engine=decode, decode_overrides={"http_port": 0}
         ) as c:
             node, target = c.decodes[0], c.targets[0]
-            assert node.engine_info.max_model_len == 1024  # its own pool: the prefill's limits
+            assert node.engine_info.max_model_len == 1025  # its own pool: the prefill's limits
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{node.http_port}") as http:
                 seen = await _advertised(node, http)
-                assert set(seen.values()) == {128}, seen
-                prompt = random_prompts(1, 259, min_len=120, max_len=120, seed=5)[0]
+                assert set(seen.values()) == {129}, seen
+                prompt = random_prompts(1, 259, min_len=121, max_len=121, seed=5)[0]
                 got = await pd_generate(
                     target, prompt, SamplingParams(max_tokens=8, ignore_eos=True)
                 )
@@ -113,7 +115,7 @@ def test_decode_node_serves_no_more_than_the_prefill_pool_holds() -> None:
                     await pd_generate(target, [*prompt, 3], SamplingParams(max_tokens=8))
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 message = e.value.details() or ""
-                assert "exceeds the prefill nodes' context of 128 tokens" in message, message
+                assert "exceeds the prefill nodes' context of 129 tokens" in message, message
                 assert f"prefill node {prefill_target}: 8 KV blocks = 128 tokens" in message
                 body = {"model": tiny, "prompt": [*prompt, 3], "max_tokens": 8}
                 r = await http.post("/v1/completions", json=body)

@@ -346,6 +346,8 @@ class PdMachine(RuleBasedStateMachine):
         return f"r{self.n}"
 
     def _fits(self, core: EngineCore, prompt: list[int], max_tokens: int) -> bool:
+        if len(prompt) + max_tokens > core.max_model_len:  # the context the pool serves
+            return False
         tokens = len(prompt) + (0 if core.context_only else max_tokens - 1)  # prefill: prompt only
         return cdiv(tokens, self.bs) <= core.kv_manager.blocks.num_blocks
 

@@ -138,22 +138,28 @@ def engine_pool(
     )
 
 
-def served_context(model_context: int, requested: int, pool: PoolSize) -> int:
-    """`max_model_len`: `requested` (0: the smaller of the model's context and the pool's
-    tokens). Raises ValueError naming the flags when the model or the pool cannot hold it."""
+def served_context(model_context: int, requested: int, pool: PoolSize | None) -> int:
+    """`max_model_len`: `requested` (0: the smaller of the model's context and what one request
+    can hold in `pool`; None: a pool that holds prompts only, bounding no context). Raises
+    ValueError naming the flags when the model or the pool cannot hold it."""
     if requested > model_context:
         raise ValueError(
             f"--max-model-len {requested} exceeds the model's context of {model_context} tokens"
         )
+    if pool is None:
+        return requested or model_context
+    # a request's last token is sampled, never written to the pool (RequestLimits counts the
+    # same way): one request holds one token more than the pool
+    holds = pool.tokens + 1
     if not requested:
-        return min(model_context, pool.tokens)
-    if requested > pool.tokens:
-        need = cdiv(requested, pool.block_size)
+        return min(model_context, holds)
+    if requested > holds:
+        need = cdiv(requested - 1, pool.block_size)
         fix = _pool_fix(pool, need)
         raise ValueError(
             f"--max-model-len {requested} needs {need:,} KV blocks for one request, but the KV "
             f"pool holds {pool.num_blocks:,} ({pool.tokens:,} tokens; {pool.why}): {fix}, or "
-            f"lower --max-model-len to at most {pool.tokens} (or leave it out: the node then "
+            f"lower --max-model-len to at most {holds} (or leave it out: the node then "
             "serves what its pool holds)"
         )
     return requested
