@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="each prefill node's KV pool in blocks of 16 tokens (0: the node's default, "
-        "sized from --kv-cache-mb); the prefix-cache capacity routing has to share",
+        "sized from the memory free: --kv-cache-memory-fraction); the prefix-cache capacity "
+        "routing has to share",
     )
 
 
@@ -256,5 +257,5 @@ def workload_result(
             "seed": a.seed,
         },
         "local_prefill": LOCAL_PREFILL,
-        "prefill_kv_blocks": a.prefill_kv_blocks or "node default (--kv-cache-mb)",
+        "prefill_kv_blocks": a.prefill_kv_blocks or "node default (--kv-cache-memory-fraction)",
     }
