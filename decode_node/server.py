@@ -47,6 +47,7 @@ from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.commands import Abort, Command, Drain, PlacePrompt, Shutdown, TransferFailed
 from shared.engine.core import EngineCore
 from shared.engine.errors import RequestRejected, ResourcesExhausted
+from shared.engine.events import Admitted
 from shared.engine.info import EngineInfo
 from shared.engine.requests.output import TokenDelta
 from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
@@ -115,7 +116,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(
-            self.core, loop, self._on_deltas, "decode-engine", on_admission=self._on_admission
+            self.core, loop, self._on_deltas, "decode-engine", on_event=self._on_event
         )
         await self.thread.start_warm()
         await self.receiver.start()
@@ -186,10 +187,13 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                         )
                     )
 
-    def _on_admission(self, rid: str, grant: TransferGrant | None) -> None:
-        stream = self.streams.get(rid)
-        if stream is not None and stream.admission is not None and not stream.admission.done():
-            stream.admission.set_result(grant)
+    def _on_event(self, event: object) -> None:
+        match event:
+            case Admitted(request_id=rid, grant=grant):
+                stream = self.streams.get(rid)
+                admission = None if stream is None else stream.admission
+                if admission is not None and not admission.done():
+                    admission.set_result(grant)
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:

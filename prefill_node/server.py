@@ -30,11 +30,12 @@ from prefill_node.push import make_layer_hook, plan_push
 from prefill_node.tracing import traced_prefill
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.engine.commands import AddRequest, ContextPushed, Shutdown
+from shared.engine.connector.kv_push import KvAccess
 from shared.engine.core import EngineCore
 from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import LlmRequest
-from shared.engine.roles.prefill_role import KvAccess, PrefillSettings
+from shared.engine.roles.prefill_role import PrefillSettings
 from shared.engine.sampling.grammar_compiler import compile_async
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread

@@ -121,6 +121,7 @@ def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
 
     from shared.engine.config import EngineConfig
     from shared.engine.core import EngineCore
+    from shared.engine.roles.decode_role import DecodeSettings
     from shared.engine.sampling.sampling_params import SamplingParams
 
     config = EngineConfig(
@@ -132,7 +133,7 @@ def engine_decode_rate(path: Path, batch: int, graphs: bool) -> float:
         dtype=DEVICE["dtype"],
         cuda_graphs=graphs,
     )
-    core = EngineCore(config)
+    core = EngineCore(config, role=DecodeSettings())
     rng = random.Random(batch)
     rate = 0.0
     for _ in range(2):  # the first round captures the graphs, the second is timed

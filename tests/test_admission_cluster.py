@@ -96,7 +96,7 @@ async def _hold_engine(c: PdCluster, commands: int) -> tuple[threading.Event, as
         assert loop.time() < deadline, f"only {len(thread._commands)} requests arrived"
         await asyncio.sleep(0.01)
     probe = asyncio.wrap_future(
-        thread.inspect_soon(lambda core: (len(core.requests), len(core.admission)))
+        thread.inspect_soon(lambda core: (len(core.requests), len(core.role.admission)))
     )
     return gate, probe
 

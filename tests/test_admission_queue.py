@@ -9,6 +9,7 @@ import pytest
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected, ResourcesExhausted
 from shared.engine.requests.request import FinishReason, LlmRequestState
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.admission_queue import AdmissionQueue, QueueEntry, QueueFull
 from shared.engine.scheduling.transfer_admission import AdmissionClosed, TransferGrant
@@ -76,15 +77,16 @@ def test_cancel_and_deadlines_leave_the_rest_in_order() -> None:
 # ------------------------------------------------------------- decode-side admission, real engine
 def engine(blocks: int, max_admitted: int | None = None, max_queued: int = 8) -> EngineCore:
     core = EngineCore(
-        EngineConfig(model="tiny", num_kv_blocks=blocks, block_size=16, max_batch_size=4)
+        EngineConfig(model="tiny", num_kv_blocks=blocks, block_size=16, max_batch_size=4),
+        role=DecodeSettings(),
     )
-    core.admission.configure(max_queued, max_admitted)
+    core.role.admission.configure(max_queued, max_admitted)
     return core
 
 
 def collect(core: EngineCore) -> list[tuple[str, TransferGrant | None]]:
     got: list[tuple[str, TransferGrant | None]] = []
-    core.admission.on_admission = lambda rid, grant: got.append((rid, grant))
+    core.role.admission.on_admission = lambda rid, grant: got.append((rid, grant))
     return got
 
 
@@ -95,9 +97,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 def test_queued_requests_hold_nothing_and_are_admitted_fifo_as_blocks_free() -> None:
     core = engine(blocks=8)
     got = collect(core)
-    a = core.admission.enqueue(list(range(3, 83)), greedy(4), "a")  # 80 tok: 6 blocks
-    b = core.admission.enqueue(list(range(3, 53)), greedy(4), "b")  # 50 tok: 4 blocks
-    c = core.admission.enqueue([5, 6], greedy(2), "c")  # fits, but must not pass b
+    a = core.role.admission.enqueue(list(range(3, 83)), greedy(4), "a")  # 80 tok: 6 blocks
+    b = core.role.admission.enqueue(list(range(3, 53)), greedy(4), "b")  # 50 tok: 4 blocks
+    c = core.role.admission.enqueue([5, 6], greedy(2), "c")  # fits, but must not pass b
     assert [rid for rid, _ in got] == ["a"]
     assert got[0][1] is not None and len(got[0][1].blocks) == 5  # prompt blocks, pinned
     assert a.state == S.DISAGG_GENERATION_TRANS_IN_PROGRESS
@@ -120,11 +122,11 @@ def test_never_fits_is_refused_at_once_and_full_queue_is_resource_exhausted() ->
     # within the context the 4-block pool serves, but 3 completions need 4 + 2 x 2 blocks
     huge = SamplingParams(max_tokens=20, ignore_eos=True, n=3)
     with pytest.raises(RequestRejected, match="could never be served"):
-        core.admission.enqueue(list(range(3, 43)), huge, "huge")
-    core.admission.enqueue(list(range(3, 50)), greedy(2), "a")  # 3 blocks (+1 token)
-    core.admission.enqueue(list(range(3, 50)), greedy(2), "b")  # queued
+        core.role.admission.enqueue(list(range(3, 43)), huge, "huge")
+    core.role.admission.enqueue(list(range(3, 50)), greedy(2), "a")  # 3 blocks (+1 token)
+    core.role.admission.enqueue(list(range(3, 50)), greedy(2), "b")  # queued
     with pytest.raises(ResourcesExhausted, match="admission queue is full") as err:
-        core.admission.enqueue([5, 6, 7], greedy(2), "c")
+        core.role.admission.enqueue([5, 6, 7], greedy(2), "c")
     assert err.value.retry_after_s >= 1
     assert "c" not in core.requests and [r for r in core.recent_history if r[0] == "c"]
     for rid in ("a", "b"):
@@ -136,7 +138,7 @@ def test_max_admitted_bounds_requests_past_the_queue() -> None:
     core = engine(blocks=64, max_admitted=2)
     got = collect(core)
     for i in range(4):
-        core.admission.enqueue([5, 6, 7 + i], greedy(2), f"r{i}")
+        core.role.admission.enqueue([5, 6, 7 + i], greedy(2), f"r{i}")
     assert [rid for rid, _ in got] == ["r0", "r1"]
     assert core.requests["r2"].state == S.QUEUED
     core.abort("r0")
@@ -150,17 +152,17 @@ def test_max_admitted_bounds_requests_past_the_queue() -> None:
 def test_deadline_in_the_queue_and_drain() -> None:
     core = engine(blocks=4)
     got = collect(core)
-    core.admission.enqueue(list(range(3, 50)), greedy(2), "a")
-    b = core.admission.enqueue(list(range(3, 50)), greedy(2), "b", time.monotonic() + 0.01)
-    core.admission.enqueue(list(range(3, 43)), greedy(2), "c")
+    core.role.admission.enqueue(list(range(3, 50)), greedy(2), "a")
+    b = core.role.admission.enqueue(list(range(3, 50)), greedy(2), "b", time.monotonic() + 0.01)
+    core.role.admission.enqueue(list(range(3, 43)), greedy(2), "c")
     time.sleep(0.02)
     core.admit_queued()
     assert ("b", None) in got and "b" not in core.requests  # expired: reported, nothing held
     assert b.finish_reason == FinishReason.ABORTED and b.history[-2][0] == S.QUEUED
-    assert core.admission.drain() == ["c"]
+    assert core.role.admission.drain() == ["c"]
     assert "c" not in core.requests
     with pytest.raises(AdmissionClosed):  # a request racing the shutdown is not queued
-        core.admission.enqueue([5, 6], greedy(2), "late")
+        core.role.admission.enqueue([5, 6], greedy(2), "late")
     core.abort("a")
     core.check_conservation()
 
@@ -172,10 +174,10 @@ def test_a_local_request_waiting_to_start_leaves_room_for_transfers_not_a_refusa
     core = engine(blocks=8, max_queued=0)
     got = collect(core)
     core.add_request(list(range(3, 53)), greedy(2), "local")  # 50 tok + 1: 4 blocks, waiting
-    core.admission.enqueue([5, 6, 7], greedy(2), "fits")  # 1 block: 4 + 1 <= 8
+    core.role.admission.enqueue([5, 6, 7], greedy(2), "fits")  # 1 block: 4 + 1 <= 8
     assert [rid for rid, _ in got] == ["fits"]
     with pytest.raises(ResourcesExhausted, match="admission queue is full"):
-        core.admission.enqueue(list(range(3, 53)), greedy(2), "takes")  # 4 + 1 + 4 > 8
+        core.role.admission.enqueue(list(range(3, 53)), greedy(2), "takes")  # 4 + 1 + 4 > 8
     for rid in ("local", "fits"):
         core.abort(rid)
     core.check_conservation()

@@ -13,6 +13,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.pool import allocate_kv_pool
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
@@ -25,7 +26,7 @@ CONFIG = EngineConfig(model="tiny", num_kv_blocks=NUM_BLOCKS, max_batch_size=8, 
 
 def padded_engine(config: EngineConfig = CONFIG) -> tuple[EngineCore, DecodeGraphRunner]:
     """An engine whose decode steps go through the runner eagerly (what CUDA captures)."""
-    engine = EngineCore(config)
+    engine = EngineCore(config, role=DecodeSettings())
     assert engine.decode_runner is None, "CPU must keep the eager path"
     engine.runner.kv_pool = allocate_kv_pool(engine.layout, NUM_BLOCKS + 1, "cpu")
     runner = engine_decode_runner(
@@ -58,7 +59,7 @@ def test_padded_decode_matches_eager_and_hides_the_dummy() -> None:
         SamplingParams(max_tokens=m, temperature=0.0 if i % 2 else 0.8, seed=i)
         for i, m in enumerate(max_tokens)
     ]
-    plain = EngineCore(CONFIG)
+    plain = EngineCore(CONFIG, role=DecodeSettings())
     padded, runner = padded_engine()
     for engine in (plain, padded):
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -105,7 +106,7 @@ def test_runner_leaves_prefill_and_oversized_batches_to_the_eager_path() -> None
 
 
 def test_runner_refuses_a_pool_without_the_scratch_block() -> None:
-    engine = EngineCore(CONFIG)
+    engine = EngineCore(CONFIG, role=DecodeSettings())
     with pytest.raises(ValueError, match="scratch block"):
         engine_decode_runner(
             engine.model,
@@ -138,6 +139,6 @@ def test_cli_flag_sets_the_config_and_cpu_ignores_it(flag: list[str], want: bool
     args = build_parser().parse_args(["prefill", "--device", "cpu", *flag])
     config = _engine_config(args)
     assert config.cuda_graphs is want
-    engine = EngineCore(replace(config, num_kv_blocks=NUM_BLOCKS))
+    engine = EngineCore(replace(config, num_kv_blocks=NUM_BLOCKS), role=DecodeSettings())
     assert engine.decode_runner is None  # CPU: the eager path, the pool without a scratch block
     assert engine.kv_pool.shape[2] == NUM_BLOCKS

@@ -12,6 +12,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 from shared.model.loader import load_model
@@ -69,7 +70,7 @@ def test_cuda_graphs_change_no_token(dtype: str, checkpoint: Callable[..., Path]
             cuda_graphs=graphs,
         )
         loaded = load_model(str(path), torch.device("cuda"), getattr(torch, dtype))
-        core = EngineCore(config, loaded)
+        core = EngineCore(config, loaded, role=DecodeSettings())
         results[graphs], cores[graphs] = run(core, prompts, params), core
     if dtype == "float32":
         assert results[True] == results[False]

@@ -22,7 +22,9 @@ NODE_API: dict[str, set[str]] = {
     "shared.engine.info": {"EngineInfo"},
     "shared.engine.config": {"EngineConfig"},
     "shared.engine.roles.decode_role": {"DecodeSettings"},
-    "shared.engine.roles.prefill_role": {"PrefillSettings", "KvAccess"},
+    "shared.engine.roles.prefill_role": {"PrefillSettings"},
+    "shared.engine.connector.kv_push": {"KvAccess"},  # what a prefill node's push hook reads
+    "shared.engine.events": {"*"},
     "shared.engine.scheduling.placement": {"PlacementPolicy"},
     "shared.engine.errors": {"*"},
     "shared.engine.sampling.sampling_params": {"*"},
@@ -178,3 +180,44 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_circle_in_the_shipped_packages() -> None:
     assert import_cycles(import_graph()) == []
+
+
+# the roles and the KV connectors a node may give its engine: the core and its thread run any
+ROLE_AND_CONNECTOR_NAMES = {
+    "DecodeRole",
+    "DecodeSettings",
+    "PrefillRole",
+    "PrefillSettings",
+    "KvPushConnector",
+    "KvLandingConnector",
+    "shared.engine.roles.decode_role",
+    "shared.engine.roles.prefill_role",
+    "shared.engine.connector.kv_push",
+    "shared.engine.connector.kv_landing",
+}
+
+
+def _names(path: Path) -> set[str]:
+    """Every identifier, attribute and imported module or name the file's code uses."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("module", ["shared/engine/core.py", "shared/engine/thread.py"])
+def test_the_core_and_its_thread_name_no_role_and_no_connector(module: str) -> None:
+    assert _names(ROOT / module) & ROLE_AND_CONNECTOR_NAMES == set()
+    assert "isinstance" not in _names(ROOT / module)  # extension points are interfaces
+
+
+def test_the_role_finder_sees_a_role_named() -> None:
+    assert "DecodeSettings" in _names(ROOT / "shared/engine/llm.py")

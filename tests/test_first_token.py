@@ -13,9 +13,11 @@ from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
+from tests.pd_steps import reserve_now
 
 
 def _cases(core: EngineCore, token: int) -> dict[str, SamplingParams]:
@@ -39,16 +41,16 @@ def test_early_first_delta_is_the_engines(
     checkpoint: Callable[..., Path], token_choice: str
 ) -> None:
     path = checkpoint("llama")
-    core = EngineCore(EngineConfig(model=str(path), num_kv_blocks=64), load_model(str(path)))
+    config = EngineConfig(model=str(path), num_kv_blocks=64)
+    core = EngineCore(config, load_model(str(path)), role=DecodeSettings())
     prompt = random_prompts(1, 300, min_len=20, max_len=20, seed=5)[0]
     token = min(core.outputs.eos_token_ids) if token_choice == "eos" else 65
     finishes = set()
     for name, params in _cases(core, token).items():
         rid = f"r-{name}"
-        core.role.reserve_for_transfer(prompt, params, rid)
-        core.role.start_transfer(rid)
+        reserve_now(core, prompt, params, rid)
         early = early_first_delta(core.outputs, rid, prompt, params, (token, None, None, []))
-        engine = core.role.complete_transfer_all(rid, token)
+        engine = core.role.complete_transfer(rid, token)
         assert early is not None
         got = (early.token_ids, early.text, early.finish_reason, early.index)
         assert got == (engine[0].token_ids, engine[0].text, engine[0].finish_reason, 0), name

@@ -15,6 +15,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.runtime import openmp
 from shared.engine.thread import EngineThread
 
@@ -62,9 +63,9 @@ def test_engine_threads_borrow_and_give_back_the_threads(configured: int) -> Non
     before = torch.get_num_threads()
     torch.set_num_threads(configured)
     loop = asyncio.new_event_loop()
+    cores = [EngineCore(EngineConfig(model="tiny"), role=DecodeSettings()) for _ in range(2)]
     engines = [
-        EngineThread(EngineCore(EngineConfig(model="tiny")), loop, lambda d: None, name=f"e{i}")
-        for i in range(2)
+        EngineThread(core, loop, lambda d: None, name=f"e{i}") for i, core in enumerate(cores)
     ]
     try:
         for engine in engines:  # two engines in one process (an in-process P/D pair)

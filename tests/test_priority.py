@@ -124,7 +124,7 @@ def test_priorities_reorder_the_queue_end_to_end() -> None:
             for i, (rid, priority) in enumerate((("p5", 5), ("p0", 0), ("m5", -5))):
                 tasks.append(asyncio.ensure_future(_run(c, _request(rid, priority), done)))
                 await wait_queued(c, i + 1)
-            order = await c.decodes[0].thread.inspect(lambda core: core.admission.queue.keys())
+            order = await c.decodes[0].thread.inspect(lambda core: core.role.admission.queue.keys())
             assert order == ["m5", "p0", "p5"]
             first.cancel()  # frees the slot: the queue drains in its order, one at a time
             with contextlib.suppress(asyncio.CancelledError):

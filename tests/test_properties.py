@@ -4,7 +4,7 @@ A hypothesis `RuleBasedStateMachine` drives two real `EngineCore`s through rando
 the request lifecycle (docs/seat-system.md §3-§8):
 
 - `dec`, a colocated / decode-side engine: colocated requests, decode-side P/D requests
-  (`reserve_for_transfer` -> `start_transfer` -> `complete_transfer` / `fail_transfer`), aborts in
+  (`reserve_for_transfer` -> `land_part` -> `complete_transfer` / `fail_transfer`), aborts in
   every state, steps with chunked prefill, prefix-cache hits and preemption (small pools);
 - `pre`, a prefill-side engine (`PrefillRole`): prefill, `accept_token` (pin + seat
   back), `complete_context` (unpin) ok / failed, aborts in every state.
@@ -48,11 +48,13 @@ from shared.engine.requests.request import (
     LlmRequestState,
 )
 from shared.engine.resources.block_manager import compute_block_hashes
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.roles.prefill_role import PrefillSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.forward_batch import ForwardBatch
 from shared.model.loader import LoadedModel, tiny_config
 from shared.model.tokenizer import ByteTokenizer
+from tests.pd_steps import reserve_now
 
 S = LlmRequestState
 EOS = 257
@@ -136,15 +138,15 @@ def make_engine(bs: int, blocks: int, batch: int, budget: int, caching: bool, co
     if context_only:
         core = EngineCore(config, loaded, role=PrefillSettings(lambda s, kv: model.capture(s)))
     else:
-        core = EngineCore(config, loaded)
-        core.role.layer_hook = model.capture  # type: ignore[method-assign]  # the fake's input
+        core = EngineCore(config, loaded, role=DecodeSettings())
+        core.connector.layer_hook = model.capture  # type: ignore[method-assign]  # the fake's input
     return core, model
 
 
 # ----------------------------------------------------------------------------- the invariants
 def _queued(core: EngineCore) -> set[str]:
     """Requests waiting in a decode engine's admission queue (a prefill engine has none)."""
-    return set() if core.context_only else set(core.admission.queue.keys())
+    return set() if core.context_only else set(core.role.admission.queue.keys())
 
 
 def check_engine(core: EngineCore, model: ShadowModel, tracked: list[LlmRequest], pins: dict):
@@ -328,8 +330,8 @@ class PdMachine(RuleBasedStateMachine):
         self.bs = bs
         self.dec, self.dec_model = make_engine(bs, blocks, batch, budget, caching, False)
         self.pre, self.pre_model = make_engine(bs, blocks, batch, budget, caching, True)
-        self.dec.admission.configure(max_queued=4, max_admitted=3)
-        self.dec.admission.on_admission = self._on_grant
+        self.dec.role.admission.configure(max_queued=4, max_admitted=3)
+        self.dec.role.admission.on_admission = self._on_grant
 
     def _on_grant(self, rid: str, grant) -> None:
         """The decode node's admission callback: the request now holds pinned blocks."""
@@ -370,17 +372,17 @@ class PdMachine(RuleBasedStateMachine):
         rid = self._rid()
         if not self._fits(self.dec, prompt, max_tokens):
             with pytest.raises(RequestRejected):
-                self.dec.role.reserve_for_transfer(prompt, params, rid)
+                reserve_now(self.dec, prompt, params, rid)
             return
         free_before = self.dec.kv_manager.num_free_blocks
         try:
-            request, blocks, first = self.dec.role.reserve_for_transfer(prompt, params, rid)
+            request, blocks, first = reserve_now(self.dec, prompt, params, rid)
         except ResourcesExhausted:
             event("reserve: ResourcesExhausted")
             assert rid not in self.dec.requests and rid not in self.dec.kv_manager.block_tables
             assert self.dec.kv_manager.num_free_blocks == free_before
             return
-        assert request.state == S.DISAGG_GENERATION_INIT and request.seq_slot is None
+        assert request.state == S.DISAGG_GENERATION_TRANS_IN_PROGRESS and request.seq_slot is None
         event(f"reserve: prefix hit {bool(first)}")
         assert request.cached_tokens == first * self.bs
         assert self.dec.kv_manager.block_table(rid)[first:] == blocks
@@ -396,10 +398,10 @@ class PdMachine(RuleBasedStateMachine):
         rid = self._rid()
         if not self._fits(self.dec, prompt, max_tokens):
             with pytest.raises(RequestRejected):
-                self.dec.admission.enqueue(prompt, params, rid)
+                self.dec.role.admission.enqueue(prompt, params, rid)
             return
         try:
-            request = self.dec.admission.enqueue(prompt, params, rid)
+            request = self.dec.role.admission.enqueue(prompt, params, rid)
         except ResourcesExhausted:
             event("queue: full")
             assert rid not in self.dec.requests and rid not in self.dec.kv_manager.block_tables
@@ -428,12 +430,15 @@ class PdMachine(RuleBasedStateMachine):
             slot = blocks[p // self.bs - first] * self.bs + p % self.bs
             self.dec_model.shadow[slot] = tuple(r.prompt_token_ids[: p + 1])
 
-    @precondition(lambda self: self.dec and self._in(self.dec, S.DISAGG_GENERATION_INIT))
+    @precondition(
+        lambda self: self.dec and self._in(self.dec, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+    )
     @rule(data=st.data())
-    def start_transfer(self, data) -> None:
-        rid = data.draw(st.sampled_from(self._in(self.dec, S.DISAGG_GENERATION_INIT)))
-        self.dec.role.start_transfer(rid)
-        self._land(rid, 0.5)
+    def land_part(self, data) -> None:
+        """Half the prompt's K/V lands (the pushes of its first layers or chunks)."""
+        rid = data.draw(st.sampled_from(self._in(self.dec, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)))
+        if rid in self.dec_pins:  # reserved here by hand (the queue's grants are not tracked)
+            self._land(rid, 0.5)
 
     @precondition(
         lambda self: self.dec and self._in(self.dec, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
@@ -444,7 +449,7 @@ class PdMachine(RuleBasedStateMachine):
         self._land(rid, 1.0)
         request = self.dec.requests[rid]
         del self.dec_pins[rid]
-        delta = self.dec.role.complete_transfer(rid, first_token)
+        delta = self.dec.role.complete_transfer(rid, first_token)[0]
         assert request.output_token_ids == [first_token]
         event(f"complete_transfer: finished at once {delta.finish_reason is not None}")
         if delta.finish_reason is None:
@@ -532,13 +537,15 @@ class PdMachine(RuleBasedStateMachine):
         self._step(self.pre, self.pre_model, tokens)
 
     def _drain(self, core: EngineCore, model: ShadowModel, tokens: list[int]) -> None:
-        """Step until no work, or until a step schedules nothing (a stall), or a cap."""
+        """Step until no work, or until a step schedules nothing and preempts nothing (a
+        stall), or a cap. A step that only preempts makes progress: it frees blocks for the next
+        one, as the engine thread steps again while there is work."""
         for _ in range(1000):
             if not core.has_work:
                 return
-            steps = core.num_steps
+            steps, preemptions = core.num_steps, core.scheduler.num_preemptions
             self._step(core, model, tokens)
-            if core.num_steps == steps:
+            if core.num_steps == steps and core.scheduler.num_preemptions == preemptions:
                 return
 
     @precondition(lambda self: self.dec is not None)
@@ -551,8 +558,8 @@ class PdMachine(RuleBasedStateMachine):
             self.dec, S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_IN_PROGRESS
         )
         if not in_flight:  # nothing pinned by a transfer: the queue's head must have been let in
-            assert not len(self.dec.admission), (
-                f"admission queue stuck: {self.dec.admission.queue.keys()}, "
+            assert not len(self.dec.role.admission), (
+                f"admission queue stuck: {self.dec.role.admission.queue.keys()}, "
                 f"free blocks={self.dec.kv_manager.num_free_blocks}"
             )
         if not self.dec.has_work:
@@ -625,8 +632,8 @@ def test_waiting_head_does_not_deadlock_behind_transferred_requests() -> None:
     of them that does not fit must not keep them (and so itself) from ever running."""
     core, _ = make_engine(bs=4, blocks=4, batch=4, budget=64, caching=True, context_only=False)
     for rid, prompt in (("D1", [5, 6, 7, 8]), ("D2", [9, 10, 11, 12])):
-        core.role.reserve_for_transfer(prompt, SamplingParams(max_tokens=4, ignore_eos=True), rid)
-        core.role.start_transfer(rid)  # 2 of the 4 blocks reserved and pinned
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        reserve_now(core, prompt, params, rid)  # 2 of the 4 blocks reserved and pinned
     # 9 tokens = 3 blocks: valid for the pool, but only 2 are free now, so it waits
     core.add_request(list(range(20, 29)), SamplingParams(max_tokens=1, ignore_eos=True), "R")
     assert core.step() == []
@@ -640,11 +647,13 @@ def test_waiting_head_does_not_deadlock_behind_transferred_requests() -> None:
     )
 
 
-def test_complete_transfer_before_start_keeps_blocks_pinned() -> None:
-    """A misordered complete_transfer raises without dropping the pins of the transfer."""
-    core, _ = make_engine(bs=4, blocks=4, batch=4, budget=64, caching=True, context_only=False)
+def test_misordered_complete_transfer_keeps_blocks_pinned() -> None:
+    """A complete_transfer for a request whose transfer was never started (a local prefill)
+    raises without touching the pins of a transfer in flight."""
+    core, _ = make_engine(bs=4, blocks=8, batch=4, budget=64, caching=True, context_only=False)
     params = SamplingParams(max_tokens=4)
-    _, blocks, _ = core.role.reserve_for_transfer([5, 6, 7, 8, 9], params, "D")
+    _, blocks, _ = reserve_now(core, [5, 6, 7, 8, 9], params, "D")
+    core.add_request([20, 21, 22], params, "L")
     with pytest.raises(RuntimeError):  # IllegalStateTransition
-        core.role.complete_transfer("D", 65)
+        core.role.complete_transfer("L", 65)
     assert core.kv_manager.pinned.get("D") == blocks, "the failed call dropped the pins"

@@ -17,11 +17,13 @@ from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.resources.block_manager import BlockManager
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from shared.serving.wire import sampling_to_proto
 from tests.engine_helpers import hf_greedy, random_prompts
+from tests.pd_steps import reserve_now
 from tests.sampling_reference import pd_generate, same_logprobs
 from tests.support.cluster import pd_cluster
 
@@ -177,21 +179,19 @@ def test_fork_without_a_free_block_recomputes_and_matches(checkpoint: Callable[.
     the greedy completion."""
     path = checkpoint("llama")
     config = EngineConfig(model=str(path), num_kv_blocks=5, max_batch_size=2)
-    core = EngineCore(config, load_model(str(path)))
+    core = EngineCore(config, load_model(str(path)), role=DecodeSettings())
     prompt = random_prompts(1, 512, min_len=40, max_len=40, seed=23)[0]  # 2 full blocks + 8
     params = SamplingParams(max_tokens=6, n=2)
     want = hf_greedy(path, prompt, 6)
-    core.role.reserve_for_transfer(prompt, params, "P")
-    core.role.start_transfer("P")
-    core.role.reserve_for_transfer([5, 6, 7, 8, 9] * 6, SamplingParams(max_tokens=2), "Q")  # 2
-    core.role.start_transfer("Q")
+    reserve_now(core, prompt, params, "P")
+    reserve_now(core, [5, 6, 7, 8, 9] * 6, SamplingParams(max_tokens=2), "Q")  # 2
     assert core.kv_manager.num_free_blocks == 0
     # the KV "landed": write the prompt's K/V as the prefill node would have
     batch = ForwardBatch.build(
         [SeqEntry(prompt, 0, core.kv_manager.block_table("P"))], 16, core.device
     )
     core.model.forward(batch, core.kv_pool)
-    deltas = core.role.complete_transfer_all("P", want[0], choices=[(want[0], None)])
+    deltas = core.role.complete_transfer("P", want[0], choices=[(want[0], None)])
     assert [d.index for d in deltas] == [0, 1]
     assert core.kv_manager.block_table("P#1") == []  # nothing free for the copy
     core.role.fail_transfer("Q")

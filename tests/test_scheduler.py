@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shared.engine.connector.base import NoKvConnector
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.resources.resource_manager import (
     KVCacheManager,
@@ -25,7 +26,11 @@ class Harness:
             }
         )
         self.sched = Scheduler(
-            SchedulerConfig(batch, budget), self.kv, self.seats, self.rm.free_resources
+            SchedulerConfig(batch, budget),
+            self.kv,
+            self.seats,
+            self.rm.free_resources,
+            connector=NoKvConnector(),
         )
         self.finished: list[LlmRequest] = []
 

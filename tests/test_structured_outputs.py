@@ -230,9 +230,10 @@ def test_bad_input_is_400_naming_the_field() -> None:
 def test_first_token_the_grammar_rejects_is_refused() -> None:
     from decode_node.grammar_check import check_first_tokens
     from shared.engine.core import EngineCore
+    from shared.engine.roles.decode_role import DecodeSettings
     from shared.serving.grpc_server import GenerateError
 
-    core = EngineCore(ENGINE)
+    core = EngineCore(ENGINE, role=DecodeSettings())
     params = SamplingParams(structured=StructuredOutput("choice", '["yes"]'))
     check_first_tokens(core.info, params, (ord("y"), None, None, []))
     with pytest.raises(GenerateError, match="not allowed"):

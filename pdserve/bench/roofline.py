@@ -44,6 +44,7 @@ from pdserve.bench.support.util import environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
 from shared.engine.llm import LLM
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 
@@ -70,7 +71,7 @@ def _core(loaded: LoadedModel, dtype: str, batch: int, budget: int, blocks: int)
         device="cpu",
         dtype=dtype,
     )
-    return EngineCore(config, loaded)
+    return EngineCore(config, loaded, role=DecodeSettings())
 
 
 def _drain(core: EngineCore) -> None:

@@ -4,8 +4,10 @@
 in order, KV last), one batched forward over the paged pool, one batched sample, then output
 processing and release of finished requests in the seat-system order (sampler, KV, seat). What a
 sampled token means (the prompt's KV handed to a push, or the next token of a completion) and
-the commands beyond the common ones belong to the engine's role (shared/engine/roles/role.py). Nodes
-drive an engine only through commands (shared/engine/commands.py) on its thread.
+the commands beyond the common ones belong to the engine's role (shared/engine/roles/role.py),
+which its node gives it; where KV comes from or goes to beyond the pool belongs to the role's KV
+connector (shared/engine/connector/). The core names neither a role nor a connector. Nodes drive
+an engine only through commands (shared/engine/commands.py) on its thread.
 """
 
 from __future__ import annotations
@@ -35,15 +37,13 @@ from shared.engine.resources.resource_manager import (
     compute_max_num_sequences,
     validate_seq_slot_pool_covers_admission,
 )
-from shared.engine.roles.decode_role import DecodeRole, DecodeSettings
-from shared.engine.roles.role import EngineParts, Role, RoleSettings
+from shared.engine.roles.role import Emit, EngineParts, Role, RoleSettings
 from shared.engine.runtime import cpu_threads, kv_budget, malloc_policy
 from shared.engine.runtime.model_runner import ModelRunner
 from shared.engine.runtime.warmup import warm_up
 from shared.engine.sampling.sampler import SampleOutput, Sampler
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from shared.engine.scheduling.transfer_admission import TransferAdmission
 from shared.kv.layout import KvLayout, dtype_name
 from shared.model.device import resolve_device, resolve_dtype
 from shared.model.loader import LoadedModel, load_model
@@ -60,11 +60,11 @@ class EngineCore:
         config: EngineConfig,
         loaded: LoadedModel | None = None,
         *,
-        role: RoleSettings | None = None,
+        role: RoleSettings,
     ):
         config.validate()
         malloc_policy.apply()  # once per process: shared/engine/runtime/malloc_policy.py
-        settings: RoleSettings = role or DecodeSettings()
+        settings = role
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -77,22 +77,31 @@ class EngineCore:
         context = self.model_config.max_context_len
         self.pool_size = kv_budget.engine_pool(config, self.layout, self.device, context)
         num_blocks = self.pool_size.num_blocks
-        self.max_model_len = kv_budget.served_context(context, config.max_model_len, self.pool_size)
+        # a context-only engine's pool holds prompts only: it bounds the prompt (RequestLimits),
+        # not the context a decode node serves
+        bounded_by = None if settings.context_only else self.pool_size
+        self.max_model_len = kv_budget.served_context(context, config.max_model_len, bounded_by)
         log.info("%s; max_model_len %d", self.pool_size.describe(), self.max_model_len)
         self._build_managers(num_blocks)
         self.sampler = Sampler(
             self.max_num_sequences, self.device, self.loaded.eos_token_ids, self.tokenizer
         )
         self.runner = self._build_runner(num_blocks, settings.context_only)
-        decode_tokens = 0 if settings.context_only else 1
+        self.connector = settings.connector(self.kv_manager)
+        # a context-only request ends at its first token: no block for a token after it
+        lookahead = 0 if settings.context_only else 1
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_size, config.max_num_tokens, decode_tokens),
+            SchedulerConfig(config.max_batch_size, config.max_num_tokens, lookahead),
             self.kv_manager,
             self.seq_slot_manager,
             self.free_request_resources,
+            connector=self.connector,
+            hold=settings.hold(),
         )
         self.table = self._build_table(num_blocks, settings.context_only)
-        self.parts = EngineParts(config, self.table, self.kv_manager, self.scheduler, self.runner)
+        self.parts = EngineParts(
+            config, self.table, self.kv_manager, self.scheduler, self.runner, self.connector
+        )
         self.role: Role = settings.build(self.parts)
         self._handlers: dict[type, Callable[[Any], Any]] = {
             AddRequest: lambda c: self.add_request(c.prompt, c.params, c.request_id),
@@ -212,16 +221,12 @@ class EngineCore:
         return self.runner.decode_runner
 
     @property
-    def admission(self) -> TransferAdmission:
-        """A decode role's admission queue (shared/engine/scheduling/transfer_admission.py)."""
-        role = self.role
-        if not isinstance(role, DecodeRole):
-            raise TypeError("a prefill engine has no admission queue")
-        return role.admission
-
-    @property
     def kv_dtype_name(self) -> str:
         return dtype_name(self.dtype)
+
+    def bind_events(self, emit: Emit) -> None:
+        """Where the role's events (e.g. admission grants) go: the engine thread's poster."""
+        self.role.bind(emit)
 
     # ---- admission ------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -268,8 +273,10 @@ class EngineCore:
         if not scheduled:
             return [], None
         batch = [s.request for s in scheduled]
-        hook = self.role.layer_hook(scheduled)
+        self.connector.start_load_kv(scheduled)
+        hook = self.connector.layer_hook(scheduled)
         logits = self.runner.forward(scheduled, self.kv_manager.block_table, hook)
+        self.connector.wait_for_save()
         sample_rows = [i for i, s in enumerate(scheduled) if s.completes_context]
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -305,7 +312,7 @@ class EngineCore:
             r.choice_first_tokens = choices
             if r.first_token_time is None:
                 r.first_token_time = now
-            deltas.extend(self.role.accept_token(r, t, lp))
+            deltas.extend(self.role.accept_tokens(r, [t], [lp]))
         return deltas
 
     # ---- release --------------------------------------------------------------------------

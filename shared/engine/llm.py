@@ -8,6 +8,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestOutput
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason, LlmRequest
+from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 
@@ -17,7 +18,7 @@ class LLM:
     baseline for the disaggregated path."""
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
-        self.core = EngineCore(config or EngineConfig(), loaded)
+        self.core = EngineCore(config or EngineConfig(), loaded, role=DecodeSettings())
 
     @property
     def tokenizer(self):

@@ -2,8 +2,8 @@
 
 The engine thread owns every piece of engine state (scheduler, seats, blocks, requests). The
 event loop never touches it directly: it submits commands (`call`, shared/engine/commands.py),
-which the thread runs between steps, and receives token deltas (and, on a decode node, admission
-grants) through callbacks scheduled onto the loop. While there is no
+which the thread runs between steps, and receives token deltas and the role's events (on a
+decode node, admission grants) through callbacks scheduled onto the loop. While there is no
 work the thread sleeps on a condition variable, so an idle node burns no CPU; deadlines are
 enforced by timers on the event loop, never by the engine noticing new work.
 """
@@ -28,9 +28,7 @@ from shared.engine.core import EngineCore
 from shared.engine.info import EngineInfo
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import LlmRequestState
-from shared.engine.roles.decode_role import DecodeRole
 from shared.engine.runtime import openmp
-from shared.engine.scheduling.transfer_admission import TransferGrant
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,17 +69,13 @@ class EngineThread:
         loop: asyncio.AbstractEventLoop,
         on_deltas: Callable[[list[TokenDelta]], None],
         name: str = "engine",
-        on_admission: Callable[[str, TransferGrant | None], None] | None = None,
+        on_event: Callable[[object], None] | None = None,
     ):
         self.core = core
         self.info: EngineInfo = core.info
         self._loop = loop
-        if on_admission is not None:
-            if not isinstance(core.role, DecodeRole):
-                raise TypeError("admission grants come from a decode engine only")
-            core.role.set_admission_callback(
-                lambda rid, grant: loop.call_soon_threadsafe(on_admission, rid, grant)
-            )
+        if on_event is not None:
+            core.bind_events(lambda event: loop.call_soon_threadsafe(on_event, event))
         self._on_deltas = on_deltas
         self._commands: deque[tuple[Callable[[EngineCore], object], Future[object]]] = deque()
         self._cv = threading.Condition()

@@ -6,6 +6,7 @@ receives characters that a later stop match would have cut.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.requests.request import FinishReason, LlmRequest
@@ -64,24 +65,26 @@ class OutputProcessor:
         self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None = None
     ) -> TokenDelta:
         """Record `token` as the request's next output and decide whether it finishes."""
+        return self.process_tokens(request, [token], [logprobs])
+
+    def process_tokens(
+        self,
+        request: LlmRequest,
+        tokens: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None],
+    ) -> TokenDelta:
+        """Record a step's `tokens` (in order, one logprobs entry each) as the request's next
+        outputs, in one delta. The first token that finishes the request ends it: the tokens
+        after it are dropped, as one-token steps would never have produced them."""
         state = self._states[request.request_id]
-        request.output_token_ids.append(token)
-        state.pending_tokens.append(token)
-        state.text += state.detokenizer.push([token])
-        params = request.sampling_params
         reason: FinishReason | None = None
-        # min_tokens: no stop of any kind before then (the sampler already masks EOS/stop ids)
-        may_stop = len(request.output_token_ids) >= params.min_tokens
-        if may_stop and (
-            (state.stops and self._cut_at_stop(state))
-            or (token in self.eos_token_ids and not params.ignore_eos)
-            or token in params.stop_token_ids
-        ):
-            reason = FinishReason.STOP
-        elif not may_stop:
-            state.checked = len(state.text)  # a stop string seen before min_tokens does not count
-        if reason is None and len(request.output_token_ids) >= params.max_tokens:
-            reason = FinishReason.LENGTH
+        kept: list[TokenLogprobs] = []
+        for token, token_logprobs in zip(tokens, logprobs, strict=True):
+            reason = self._record(request, state, token)
+            if token_logprobs is not None:
+                kept.append(token_logprobs)
+            if reason is not None:
+                break
         if reason is not None and not (state.stops and reason == FinishReason.STOP):
             state.text += state.detokenizer.flush()
         if reason:
@@ -95,13 +98,34 @@ class OutputProcessor:
             reason,
             index=request.choice_index,
         )
-        if logprobs is not None:
-            delta.logprobs = [logprobs]
-        if len(request.output_token_ids) == 1:
+        if kept:
+            delta.logprobs = kept
+        if len(request.output_token_ids) == len(state.pending_tokens):  # its first output
             delta.prompt_logprobs = request.prompt_logprobs
         state.emitted = release_to
         state.pending_tokens = []
         return delta
+
+    def _record(self, request: LlmRequest, state: OutputState, token: int) -> FinishReason | None:
+        """Append one token to the request's output and text; why it finishes there, if it
+        does."""
+        request.output_token_ids.append(token)
+        state.pending_tokens.append(token)
+        state.text += state.detokenizer.push([token])
+        params = request.sampling_params
+        # min_tokens: no stop of any kind before then (the sampler already masks EOS/stop ids)
+        may_stop = len(request.output_token_ids) >= params.min_tokens
+        if may_stop and (
+            (state.stops and self._cut_at_stop(state))
+            or (token in self.eos_token_ids and not params.ignore_eos)
+            or token in params.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if not may_stop:
+            state.checked = len(state.text)  # a stop string seen before min_tokens does not count
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
 
     @staticmethod
     def _cut_at_stop(state: OutputState) -> bool:

@@ -119,6 +119,9 @@ class LlmRequest:
     # its blocks that some layers' KV never reached (window-aware transfer: shared/engine/
     # kv_window.py), set before the transfer; the prefix cache never publishes them
     partial_blocks: tuple[int, ...] = ()
+    # its prompt's KV is pushed by a prefill node (the decode side's KV connector reads this,
+    # as vLLM's P/D connectors read a request's transfer parameters)
+    remote_prefill: bool = False
     # (state entered, seat held at that moment): the debug trail tests read the lifecycle from
     history: list[tuple[LlmRequestState, int | None]] = field(default_factory=list)
 
@@ -159,6 +162,14 @@ class LlmRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens the next step carries for this request once it is generating: one, or the
+        several a multi-token step left uncomputed (accepted speculative tokens)."""
+        if self.state != LlmRequestState.GENERATION_IN_PROGRESS:
+            return 1
+        return max(1, self.num_tokens - self.num_computed_tokens)
 
     @property
     def prompt_len(self) -> int:

@@ -8,25 +8,21 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from shared.engine.commands import Drain, KvLanded, PlacePrompt, TransferFailed
-from shared.engine.errors import ResourcesExhausted
+from shared.engine.connector.kv_landing import KvLandingConnector
+from shared.engine.events import Admitted
 from shared.engine.requests.fork import fork_completions
 from shared.engine.requests.output import TokenDelta
-from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
-from shared.engine.resources.block_manager import NoFreeBlocksError
-from shared.engine.roles.role import EngineParts, Handlers
-from shared.engine.runtime.model_runner import LayerHook
+from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.resources.resource_manager import KVCacheManager
+from shared.engine.roles.role import Emit, EngineParts, Handlers
 from shared.engine.sampling.logprobs import TokenLogprobs
-from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.placement import Placement, PlacementPolicy
-from shared.engine.scheduling.scheduler import ScheduledRequest
+from shared.engine.scheduling.scheduler import Hold
 from shared.engine.scheduling.slo import SloPolicy
-from shared.engine.scheduling.transfer_admission import (
-    DEFAULT_MAX_QUEUED,
-    AdmissionCallback,
-    TransferAdmission,
-)
+from shared.engine.scheduling.transfer_admission import DEFAULT_MAX_QUEUED, TransferAdmission
 
 S = LlmRequestState
 
@@ -39,6 +35,15 @@ class DecodeSettings:
     slo: SloPolicy = field(default_factory=SloPolicy, compare=False)
     context_only: bool = field(default=False, init=False)
 
+    def connector(self, kv: KVCacheManager) -> KvLandingConnector:
+        return KvLandingConnector(kv)
+
+    def hold(self) -> Hold:
+        """Prompts prefilled here (colocated, local, fallback) join the batch under the same ITL
+        bound as admitted transfers."""
+        slo = self.slo
+        return lambda request, batch: slo.batch_too_slow(batch, request)
+
     def build(self, parts: EngineParts) -> DecodeRole:
         return DecodeRole(parts, self)
 
@@ -46,42 +51,36 @@ class DecodeSettings:
 class DecodeRole:
     context_only = False
 
-    def __init__(self, parts: EngineParts, settings: DecodeSettings | None = None):
-        settings = settings or DecodeSettings()
+    def __init__(self, parts: EngineParts, settings: DecodeSettings):
         self.parts = parts
+        # what `DecodeSettings.connector` built for this engine
+        self.landing = cast(KvLandingConnector, parts.connector)
         self.admission = TransferAdmission(parts, settings.max_queued, settings.max_inflight)
         self.admission.slo = settings.slo
         self.placement = Placement(parts, settings.placement, settings.slo, settings.max_inflight)
         parts.requests.on_end.append(self.admission.forget)
-        # prompts prefilled here (colocated, local, fallback) join the batch under the same ITL
-        # bound as admitted transfers
-        slo = settings.slo
-        parts.scheduler.hold = lambda request, batch: slo.batch_too_slow(batch, request)
 
     def handlers(self) -> Handlers:
         return {
             PlacePrompt: self.place,
-            KvLanded: lambda c: self.complete_transfer_all(
+            KvLanded: lambda c: self.complete_transfer(
                 c.request_id, c.first_token, c.first_logprobs, c.prompt_logprobs, c.choices
             ),
             TransferFailed: lambda c: self.fail_transfer(c.request_id),
             Drain: lambda c: self.admission.drain(),
         }
 
-    def set_admission_callback(self, callback: AdmissionCallback | None) -> None:
-        self.admission.on_admission = callback
+    def bind(self, emit: Emit) -> None:
+        self.admission.on_admission = lambda rid, grant: emit(Admitted(rid, grant))
 
     def after_step(self) -> None:
         """Admit what the freed blocks now allow from the queue."""
         self.admission.admit()
 
-    def layer_hook(self, scheduled: Sequence[ScheduledRequest]) -> LayerHook | None:
-        return None  # nothing leaves this node per layer
-
     # ---- placement ------------------------------------------------------------------------
     def place(self, c: PlacePrompt) -> LlmRequest | None:
-        """Local (the request) or queued for a transfer (None, its grant comes on the
-        admission callback)."""
+        """Local (the request) or queued for a transfer (None, its grant comes as an
+        `Admitted` event)."""
         if c.fallback:
             return self.placement.start_local(c.prompt, c.params, c.request_id, c.hashes)
         queued = len(self.admission)
@@ -91,59 +90,23 @@ class DecodeRole:
         return request
 
     # ---- tokens ---------------------------------------------------------------------------
-    def accept_token(
-        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None
+    def accept_tokens(
+        self,
+        request: LlmRequest,
+        tokens: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None],
     ) -> list[TokenDelta]:
         if request.state == S.CONTEXT_INIT:
             request.transition(S.GENERATION_IN_PROGRESS)
         # forks first: they share the prompt's blocks, which a finishing parent gives back
         forks = fork_completions(self.parts, request) if request.choice_first_tokens else []
-        delta = self.parts.requests.outputs.process(request, token, logprobs)
+        delta = self.parts.requests.outputs.process_tokens(request, tokens, logprobs)
         if delta.finish_reason is not None:
             self.parts.requests.finish(request, delta.finish_reason)
         return [delta, *forks]
 
     # ---- the transfer ---------------------------------------------------------------------
-    def reserve_for_transfer(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str = "",
-    ) -> tuple[LlmRequest, list[int], int]:
-        """Admit a request in DISAGG_GENERATION_INIT at once, bypassing the queue: blocks
-        reserved (minus this node's own prefix-cache hit) and pinned for the incoming transfer,
-        no seat. Returns the request, the blocks to fill and the prompt block index of the
-        first of them."""
-        table, kv = self.parts.requests, self.parts.kv_manager
-        request = table.new(prompt_token_ids, params, request_id, S.DISAGG_GENERATION_INIT)
-        try:
-            # the prefill node computes the prompt (and its logprobs): any hit here is usable
-            cached = kv.acquire_prefix(request, request.prompt_len - 1)
-            request.cached_tokens = cached
-            new_blocks = kv.reserve(request, request.prompt_len)
-        except NoFreeBlocksError:
-            table.finish(request, FinishReason.ABORTED, S.DISAGG_TRANS_ERROR)
-            raise ResourcesExhausted(
-                f"no KV blocks free for a {request.prompt_len}-token prompt; retry later"
-            ) from None
-        kv.pin_blocks(request.request_id, new_blocks)
-        return request, new_blocks, cached // kv.block_size
-
-    def start_transfer(self, request_id: str) -> None:
-        self.parts.requests.live(request_id).transition(S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
-
     def complete_transfer(
-        self,
-        request_id: str,
-        first_token: int,
-        first_logprobs: TokenLogprobs | None = None,
-        prompt_logprobs: list[TokenLogprobs | None] | None = None,
-    ) -> TokenDelta:
-        return self.complete_transfer_all(request_id, first_token, first_logprobs, prompt_logprobs)[
-            0
-        ]
-
-    def complete_transfer_all(
         self,
         request_id: str,
         first_token: int,
@@ -156,15 +119,13 @@ class DecodeRole:
         the prefill node computed for it and for the prompt. n > 1: `choices` are the other
         completions' first tokens; they are forked off the landed KV here (deltas after the
         request's own)."""
-        table, kv = self.parts.requests, self.parts.kv_manager
+        table = self.parts.requests
         request = table.live(request_id)
         if prompt_logprobs is not None:
             request.prompt_logprobs = prompt_logprobs
         # transition first: an illegal call must not drop the pins of a transfer in flight
         request.transition(S.DISAGG_GENERATION_TRANS_COMPLETE)
-        kv.unpin_request(request_id)
-        request.num_computed_tokens = request.prompt_len
-        kv.cache_computed_blocks(request)
+        self.landing.finish_load(request)
         request.first_token_time = time.monotonic()
         request.choice_first_tokens = list(choices)
         forks = fork_completions(self.parts, request) if choices else []

@@ -1,34 +1,20 @@
-"""The prefill side of P/D: a request ends after its first token, its blocks pinned until the
-push to the decode node completes; the node's layer hook sees every step's requests."""
+"""The prefill side of P/D: a request ends after its first token; its blocks stay held by the KV
+connector (shared/engine/connector/kv_push.py) until the push to the decode node completes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.commands import ContextPushed
+from shared.engine.connector.kv_push import KvPushConnector, LayerHookFactory
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
-from shared.engine.roles.role import EngineParts, Handlers
-from shared.engine.runtime.model_runner import LayerHook
+from shared.engine.resources.resource_manager import KVCacheManager
+from shared.engine.roles.role import Emit, EngineParts, Handlers
 from shared.engine.sampling.logprobs import TokenLogprobs
-from shared.engine.scheduling.scheduler import ScheduledRequest
 
 S = LlmRequestState
-
-
-@dataclass(frozen=True)
-class KvAccess:
-    """What a push needs from the KV manager on the engine thread: a request's blocks, and a
-    pin that keeps the blocks being sent from eviction and reuse."""
-
-    block_table: Callable[[str], list[int]]
-    pin_blocks: Callable[[str, Sequence[int]], None]
-
-
-# Called on the engine thread with a step's scheduled requests (before their counters advance);
-# returns the hook the model calls after each layer's K/V are written, or None.
-LayerHookFactory = Callable[[Sequence[ScheduledRequest], KvAccess], LayerHook | None]
 
 
 @dataclass
@@ -36,37 +22,46 @@ class PrefillSettings:
     layer_hooks: LayerHookFactory | None = field(default=None, compare=False)
     context_only: bool = field(default=True, init=False)
 
+    def connector(self, kv: KVCacheManager) -> KvPushConnector:
+        return KvPushConnector(kv, self.layer_hooks)
+
+    def hold(self) -> None:
+        return None  # no decode batch to protect
+
     def build(self, parts: EngineParts) -> PrefillRole:
-        return PrefillRole(parts, self.layer_hooks)
+        return PrefillRole(parts)
 
 
 class PrefillRole:
     context_only = True
 
-    def __init__(self, parts: EngineParts, layer_hooks: LayerHookFactory | None = None):
+    def __init__(self, parts: EngineParts):
         self.parts = parts
-        self.layer_hooks = layer_hooks
-        kv = parts.kv_manager
-        self._kv_access = KvAccess(kv.block_table, kv.pin_blocks)
 
     def handlers(self) -> Handlers:
         return {ContextPushed: lambda c: self.context_pushed(c.request_id, c.ok)}
 
+    def bind(self, emit: Emit) -> None:
+        pass  # a prefill node's answers are the deltas alone
+
     def after_step(self) -> None:
         pass
 
-    def layer_hook(self, scheduled: Sequence[ScheduledRequest]) -> LayerHook | None:
-        return None if self.layer_hooks is None else self.layer_hooks(scheduled, self._kv_access)
-
-    def accept_token(
-        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None
+    def accept_tokens(
+        self,
+        request: LlmRequest,
+        tokens: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None],
     ) -> list[TokenDelta]:
-        """Last chunk computed: the seat goes back now; the blocks stay pinned until the push
-        completes (`complete_context`), so nothing can evict or reuse them mid-send."""
-        kv = self.parts.kv_manager
+        """Last chunk computed: the first token is the request's whole output (later tokens of a
+        step are the decode node's to make); the seat goes back now and the blocks stay held by
+        the connector until the push completes, so nothing can evict or reuse them mid-send."""
+        token, first_logprobs = tokens[0], logprobs[0]
         request.output_token_ids.append(token)
         self.parts.scheduler.remove(request)
-        kv.pin_blocks(request.request_id, kv.block_table(request.request_id))
+        # the node releases the request (ContextPushed) once its push is over, whether or not
+        # the connector holds blocks for it meanwhile
+        self.parts.connector.request_finished(request)
         self.parts.requests.free_resources(request)
         request.transition(S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
         delta = TokenDelta(
@@ -74,13 +69,14 @@ class PrefillRole:
             [token],
             "",
             None,
-            logprobs=None if logprobs is None else [logprobs],
+            logprobs=None if first_logprobs is None else [first_logprobs],
             prompt_logprobs=request.prompt_logprobs,
         )
         return [delta]
 
     def complete_context(self, request_id: str, ok: bool) -> None:
-        """The push finished (ok) or failed: unpin; the blocks stay in the prefix cache."""
+        """The push finished (ok) or failed: the connector lets the blocks go; they stay in the
+        prefix cache."""
         table = self.parts.requests
         request = table.get(request_id)
         if request is None:
@@ -88,7 +84,7 @@ class PrefillRole:
         if request.state != S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             table.finish(request, FinishReason.ABORTED, S.DISAGG_TRANS_ERROR)
             return
-        self.parts.kv_manager.unpin_request(request_id)
+        self.parts.connector.release(request_id)
         request.transition(S.DISAGG_CONTEXT_COMPLETE if ok else S.DISAGG_TRANS_ERROR)
         table.retire(request)
 

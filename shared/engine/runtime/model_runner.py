@@ -19,8 +19,7 @@ from shared.model.cuda_graph_padding import DecodeRow
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel
-
-LayerHook = Callable[[int], None]  # called after each layer's K/V are written
+from shared.model.step_context import LayerHook
 
 
 class ModelRunner:

@@ -2,8 +2,10 @@
 
 Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
 the next chunk), then waiting requests (those holding blocks first, then FCFS) while a seat, batch
-room, token budget and blocks remain; a decode role's `hold` (its ITL bound) may keep new prompts
-out of a non-empty batch. Waiting requests are QUEUED ones (holding nothing: fresh, or
+room, token budget and blocks remain; a role's `hold` (a decode role's ITL bound) may keep new
+prompts out of a non-empty batch. A fresh request's prompt tokens that a KV connector supplies
+(shared/engine/connector/) are reserved with its prefix hit and loaded before the step's forward,
+never computed. Waiting requests are QUEUED ones (holding nothing: fresh, or
 preempted) and, on a decode node, requests whose KV arrived (holding their prompt's blocks).
 Reservation is incremental: a QUEUED request is admitted when the blocks for its context plus its
 first new token (`admit_lookahead`) are free, and grows block by block as it decodes. When running
@@ -21,8 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.engine.connector.scheduler_side import KvConnectorScheduler
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.resources.resource_manager import KVCacheManager, SeqSlotManager
+
+# whether a fresh prompt must wait (QUEUED, holding nothing) before joining this batch
+Hold = Callable[[LlmRequest, list[LlmRequest]], bool]
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,9 @@ class Scheduler:
         kv: KVCacheManager,
         seq_slots: SeqSlotManager,
         release: Callable[[LlmRequest], None],
+        *,
+        connector: KvConnectorScheduler,
+        hold: Hold | None = None,
     ):
         config.validate()
         self.config = config
@@ -77,10 +86,11 @@ class Scheduler:
         self._release = release  # the engine's free_request_resources (sampler, KV, seat)
         self.waiting: deque[LlmRequest] = deque()
         self.running: list[LlmRequest] = []
-        # whether a fresh prompt must wait (QUEUED, holding nothing) before joining this batch:
-        # the decode role's ITL bound (slo.py), None on a prefill node. Those behind it wait
-        # too (FCFS); an empty batch is never held, so the queue drains.
-        self.hold: Callable[[LlmRequest, list[LlmRequest]], bool] | None = None
+        self.connector = connector
+        # the role's rule (a decode role's ITL bound, slo.py; None on a prefill node). Those
+        # behind a held prompt wait too (FCFS); an empty batch is never held, so the queue
+        # drains.
+        self.hold = hold
         self.num_preemptions = 0  # since start: pdserve_preemptions_total
 
     def queued_block_need(self) -> int:
@@ -167,6 +177,7 @@ class Scheduler:
                 request.num_computed_tokens = cached
                 if request.num_preemptions == 0:
                     request.cached_tokens = cached
+                external = self.connector.external_tokens(request, cached)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             need = self.kv.blocks_to_allocate(request, num_new)
             # incremental reservation: a fresh request starts once its context and first new
@@ -180,6 +191,8 @@ class Scheduler:
                     request.num_computed_tokens = 0
                     fresh_blocked = True
                 continue
+            if fresh and external:
+                num_new = self._load_external(request, external, budget)
             self.waiting.remove(request)
             if request.state == LlmRequestState.QUEUED:
                 request.transition(LlmRequestState.CONTEXT_INIT)
@@ -188,6 +201,19 @@ class Scheduler:
             budget -= num_new
             reserved += need
             free_slots -= 1
+
+    def _load_external(self, request: LlmRequest, external: int, budget: int) -> int:
+        """Reserve the blocks for `external` prompt tokens past the prefix hit and hand them to
+        the connector, which loads them before this step's forward; they count as computed.
+        Returns the tokens left to compute this step (the prompt's last token at least: its
+        logits give the first output)."""
+        upto = min(request.num_computed_tokens + external, request.prompt_len - 1)
+        if upto <= request.num_computed_tokens:
+            return min(request.num_tokens - request.num_computed_tokens, budget)
+        blocks = self.kv.reserve(request, upto)
+        self.connector.after_allocate(request, blocks)
+        request.num_computed_tokens = upto
+        return min(request.num_tokens - upto, budget)
 
     def _held(self, request: LlmRequest) -> bool:
         """A new prompt (never run: a preempted one already had its turn) the hold keeps out of

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shared.cdiv import cdiv
+from shared.engine.connector.base import KvConnector
 from shared.engine.errors import ResourcesExhausted
 from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
 from shared.engine.resources.block_manager import BlockHash
@@ -98,6 +99,7 @@ class TransferAdmission:
         self.predict_ttft(request_id, len(prompt_token_ids), params, now)
         request = table.new(prompt_token_ids, params, request_id, S.QUEUED)
         request.prompt_block_hashes = list(prompt_hashes)  # the prefix match hashes nothing
+        request.remote_prefill = True  # a prefill node computes it: the connector loads it
         entry = QueueEntry(request_id, request, now, deadline)
         if not self.queue and self._admit_now(entry):
             return request  # it fits now: it never counts against the queue's bound
@@ -176,7 +178,7 @@ class TransferAdmission:
         if self.slo.batch_too_slow(self._past_queue(request), request):
             return False
         grant = reserve_transfer_blocks(
-            parts.kv_manager, request, parts.scheduler.queued_block_need()
+            parts.kv_manager, parts.connector, request, parts.scheduler.queued_block_need()
         )
         if grant is None:
             return False
@@ -193,12 +195,13 @@ class TransferAdmission:
 
 
 def reserve_transfer_blocks(
-    kv: KVCacheManager, request: LlmRequest, owed: int = 0
+    kv: KVCacheManager, connector: KvConnector, request: LlmRequest, owed: int = 0
 ) -> TransferGrant | None:
     """QUEUED -> DISAGG_GENERATION_INIT -> TRANS_IN_PROGRESS when the prompt's blocks (minus
     this node's prefix hit) and room for the first decoded token are free beside the `owed`
-    blocks the scheduler's own QUEUED requests wait for: the prompt's blocks are reserved and
-    pinned; otherwise nothing is taken and None is returned."""
+    blocks the scheduler's own QUEUED requests wait for: the blocks for what the connector
+    supplies are reserved and handed to it; otherwise nothing is taken and None is returned.
+    The one reservation path for a transfer."""
     cached = kv.acquire_prefix(request)
     held = len(kv.block_table(request.request_id))
     # the first decoded token's slot only where one comes (max_tokens 1 ends at the transfer)
@@ -208,7 +211,7 @@ def reserve_transfer_blocks(
         return None
     request.cached_tokens = cached
     request.transition(S.DISAGG_GENERATION_INIT)
-    new_blocks = kv.reserve(request, request.prompt_len)
-    kv.pin_blocks(request.request_id, new_blocks)
+    new_blocks = kv.reserve(request, cached + connector.external_tokens(request, cached))
+    connector.after_allocate(request, new_blocks)
     request.transition(S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
     return TransferGrant(request, new_blocks, cached // kv.block_size, 0.0)

@@ -11,13 +11,12 @@ releases the request on both nodes exactly as a gRPC cancel does.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.metadata
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from shared.model import native
 from shared.serving import tracing
+from shared.serving.http.disconnect import ClientGone, until_disconnect
 from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
 from shared.serving.http.refusals import outcomes_of
@@ -61,33 +61,6 @@ from shared.serving.http.tokenization_schemas import DetokenizeRequest
 from shared.serving.http.tool_parsers import ToolParser
 from shared.serving.http.tools import assistant_message, tool_parser
 from shared.serving.metrics import metrics_routes
-
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so releasing its requests) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watch):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
 
 
 def _version() -> str:

@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from shared.serving import tracing
 from shared.serving.grpc_server import GenerateError
+from shared.serving.http.disconnect import until_disconnect
 from shared.serving.http.errors import ApiError, from_generate_error
 from shared.serving.http.render import Renderer, Rendering
 from shared.serving.http.response_store import ResponseStore, StoredResponse, owner_of
@@ -52,8 +53,6 @@ class Turn:
 
 
 def install_responses(app: FastAPI, service: OpenAIService, store: ResponseStore) -> None:
-    from shared.serving.http.app import until_disconnect  # the app imports this module
-
     @app.post("/v1/responses")
     async def create(req: ResponsesRequest, request: Request) -> Response:
         owner = owner_of(request.headers.get("authorization"))
