@@ -16,6 +16,7 @@ from typing import Any
 
 from pdserve.lifeline import Lifeline
 from pdserve.restart_count import restart_env
+from pdserve.stderr_mux import StderrRelay
 from shared.engine.runtime.cpu_budget import SHARED_BY_ENV
 
 
@@ -39,16 +40,23 @@ class NodeProcess:
 
 
 def popen_node(
-    role: str, cmd: list[str], echo: bool = True, env: dict[str, str] | None = None, **kw: Any
+    role: str,
+    cmd: list[str],
+    echo: bool = True,
+    env: dict[str, str] | None = None,
+    stderr: int | None = None,
+    **kw: Any,
 ) -> NodeProcess:
     """Start a node process tied to this one by a lifeline (see pdserve/lifeline.py): it drains
     and exits on its own once this process dies, however that happens. Its own session keeps a
-    terminal's Ctrl-C away from it: `pdserve up` stops the nodes in order instead."""
+    terminal's Ctrl-C away from it: `pdserve up` stops the nodes in order instead. `stderr`: a
+    file descriptor for its stderr (None: this process's)."""
     lifeline = Lifeline()
     try:
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             text=True,
             env=lifeline.env(env),
             pass_fds=lifeline.pass_fds,
@@ -65,9 +73,13 @@ def popen_node(
 
 
 def spawn(
-    role: str, args: list[str], echo: bool = True, env: dict[str, str] | None = None
+    role: str,
+    args: list[str],
+    echo: bool = True,
+    env: dict[str, str] | None = None,
+    stderr: int | None = None,
 ) -> NodeProcess:
-    return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo, env)
+    return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo, env, stderr)
 
 
 # The ports a node announces once ready, by the flag that asks for them.
@@ -82,9 +94,11 @@ class NodeSpec:
     args: tuple[str, ...]
     env: Mapping[str, str]
     echo: bool = True
+    stderr: int | None = None  # its end of the cluster's stderr relay (None: this process's)
 
     def start(self, restarts: int = 0) -> NodeProcess:
-        return spawn(self.role, list(self.args), self.echo, restart_env(self.env, restarts))
+        env = restart_env(self.env, restarts)
+        return spawn(self.role, list(self.args), self.echo, env, self.stderr)
 
     def pinned(self, info: Mapping[str, object]) -> NodeSpec:
         """The same node on the ports it announced (where it asked for any, 0): its peers and
@@ -166,6 +180,7 @@ class Cluster:
         self.extra = extra
         self.nodes: list[NodeProcess] = []
         self.specs: list[NodeSpec] = []  # how nodes[i] was started, on the ports it got
+        self.relay: StderrRelay | None = None  # the nodes' stderr, one loading bar at a time
 
     def start(self, timeout: float = 120.0, echo: bool = True) -> list[str]:
         env = shared_host_env(self.num_prefill + self.num_decode)
@@ -173,20 +188,29 @@ class Cluster:
         # listener of its own) stay on loopback like the decode nodes' KV listeners, which bind
         # --ucx-host, 127.0.0.1 by default. An operator's UCX_NET_DEVICES wins.
         env.setdefault("UCX_NET_DEVICES", "lo")
+        # each node's stderr through one relay: two nodes loading at once draw one bar at a time
+        self.relay = StderrRelay(self.num_prefill + self.num_decode)
+        fds = iter(self.relay.fds)
         prefill_args = ("--model", self.model, "--port", "0", *self.extra, *self.prefill_extra)
-        spec = NodeSpec("prefill", prefill_args, env, echo)
-        prefills = self._start_nodes([spec] * self.num_prefill, timeout)
+        specs = [
+            NodeSpec("prefill", prefill_args, env, echo, next(fds)) for _ in range(self.num_prefill)
+        ]
+        prefills = self._start_nodes(specs, timeout)
         targets = ",".join(f"127.0.0.1:{p.info['port']}" for p in prefills)
-        specs = [self._decode_spec(i, targets, env, echo) for i in range(self.num_decode)]
+        specs = [
+            self._decode_spec(i, targets, env, echo, next(fds)) for i in range(self.num_decode)
+        ]
         decodes = self._start_nodes(specs, timeout)
         return [f"127.0.0.1:{d.info['port']}" for d in decodes]
 
-    def _decode_spec(self, i: int, targets: str, env: dict[str, str], echo: bool) -> NodeSpec:
+    def _decode_spec(
+        self, i: int, targets: str, env: dict[str, str], echo: bool, stderr: int
+    ) -> NodeSpec:
         port = self.port + i if self.port else 0
         http_port = self.http_port + i if self.http_port > 0 else self.http_port
         args = ("--model", self.model, "--port", str(port), "--prefill", targets)
         args += ("--http-port", str(http_port), *self.extra, *self.decode_extra)
-        return NodeSpec("decode", args, env, echo)
+        return NodeSpec("decode", args, env, echo, stderr)
 
     def _start_nodes(self, specs: list[NodeSpec], timeout: float) -> list[NodeProcess]:
         nodes = [spec.start() for spec in specs]
@@ -217,4 +241,7 @@ class Cluster:
         ]
 
     def stop(self) -> int:
-        return stop_all(self.nodes)
+        code = stop_all(self.nodes)
+        if self.relay is not None:
+            self.relay.close()  # once it has copied what the nodes wrote last
+        return code
