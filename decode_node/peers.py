@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -12,6 +13,8 @@ from grpc import aio
 from proto.pdserve.v1 import generation_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.serving.grpc_server import GRPC_SERVER_OPTIONS, describe_layout_info
 from shared.serving.replica_pool import Health, Replica, ReplicaPool, reconnect_options
+
+log = logging.getLogger(__name__)
 
 
 class LayoutMismatch(Exception):
@@ -47,6 +50,13 @@ class PrefillPeer(Replica):
         info = await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
         self.num_kv_blocks, self.max_context = info.num_kv_blocks, info.max_context
         self.layout = info.kv_layout  # last: a layout means the limits beside it are known
+        log.info(
+            "prefill node %s: max_model_len %d, KV pool %d blocks of %d tokens",
+            self.target,
+            info.max_context,
+            info.num_kv_blocks,
+            info.kv_layout.block_size,
+        )
 
     async def ensure_layout(self, mine: generation_pb2.KvLayoutInfo) -> None:
         if self.layout is None:

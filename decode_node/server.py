@@ -135,11 +135,20 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 self.config.tls,
             )
         log.info(
-            "decode node serving on %s:%d (KV listener %s)",
+            "decode node serving on %s:%d (KV listener %s); max_model_len %d (%s)",
             self.config.host,
             self.port,
             self.receiver.address,
+            self.info.max_model_len,
+            self._context_source(),
         )
+
+    def _context_source(self) -> str:
+        """What limits the context served: a prefill node's pool, or this node's own."""
+        limit = self._prefill_limit()
+        if limit is not None and limit.context < self.engine_info.max_model_len:
+            return f"prefill node {limit.target}: {limit.pool_blocks} KV blocks"
+        return "this node's KV pool and the model's context"
 
     async def stop(self, grace: float = 5.0) -> bool:
         """Stop admitting, let in-flight work finish within `grace`, abort the rest, release
