@@ -79,28 +79,12 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     app.add_middleware(ShutdownAnswer)  # outermost: a request the drain cuts off gets a 503
     health = metrics_routes(registry, lambda: backend.health[0], lambda: backend.health[1])
     app.router.routes.extend(health)
-    version = _version()
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the connection is gone
 
-    @app.get("/version")
-    async def get_version() -> dict[str, object]:
-        # each C kernel: on (variant, path) or off and why (shared/model/native.py)
-        kernels = {name: state.as_dict() for name, state in native.states().items()}
-        info = backend.info  # the pool, what sized it, and the context it serves
-        pool = {**info.pool_size.as_dict(), "max_model_len": info.max_model_len}
-        return {"version": version, "kernels": kernels, "kv_pool": pool}
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, object]:
-        return service.models().model_dump()
-
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> dict[str, object]:
-        service.check_model(model)  # names may hold slashes (org/name): a path parameter
-        return service.model_card().model_dump()
+    _install_info_routes(app, service, backend)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -120,6 +104,35 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     store = ResponseStore(config.responses_store_bytes, config.responses_store_entries)
     install_responses(app, service, store)
 
+    _install_tokenizer_routes(app, service)
+    return app
+
+
+def _install_info_routes(app: FastAPI, service: OpenAIService, backend: Backend) -> None:
+    """/version and the model cards."""
+    version = _version()
+
+    @app.get("/version")
+    async def get_version() -> dict[str, object]:
+        # each C kernel: on (variant, path) or off and why (shared/model/native.py)
+        kernels = {name: state.as_dict() for name, state in native.states().items()}
+        info = backend.info  # the pool, what sized it, and the context it serves
+        pool = {**info.pool_size.as_dict(), "max_model_len": info.max_model_len}
+        return {"version": version, "kernels": kernels, "kv_pool": pool}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, object]:
+        return service.models().model_dump()
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, object]:
+        service.check_model(model)  # names may hold slashes (org/name): a path parameter
+        return service.model_card().model_dump()
+
+
+def _install_tokenizer_routes(app: FastAPI, service: OpenAIService) -> None:
+    """vLLM's tokenizer routes."""
+
     @app.post("/tokenize")
     async def tokenize_text(body: dict[str, Any]) -> dict[str, object]:
         return tokenize(service, parse_tokenize(body)).model_dump()
@@ -131,8 +144,6 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict[str, object]:
         return tokenizer_info(service).model_dump()
-
-    return app
 
 
 async def _answer(
