@@ -88,6 +88,7 @@ class EngineCore:
         )
         self.runner = self._build_runner(num_blocks, settings.context_only)
         self.connector = settings.connector(self.kv_manager)
+        self.connector.register_kv_pool(self.runner.kv_pool)
         # a context-only request ends at its first token: no block for a token after it
         lookahead = 0 if settings.context_only else 1
         self.scheduler = Scheduler(

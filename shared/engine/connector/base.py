@@ -21,11 +21,14 @@ node hands them what moves bytes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shared.engine.connector.scheduler_side import KvConnectorScheduler
 from shared.engine.requests.request import LlmRequest
 from shared.engine.scheduling.scheduler import ScheduledRequest
+
+if TYPE_CHECKING:  # the pool is only handed through here
+    import torch
 
 # the model's per-layer hook (shared/model/step_context.py), spelled here so that the interface
 # imports no torch
@@ -33,6 +36,10 @@ LayerHook = Callable[[int], None]
 
 
 class KvConnector(KvConnectorScheduler, Protocol):
+    def register_kv_pool(self, pool: torch.Tensor) -> None:
+        """The engine's paged pool, once allocated: where loads land and saves read from."""
+        ...
+
     # ---- model side -----------------------------------------------------------------------
     def start_load_kv(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """Before the step's forward: what it reads from outside is in the pool on return."""
@@ -50,7 +57,10 @@ class KvConnector(KvConnectorScheduler, Protocol):
 
 
 class NoKvConnector:
-    """Nothing comes from or goes anywhere but this pool (a colocated node, `LLM`)."""
+    """Nothing comes from or goes anywhere but this pool."""
+
+    def register_kv_pool(self, pool: torch.Tensor) -> None:
+        pass
 
     def external_tokens(self, request: LlmRequest, local_tokens: int) -> int:
         return 0

@@ -10,11 +10,15 @@ every other request is computed here (`external_tokens` 0).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shared.engine.requests.request import LlmRequest
 from shared.engine.resources.resource_manager import KVCacheManager
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.model.step_context import LayerHook
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KvLandingConnector:
@@ -46,6 +50,9 @@ class KvLandingConnector:
         pass
 
     # ---- model side: the pushes land outside steps ----------------------------------------
+    def register_kv_pool(self, pool: torch.Tensor) -> None:
+        pass  # the node's receiver writes the pool through the memory EngineInfo hands it
+
     def start_load_kv(self, scheduled: Sequence[ScheduledRequest]) -> None:
         pass
 

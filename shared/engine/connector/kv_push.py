@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.engine.requests.request import LlmRequest
 from shared.engine.resources.resource_manager import KVCacheManager
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.model.step_context import LayerHook
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class KvPushConnector:
         self._kv.unpin_request(request_id)
 
     # ---- model side -----------------------------------------------------------------------
+    def register_kv_pool(self, pool: torch.Tensor) -> None:
+        pass  # the node's push hook reads the pool through the memory EngineInfo hands it
+
     def start_load_kv(self, scheduled: Sequence[ScheduledRequest]) -> None:
         pass
 
