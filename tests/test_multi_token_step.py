@@ -1,6 +1,6 @@
 """A step may carry several tokens for a request (the seat speculative decoding needs): a role
 accepts them in order in one call, and the engine's outputs, stop handling, logprobs and KV
-accounting come out as if they had come one step each."""
+accounting come out as if they had come one step each; the ITL bound counts a step's tokens."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
-from shared.engine.requests.request import FinishReason, LlmRequest
+from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
 from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.scheduling.slo import Ewma, SloPolicy
 
 PROMPT = list(range(40, 61))  # 21 tokens: two full 8-token blocks and a partial one
 
@@ -132,3 +133,23 @@ def test_logprobs_come_one_per_accepted_token() -> None:
     assert deltas[0].logprobs == entries[:2]
     assert deltas[0].finish_reason == FinishReason.LENGTH
     core.check_conservation()
+
+
+def test_the_itl_bound_counts_the_tokens_a_step_carries() -> None:
+    """Measured: a step of 2 decode tokens takes 10 ms, one of 4 takes 80 ms (ITL target 50).
+    A request whose next step carries 3 tokens makes the batch a 4-token step with one more
+    request: too slow; the same request carrying one token makes a 2-token step: fine."""
+    slo = SloPolicy(itl_slo_ms=50)
+    for tokens, seconds in ((2, 0.01), (4, 0.08)):
+        slo.steps.by_batch[tokens] = Ewma()
+        slo.steps.by_batch[tokens].update(seconds)
+    running = LlmRequest("a", PROMPT, SamplingParams(max_tokens=20))
+    running.state = LlmRequestState.GENERATION_IN_PROGRESS
+    running.output_token_ids = [70]
+    running.num_computed_tokens = running.num_tokens - 1
+    candidate = LlmRequest("b", PROMPT, SamplingParams(max_tokens=20))
+    assert running.step_tokens == 1
+    assert not slo.batch_too_slow([running], candidate)
+    running.output_token_ids += [71, 72]  # a multi-token step left three tokens to compute
+    assert running.step_tokens == 3
+    assert slo.batch_too_slow([running], candidate)

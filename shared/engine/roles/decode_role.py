@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 from shared.engine.commands import Drain, KvLanded, PlacePrompt, TransferFailed
 from shared.engine.connector.kv_landing import KvLandingConnector
@@ -53,8 +52,6 @@ class DecodeRole:
 
     def __init__(self, parts: EngineParts, settings: DecodeSettings):
         self.parts = parts
-        # what `DecodeSettings.connector` built for this engine
-        self.landing = cast(KvLandingConnector, parts.connector)
         self.admission = TransferAdmission(parts, settings.max_queued, settings.max_inflight)
         self.admission.slo = settings.slo
         self.placement = Placement(parts, settings.placement, settings.slo, settings.max_inflight)
@@ -125,7 +122,7 @@ class DecodeRole:
             request.prompt_logprobs = prompt_logprobs
         # transition first: an illegal call must not drop the pins of a transfer in flight
         request.transition(S.DISAGG_GENERATION_TRANS_COMPLETE)
-        self.landing.finish_load(request)
+        self.parts.connector.finish_load(request)
         request.first_token_time = time.monotonic()
         request.choice_first_tokens = list(choices)
         forks = fork_completions(self.parts, request) if choices else []

@@ -116,15 +116,16 @@ class Placement:
         return len(prompt) - len(kv.blocks.match_prefix(usable)) * kv.block_size
 
     def pending_step_tokens(self) -> int:
-        """Tokens the scheduler already owes the next step: one per decode, and every
-        uncomputed context token of requests still prefilling or waiting to."""
+        """Tokens the scheduler already owes the next step: each decode's (one, or the several a
+        multi-token step left), and every uncomputed context token of requests still
+        prefilling or waiting to."""
         scheduler = self.parts.scheduler
         total = 0
         for request in (*scheduler.running, *scheduler.waiting):
             if request.state in (S.QUEUED, S.CONTEXT_INIT):
                 total += request.num_tokens - request.num_computed_tokens
             else:
-                total += 1
+                total += request.step_tokens
         return total
 
     def _has_room(self, uncached: int, queued_for_transfer: int) -> bool:

@@ -125,7 +125,8 @@ class PrefillRate:
 
 
 class StepTimes:
-    """Engine step seconds by decode batch size, measured between consecutive steps."""
+    """Engine step seconds by the decode tokens a step carries (one per request, several for a
+    request whose step carries more), measured between consecutive steps."""
 
     def __init__(self) -> None:
         self.by_batch: dict[int, Ewma] = {}
@@ -220,8 +221,13 @@ class SloPolicy:
         tightest = min((t for t in targets if t is not None), default=None)
         if tightest is None:
             return False
-        step = self.steps.estimate(len(batch) + 1)
+        step = self.steps.estimate(step_tokens(batch) + candidate.step_tokens)
         return step is not None and step > tightest
+
+
+def step_tokens(requests: Iterable[LlmRequest]) -> int:
+    """Decode tokens a step carries for these requests (`LlmRequest.step_tokens` each)."""
+    return sum(r.step_tokens for r in requests)
 
 
 def tokens_still_to_prefill(requests: Iterable[LlmRequest]) -> int:

@@ -29,7 +29,7 @@ from shared.engine.resources.resource_manager import KVCacheManager
 from shared.engine.roles.role import EngineParts
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.admission_queue import AdmissionQueue, QueueEntry, QueueFull
-from shared.engine.scheduling.slo import SloPolicy, tokens_still_to_prefill
+from shared.engine.scheduling.slo import SloPolicy, step_tokens, tokens_still_to_prefill
 
 S = LlmRequestState
 DEFAULT_MAX_QUEUED = 1024
@@ -147,7 +147,7 @@ class TransferAdmission:
     def admit(self) -> None:
         now = time.monotonic()
         parts = self.parts
-        self.slo.steps.tick(parts.num_steps, len(parts.scheduler.running), now)
+        self.slo.steps.tick(parts.num_steps, step_tokens(parts.scheduler.running), now)
         if not self.queue:
             return
         for entry in self.queue.pop_expired(now):
