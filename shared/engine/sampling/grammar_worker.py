@@ -4,7 +4,7 @@ xgrammar's compile cannot be interrupted, and a thread cannot be stopped: a sche
 for minutes would keep a core and its memory after its request got its 400. So compiles run in
 a few worker processes, forked from a process that imported xgrammar once (grammar_zygote.py;
 a fresh interpreter spends seconds importing torch and transformers for xgrammar). A worker
-runs at a lower priority (nice 10) than the node's engine and event loop, keeps each
+runs at the lowest priority (nice 19), below the node's engine and event loop, keeps each
 tokenizer's vocabulary once, compiles one grammar at a time, and is killed when that grammar's
 deadline passes or its memory grows past its limit; whatever it allocated returns with it. A
 worker whose heap grew past RECYCLE_BYTES over its start exits after its answer (freed memory
@@ -42,7 +42,7 @@ from shared.engine.sampling.structured_output import StructuredOutput
 
 SHIP_BYTES = 8 * 1024 * 1024  # larger compiled grammars are compiled again by the node
 RECYCLE_BYTES = 64 * 1024 * 1024  # a worker whose heap grew more exits after its answer
-WORKER_NICE = 10
+WORKER_NICE = 19  # the lowest priority: the engine's steps come first
 ZYGOTE = Zygote(f"{__name__}:worker_main")  # one per node: every pool forks from it
 POLL_S = 0.02  # how often the node looks at a running compile (its result, deadline, memory)
 

@@ -105,6 +105,7 @@ class Zygote:
 def main(fd: int, entry: str) -> None:
     """Serve forks on control socket `fd`; a worker runs `entry` ("module:function", given a
     Connection), named rather than imported here: the workers' module imports this one."""
+    os.nice(19)  # its import (seconds of CPU) and its forks yield to the node's engine
     import xgrammar  # noqa: F401  (the point: imported once, shared by every fork)
 
     module, _, function = entry.partition(":")
