@@ -19,28 +19,7 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             default="tiny",
             help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
         ),
-        add("--block-size", type=int, default=16),
-        add(
-            "--num-kv-blocks",
-            type=int,
-            default=0,
-            help="the KV pool's size in blocks, exactly; 0: from --kv-cache-mb",
-        ),
-        add(
-            "--kv-cache-mb",
-            type=int,
-            default=0,
-            help="the KV pool's size in MiB, exactly; 0: from --kv-cache-memory-fraction",
-        ),
-        add(
-            "--kv-cache-memory-fraction",
-            type=float,
-            default=0.0,
-            help="share of the memory free once the weights are loaded that the KV pool takes "
-            "(CPU: the cgroup's headroom or MemAvailable, whichever is less; CUDA: the device's "
-            "free memory); 0: 0.1 on CPU, where a local cluster's nodes share the machine, 0.9 "
-            "on CUDA",
-        ),
+        *_pool_args(g),
         add("--max-batch-size", type=int, default=32),
         add(
             "--max-num-tokens",
@@ -73,6 +52,35 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         log_level_arg(g),
         tracing.endpoint_arg(g),
+    ]
+
+
+def _pool_args(g: argparse._ArgumentGroup) -> list[argparse.Action]:
+    """How the KV pool is sized: exactly (blocks, MiB) or as a share of free memory."""
+    add = g.add_argument
+    return [
+        add("--block-size", type=int, default=16),
+        add(
+            "--num-kv-blocks",
+            type=int,
+            default=0,
+            help="the KV pool's size in blocks, exactly; 0: from --kv-cache-mb",
+        ),
+        add(
+            "--kv-cache-mb",
+            type=int,
+            default=0,
+            help="the KV pool's size in MiB, exactly; 0: from --kv-cache-memory-fraction",
+        ),
+        add(
+            "--kv-cache-memory-fraction",
+            type=float,
+            default=0.0,
+            help="share of the memory free once the weights are loaded that the KV pool takes "
+            "(CPU: the cgroup's headroom or MemAvailable, whichever is less; CUDA: the device's "
+            "free memory); 0: 0.1 on CPU, where a local cluster's nodes share the machine, 0.9 "
+            "on CUDA",
+        ),
     ]
 
 
