@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from shared.cdiv import cdiv
 
 BlockHash = bytes
+# cached blocks an allocation just evicted, with their hashes: their bytes are still intact
+EvictHook = Callable[[list[tuple[int, BlockHash]]], None]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -67,6 +69,9 @@ class BlockManager:
         self._block_of: dict[BlockHash, int] = {}
         # blocks lacking some layers' rows (window-aware transfer): never published, until freed
         self._partial: set[int] = set()
+        # told of every eviction before the allocation returns (a KV offload tier copies the
+        # blocks down before their new owner writes them)
+        self.on_evict: EvictHook | None = None
 
     # ---- counts ---------------------------------------------------------------------------
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -100,14 +105,18 @@ class BlockManager:
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(f"need {n} KV blocks, {self.num_free_blocks} free")
         out = []
+        evicted: list[tuple[int, BlockHash]] = []
         for _ in range(n):
             if self._free:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)  # least recently used
+                evicted.append((block, self._hash_of[block]))
                 self._uncache(block)
             self._ref[block] = 1
             out.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:

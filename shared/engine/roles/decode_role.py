@@ -10,7 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.commands import Drain, KvLanded, PlacePrompt, TransferFailed
+from shared.engine.connector.base import KvConnector
 from shared.engine.connector.kv_landing import KvLandingConnector
+from shared.engine.connector.multi import MultiConnector
+from shared.engine.connector.offload import OffloadConnector
+from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.events import Admitted
 from shared.engine.requests.fork import fork_completions
 from shared.engine.requests.output import TokenDelta
@@ -32,10 +36,16 @@ class DecodeSettings:
     max_queued: int = DEFAULT_MAX_QUEUED
     max_inflight: int | None = None  # requests past the admission queue at once
     slo: SloPolicy = field(default_factory=SloPolicy, compare=False)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # KV tiers below the pool
     context_only: bool = field(default=False, init=False)
 
-    def connector(self, kv: KVCacheManager) -> KvLandingConnector:
-        return KvLandingConnector(kv)
+    def connector(self, kv: KVCacheManager) -> KvConnector:
+        """Pushes land first (a remote prompt is the prefill node's); the tiers supply the
+        prompts prefilled here."""
+        landing = KvLandingConnector(kv)
+        if not self.offload.enabled:
+            return landing
+        return MultiConnector([landing, OffloadConnector(kv, self.offload)])
 
     def hold(self) -> Hold:
         """Prompts prefilled here (colocated, local, fallback) join the batch under the same ITL

@@ -7,7 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.commands import ContextPushed
+from shared.engine.connector.base import KvConnector
 from shared.engine.connector.kv_push import KvPushConnector, LayerHookFactory
+from shared.engine.connector.multi import MultiConnector
+from shared.engine.connector.offload import OffloadConnector
+from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
 from shared.engine.resources.resource_manager import KVCacheManager
@@ -20,10 +24,15 @@ S = LlmRequestState
 @dataclass
 class PrefillSettings:
     layer_hooks: LayerHookFactory | None = field(default=None, compare=False)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # KV tiers below the pool
     context_only: bool = field(default=True, init=False)
 
-    def connector(self, kv: KVCacheManager) -> KvPushConnector:
-        return KvPushConnector(kv, self.layer_hooks)
+    def connector(self, kv: KVCacheManager) -> KvConnector:
+        """The push, and the tiers: a prompt whose prefix the pool evicted loads it back."""
+        push = KvPushConnector(kv, self.layer_hooks)
+        if not self.offload.enabled:
+            return push
+        return MultiConnector([push, OffloadConnector(kv, self.offload)])
 
     def hold(self) -> None:
         return None  # no decode batch to protect

@@ -1,0 +1,205 @@
+"""KV offload behind the connector: full blocks the prefix cache evicts go down to host memory
+(and from there to local disk), and a prompt's blocks found there past the pool's own prefix hit
+are loaded back into the pool instead of recomputed.
+
+Copy-down happens when the block manager evicts a cached block (`BlockManager.on_evict`): that
+is the last moment its bytes are known good, since whoever allocated it (this step's forward, a
+landing push, a fork's copy) writes it next. Load-back happens in `start_load_kv`, before the
+step's forward reads the blocks. Keys are the prefix hashes extended with the model, the pool
+block's shape and dtype and the block size (`tier_key`), so no block is reused across
+incompatible configurations.
+
+Scheduler side: `external_tokens` counts the prompt's consecutive blocks past the local hit
+that a tier holds (a disk block is read and verified then, and staged in host memory) and pins
+their host slots; `after_allocate` ties them to the blocks the scheduler reserved. Only one
+claim is open at a time: the scheduler (and the admission queue) call `after_allocate` right
+after the `external_tokens` that made it, so a claim still open at the next call is stale (its
+request was not admitted) and is let go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.connector.disk_tier import DiskTier
+from shared.engine.connector.host_tier import HostTier, Key
+from shared.engine.connector.offload_config import OffloadConfig
+from shared.engine.requests.request import LlmRequest
+from shared.engine.resources.block_manager import BlockHash
+from shared.engine.resources.resource_manager import KVCacheManager
+from shared.engine.scheduling.scheduler import ScheduledRequest
+from shared.model.step_context import LayerHook
+
+BLOCK_DIM = 2  # the pool is [layer, plane, block, ...]
+
+
+@dataclass
+class OffloadStats:
+    host_hit_blocks: int = 0
+    disk_hit_blocks: int = 0
+    miss_blocks: int = 0  # prompt blocks past the pool's hit found in no tier (per lookup)
+    offloaded_blocks: int = 0  # evicted blocks copied down to host memory
+    offload_seconds: float = 0.0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+
+
+@dataclass
+class _Claim:
+    request_id: str
+    slots: list[int]
+
+
+def tier_key(fingerprint: bytes, block_hash: BlockHash) -> Key:
+    return hashlib.sha256(fingerprint + block_hash).digest()
+
+
+class OffloadConnector:
+    def __init__(self, kv: KVCacheManager, config: OffloadConfig):
+        config.validate()
+        self._kv = kv
+        self._config = config
+        self._bs = kv.block_size
+        self.stats = OffloadStats()
+        self.host: HostTier | None = None
+        self.disk: DiskTier | None = None
+        self._pool: torch.Tensor | None = None
+        self._fingerprint = b""
+        self._claim: _Claim | None = None
+        self._pending: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (blocks, slots)
+        kv.blocks.on_evict = self._on_evict
+
+    # ---- model side: the pool and its tiers -----------------------------------------------
+    def register_kv_pool(self, pool: torch.Tensor) -> None:
+        block = pool.select(BLOCK_DIM, 0)
+        shape = "x".join(map(str, block.shape))
+        ident = f"{self._config.model_id}|{pool.dtype}|{shape}|bs={self._bs}"
+        self._fingerprint = hashlib.sha256(ident.encode()).digest()
+        self._pool = pool
+        self.host = HostTier(self._config.cpu_bytes, block, self._to_disk)
+        if self._config.disk_dir:
+            block_bytes = block.numel() * block.element_size()
+            self.disk = DiskTier(self._config.disk_dir, self._config.disk_bytes, block_bytes)
+
+    def _to_disk(self, key: Key, block: torch.Tensor) -> None:
+        if self.disk is not None and key not in self.disk:
+            self.disk.write(key, block.view(torch.uint8).numpy().tobytes())
+
+    def _on_evict(self, evicted: Sequence[tuple[int, BlockHash]]) -> None:
+        """Pool blocks leaving the prefix cache, not yet overwritten: copy them down."""
+        if self.host is None or self._pool is None:
+            return
+        start = time.perf_counter()
+        for block, block_hash in evicted:
+            key = tier_key(self._fingerprint, block_hash)
+            if key not in self.host:
+                self.stats.offloaded_blocks += 1
+            self.host.put([key], self._pool.select(BLOCK_DIM, block).unsqueeze(0))
+        self.stats.offload_seconds += time.perf_counter() - start
+
+    # ---- scheduler side -------------------------------------------------------------------
+    def external_tokens(self, request: LlmRequest, local_tokens: int) -> int:
+        self._drop_claim()
+        if self.host is None or request.needs_prompt_logits:
+            return 0
+        hashes = request.prompt_block_hashes
+        first = local_tokens // self._bs
+        slots: list[int] = []
+        for block_hash in hashes[first:]:
+            slot = self._find(tier_key(self._fingerprint, block_hash))
+            if slot is None:
+                break
+            self.host.pin([slot])  # nothing evicted meanwhile may take it
+            slots.append(slot)
+        self.stats.miss_blocks += len(hashes) - first - len(slots)
+        if slots:
+            self._claim = _Claim(request.request_id, slots)
+        return len(slots) * self._bs
+
+    def _find(self, key: Key) -> int | None:
+        """The host slot holding `key`, read up from disk if only there."""
+        assert self.host is not None
+        if key in self.host:
+            self.host.touch([key])
+            self.stats.host_hit_blocks += 1
+            return self.host.slot_of(key)
+        if self.disk is None or key not in self.disk:
+            return None
+        data = self.disk.read(key)
+        if data is None:
+            return None
+        block = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        shaped = block.view(self.host.slots.dtype).view(self.host.slots.shape[1:])
+        self.host.put([key], shaped.unsqueeze(0))
+        if key not in self.host:  # every slot pinned: nowhere to stage it
+            return None
+        self.stats.disk_hit_blocks += 1
+        return self.host.slot_of(key)
+
+    def _drop_claim(self) -> None:
+        if self._claim is not None and self.host is not None:
+            self.host.unpin(self._claim.slots)
+        self._claim = None
+
+    def after_allocate(self, request: LlmRequest, blocks: Sequence[int]) -> None:
+        claim = self._claim
+        if claim is None or claim.request_id != request.request_id:
+            raise RuntimeError(f"no tier blocks were claimed for {request.request_id}")
+        self._claim = None
+        assert self.host is not None
+        used, unused = claim.slots[: len(blocks)], claim.slots[len(blocks) :]
+        self.host.unpin(unused)
+        self._pending[request.request_id] = (list(blocks), used)
+        if request.num_preemptions == 0:  # usage's cached_tokens: reused from a tier too
+            hit = len(self._kv.block_table(request.request_id)) - len(blocks)
+            loaded = min(len(blocks) * self._bs, request.prompt_len - 1 - hit * self._bs)
+            request.cached_tokens += max(loaded, 0)
+
+    def finish_load(self, request: LlmRequest) -> None:
+        raise RuntimeError("tier blocks are loaded in start_load_kv, within the step")
+
+    def request_finished(self, request: LlmRequest) -> bool:
+        return False
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    # ---- model side: load back before the forward -----------------------------------------
+    def start_load_kv(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        self._drop_claim()
+        if not self._pending:
+            return
+        assert self.host is not None and self._pool is not None
+        start = time.perf_counter()
+        for s in scheduled:
+            entry = self._pending.pop(s.request.request_id, None)
+            if entry is None:
+                continue
+            blocks, slots = entry
+            index = torch.tensor(blocks, device=self._pool.device)
+            source = self.host.slots[slots].to(self._pool.device, non_blocking=True)
+            self._pool.index_copy_(BLOCK_DIM, index, source.movedim(0, BLOCK_DIM))
+            self.host.unpin(slots)
+            self.stats.loaded_blocks += len(blocks)
+            self.stats.loaded_bytes += len(blocks) * self.host.block_bytes
+        self.stats.load_seconds += time.perf_counter() - start
+
+    def layer_hook(self, scheduled: Sequence[ScheduledRequest]) -> LayerHook | None:
+        return None
+
+    def wait_for_save(self) -> None:
+        """Nothing: blocks are copied down when evicted, before anything overwrites them."""
+
+    def check_conservation(self) -> None:
+        """Between steps: no host slot is still pinned for a load."""
+        self._drop_claim()
+        if self._pending:
+            raise AssertionError(f"tier loads never run: {sorted(self._pending)[:10]}")
+        if self.host is not None and self.host.num_pinned:
+            raise AssertionError(f"{self.host.num_pinned} host KV slots still pinned")
