@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from decode_node.push_mode import PUSH_MODES
 from shared.engine.config import EngineConfig
+from shared.engine.connector.offload import OffloadStats
+from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.scheduling.placement import PlacementPolicy
 from shared.engine.scheduling.service_level import ServiceLevel
@@ -104,6 +106,12 @@ class DecodeNodeConfig:
     # window-aware transfer: sliding-window layers are not sent the prompt blocks that fell out
     # of their window (shared/model/kv_window.py); needs prefill nodes that know the field
     window_aware_transfer: bool = False
+    # KV tiers below the pool (--kv-offload-*: pdserve/offload_args.py)
+    kv_offload_cpu_gb: float = 0.0
+    kv_offload_disk_dir: str = ""
+    kv_offload_disk_gb: float = 0.0
+    # what the tiers count (the engine thread writes, /metrics reads)
+    offload_stats: OffloadStats = field(default_factory=OffloadStats, compare=False)
     tls: ServerTls | None = None  # the public endpoint; None: plaintext
     prefill_tls: ClientTls | None = None  # how to reach prefill nodes; None: plaintext
 
@@ -119,7 +127,22 @@ class DecodeNodeConfig:
         placement = PlacementPolicy(
             self.local_prefill_tokens, self.local_prefill_idle_tokens, max_local_requests=bound
         )
-        return DecodeSettings(placement, self.max_queued, self.max_inflight, slo)
+        return DecodeSettings(
+            placement,
+            self.max_queued,
+            self.max_inflight,
+            slo,
+            offload=self.offload(),
+            offload_stats=self.offload_stats,
+        )
+
+    def offload(self) -> OffloadConfig:
+        return OffloadConfig.from_gb(
+            self.kv_offload_cpu_gb,
+            self.kv_offload_disk_dir,
+            self.kv_offload_disk_gb,
+            self.engine.model,
+        )
 
     def http_api(self, loaded: LoadedModel) -> HttpApiConfig:
         """The HTTP API's settings; `--chat-template` is read here, at start."""
@@ -156,6 +179,7 @@ class DecodeNodeConfig:
 
     def validate(self) -> None:
         self.engine.validate()
+        self.offload()
         if self.push not in PUSH_MODES:
             raise ValueError(f"--push must be one of {', '.join(PUSH_MODES)}, got {self.push!r}")
         if self.colocated and self.prefill_targets:

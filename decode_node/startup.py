@@ -19,6 +19,7 @@ from shared.serving.metrics import (
     register_scrape_counter,
     register_scrape_gauge,
 )
+from shared.serving.offload_metrics import register_offload_metrics
 from shared.serving.replica_pool import ReplicaPool
 from transfer.ucx import KvReceiver
 
@@ -64,6 +65,8 @@ def build_parts(
     )
     metrics = NodeMetrics(snapshot, rejected=lambda: receiver.rejected_total)
     register_decode_metrics(metrics, receiver, pool)
+    if config.kv_offload_cpu_gb:
+        register_offload_metrics(metrics.registry, config.offload_stats)
     registry = metrics.registry
     counters = PrefillCounters(
         Counter(

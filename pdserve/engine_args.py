@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.log_level import log_level_arg
+from pdserve.offload_args import offload_args
 from shared.serving import tracing
 
 
@@ -20,6 +21,7 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="'tiny', 'smollm2' (built in), a GGUF file or a local Hugging Face directory",
         ),
         *_pool_args(g),
+        *offload_args(g),
         add("--max-batch-size", type=int, default=32),
         add(
             "--max-num-tokens",

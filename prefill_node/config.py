@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
+from shared.engine.connector.offload import OffloadStats
+from shared.engine.connector.offload_config import OffloadConfig
 from shared.serving.limits import DRAIN_GRACE_S, PREFILL_DEFAULT_DEADLINE_S
 from shared.serving.tls import ServerTls
 
@@ -25,9 +27,24 @@ class PrefillNodeConfig:
     default_timeout: float = PREFILL_DEFAULT_DEADLINE_S  # when the caller sets no deadline
     tls: ServerTls | None = None  # None: plaintext gRPC
     drain_grace: float = DRAIN_GRACE_S  # on SIGTERM, for in-flight prefills to finish
+    # KV tiers below the pool (--kv-offload-*: pdserve/offload_args.py)
+    kv_offload_cpu_gb: float = 0.0
+    kv_offload_disk_dir: str = ""
+    kv_offload_disk_gb: float = 0.0
+    # what the tiers count (the engine thread writes, /metrics reads)
+    offload_stats: OffloadStats = field(default_factory=OffloadStats, compare=False)
+
+    def offload(self) -> OffloadConfig:
+        return OffloadConfig.from_gb(
+            self.kv_offload_cpu_gb,
+            self.kv_offload_disk_dir,
+            self.kv_offload_disk_gb,
+            self.engine.model,
+        )
 
     def validate(self) -> None:
         self.engine.validate()
+        self.offload()
         if not 0 <= self.port < 65536:
             raise ValueError(f"prefill port must be in [0, 65535], got {self.port}")
         if self.metrics_port < -1 or self.metrics_port > 65535:

@@ -45,6 +45,7 @@ from shared.model.loader import LoadedModel
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
 from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.metrics import prompt_tokens_counter
+from shared.serving.offload_metrics import register_offload_metrics
 from shared.serving.request_outcomes import PREFILL_OUTCOMES, RequestOutcomes
 from shared.serving.wire import (
     WireError,
@@ -69,7 +70,11 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         config.validate()
         self.config = config
         # driven only through commands on self.thread; read only through self.info
-        settings = PrefillSettings(layer_hooks=self._layer_hook)
+        settings = PrefillSettings(
+            layer_hooks=self._layer_hook,
+            offload=config.offload(),
+            offload_stats=config.offload_stats,
+        )
         self.core = EngineCore(config.engine, loaded, role=settings)
         self.info = self.core.info
         self.layout = self.info.layout
@@ -77,6 +82,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.thread: EngineThread | None = None
         self.metrics = NodeMetrics(lambda: self._snapshot())
         self.prompt_tokens = prompt_tokens_counter(self.metrics.registry)
+        if config.kv_offload_cpu_gb:
+            register_offload_metrics(self.metrics.registry, config.offload_stats)
         self.outcomes = RequestOutcomes(self.metrics.requests_total, PREFILL_OUTCOMES)
         expired = Counter(
             "pdserve_kv_transfers_expired",

@@ -43,12 +43,14 @@ def _digest(payload: bytes | memoryview) -> bytes:
 
 
 class DiskTier:
-    def __init__(self, directory: str, capacity_bytes: int, block_bytes: int):
+    def __init__(
+        self, directory: str, capacity_bytes: int, block_bytes: int, stats: DiskStats | None = None
+    ):
         self.dir = Path(directory)
         self.block_bytes = block_bytes
         self.file_bytes = HEADER.size + block_bytes
         self.capacity = capacity_bytes // self.file_bytes
-        self.stats = DiskStats()
+        self.stats = DiskStats() if stats is None else stats
         self._lock = threading.Lock()  # the index: the engine thread reads, the writer adds
         self._index: OrderedDict[bytes, None] = OrderedDict()  # keys on disk, oldest first
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()

@@ -22,11 +22,11 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.connector.disk_tier import DiskTier
+from shared.engine.connector.disk_tier import DiskStats, DiskTier
 from shared.engine.connector.host_tier import HostTier, Key
 from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.requests.request import LlmRequest
@@ -40,14 +40,18 @@ BLOCK_DIM = 2  # the pool is [layer, plane, block, ...]
 
 @dataclass
 class OffloadStats:
+    """Since start; read by the node's /metrics (shared/serving/offload_metrics.py)."""
+
     host_hit_blocks: int = 0
     disk_hit_blocks: int = 0
     miss_blocks: int = 0  # prompt blocks past the pool's hit found in no tier (per lookup)
     offloaded_blocks: int = 0  # evicted blocks copied down to host memory
+    offloaded_bytes: int = 0
     offload_seconds: float = 0.0
     loaded_blocks: int = 0
     loaded_bytes: int = 0
     load_seconds: float = 0.0
+    disk: DiskStats = field(default_factory=DiskStats)
 
 
 @dataclass
@@ -61,12 +65,14 @@ def tier_key(fingerprint: bytes, block_hash: BlockHash) -> Key:
 
 
 class OffloadConnector:
-    def __init__(self, kv: KVCacheManager, config: OffloadConfig):
+    def __init__(
+        self, kv: KVCacheManager, config: OffloadConfig, stats: OffloadStats | None = None
+    ):
         config.validate()
         self._kv = kv
         self._config = config
         self._bs = kv.block_size
-        self.stats = OffloadStats()
+        self.stats = OffloadStats() if stats is None else stats
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
         self._pool: torch.Tensor | None = None
@@ -85,7 +91,9 @@ class OffloadConnector:
         self.host = HostTier(self._config.cpu_bytes, block, self._to_disk)
         if self._config.disk_dir:
             block_bytes = block.numel() * block.element_size()
-            self.disk = DiskTier(self._config.disk_dir, self._config.disk_bytes, block_bytes)
+            self.disk = DiskTier(
+                self._config.disk_dir, self._config.disk_bytes, block_bytes, self.stats.disk
+            )
 
     def _to_disk(self, key: Key, block: torch.Tensor) -> None:
         if self.disk is not None and key not in self.disk:
@@ -100,6 +108,7 @@ class OffloadConnector:
             key = tier_key(self._fingerprint, block_hash)
             if key not in self.host:
                 self.stats.offloaded_blocks += 1
+                self.stats.offloaded_bytes += self.host.block_bytes
             self.host.put([key], self._pool.select(BLOCK_DIM, block).unsqueeze(0))
         self.stats.offload_seconds += time.perf_counter() - start
 
@@ -195,6 +204,10 @@ class OffloadConnector:
 
     def wait_for_save(self) -> None:
         """Nothing: blocks are copied down when evicted, before anything overwrites them."""
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.host is None else self.host.bytes_used
 
     def check_conservation(self) -> None:
         """Between steps: no host slot is still pinned for a load."""

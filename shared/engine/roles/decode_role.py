@@ -13,7 +13,7 @@ from shared.engine.commands import Drain, KvLanded, PlacePrompt, TransferFailed
 from shared.engine.connector.base import KvConnector
 from shared.engine.connector.kv_landing import KvLandingConnector
 from shared.engine.connector.multi import MultiConnector
-from shared.engine.connector.offload import OffloadConnector
+from shared.engine.connector.offload import OffloadConnector, OffloadStats
 from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.events import Admitted
 from shared.engine.requests.fork import fork_completions
@@ -37,6 +37,8 @@ class DecodeSettings:
     max_inflight: int | None = None  # requests past the admission queue at once
     slo: SloPolicy = field(default_factory=SloPolicy, compare=False)
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # KV tiers below the pool
+    # what the tiers count, for the node's /metrics
+    offload_stats: OffloadStats = field(default_factory=OffloadStats, compare=False)
     context_only: bool = field(default=False, init=False)
 
     def connector(self, kv: KVCacheManager) -> KvConnector:
@@ -45,7 +47,7 @@ class DecodeSettings:
         landing = KvLandingConnector(kv)
         if not self.offload.enabled:
             return landing
-        return MultiConnector([landing, OffloadConnector(kv, self.offload)])
+        return MultiConnector([landing, OffloadConnector(kv, self.offload, self.offload_stats)])
 
     def hold(self) -> Hold:
         """Prompts prefilled here (colocated, local, fallback) join the batch under the same ITL

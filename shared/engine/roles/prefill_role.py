@@ -10,7 +10,7 @@ from shared.engine.commands import ContextPushed
 from shared.engine.connector.base import KvConnector
 from shared.engine.connector.kv_push import KvPushConnector, LayerHookFactory
 from shared.engine.connector.multi import MultiConnector
-from shared.engine.connector.offload import OffloadConnector
+from shared.engine.connector.offload import OffloadConnector, OffloadStats
 from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
@@ -25,6 +25,8 @@ S = LlmRequestState
 class PrefillSettings:
     layer_hooks: LayerHookFactory | None = field(default=None, compare=False)
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # KV tiers below the pool
+    # what the tiers count, for the node's /metrics
+    offload_stats: OffloadStats = field(default_factory=OffloadStats, compare=False)
     context_only: bool = field(default=True, init=False)
 
     def connector(self, kv: KVCacheManager) -> KvConnector:
@@ -32,7 +34,7 @@ class PrefillSettings:
         push = KvPushConnector(kv, self.layer_hooks)
         if not self.offload.enabled:
             return push
-        return MultiConnector([push, OffloadConnector(kv, self.offload)])
+        return MultiConnector([push, OffloadConnector(kv, self.offload, self.offload_stats)])
 
     def hold(self) -> None:
         return None  # no decode batch to protect
