@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import signal
 import subprocess
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TextIO, TypeVar
 
 from decode_node.config import DecodeNodeConfig
 from pdserve.bench import BENCHMARKS
@@ -27,13 +27,14 @@ from pdserve.cluster_args import node_argv
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.speculative.config import SpeculativeConfig
 from shared.serving import tracing
 from shared.serving.port_in_use import PortInUse
 from shared.serving.tls import ClientTls, ServerTls
 from transfer.errors import KvPortInUse
 
 if TYPE_CHECKING:
-    from pdserve.cluster import NodeProcess
+    from pdserve.cluster import Cluster, NodeProcess
 
 __all__ = ["BENCHMARKS", "build_parser", "from_args", "main", "run_prompt"]
 
@@ -59,6 +60,11 @@ def from_args(cls: type[T], a: argparse.Namespace, **overrides: Any) -> T:
     return cls(**{**given, **overrides})
 
 
+def speculative_config(text: str) -> SpeculativeConfig | None:
+    """`--speculative-config`'s JSON (ValueError naming what is wrong); '': off."""
+    return SpeculativeConfig.from_json(text) if text else None
+
+
 def _engine_config(a: argparse.Namespace, step_tokens: int | None = None) -> EngineConfig:
     """`step_tokens`: the role's step budget when --max-num-tokens is 0 (None: the engine's)."""
     budget = a.max_num_tokens or step_tokens or EngineConfig.max_num_tokens
@@ -68,6 +74,7 @@ def _engine_config(a: argparse.Namespace, step_tokens: int | None = None) -> Eng
         kv_cache_memory_mb=a.kv_cache_mb,
         enable_prefix_caching=not a.no_prefix_caching,
         max_num_tokens=budget,
+        speculative=speculative_config(a.speculative_config),
     )
 
 
@@ -86,7 +93,10 @@ def cmd_up(a: argparse.Namespace) -> int:
             return 2
     out = sys.stdout if prompt is None else sys.stderr
     port, http_port = up_ports(a)
-    cluster = Cluster(a.model, a.prefill, a.decode, port, [], http_port=http_port)
+    front_door = prompt is None  # --run's client talks to a node itself
+    cluster = Cluster(
+        a.model, a.prefill, a.decode, port, [], http_port=http_port, front_door=front_door
+    )
     cluster.prefill_extra, cluster.decode_extra = node_argv(a, "prefill"), node_argv(a, "decode")
     stop = False
     gave_up: str | None = None  # why the supervisor stopped restarting nodes
@@ -102,18 +112,14 @@ def cmd_up(a: argparse.Namespace) -> int:
             f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}",
             file=out,
         )
-        others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
-        print(f"endpoint: {endpoints[0]}{others}", file=out)
-        if cluster.http_endpoints:
-            http = cluster.http_endpoints
-            more = f" (all: {', '.join(http)})" if len(http) > 1 else ""
-            print(f"HTTP (OpenAI API): {http[0]}/v1{more}", file=out)
+        _print_endpoints(cluster, endpoints, out)
         if prompt is not None:
             params = SamplingParams(max_tokens=a.max_tokens)
             code = _stream_to_stdout(endpoints[0], prompt, params, summary=sys.stdout)
             print("stopping...", file=out, flush=True)
             return max(code, cluster.stop())
-        print(f'try: pdserve generate "Hello" --target {endpoints[0]}   (Ctrl-C stops)', flush=True)
+        target = cluster.front_door_endpoint or endpoints[0]
+        print(f'try: pdserve generate "Hello" --target {target}   (Ctrl-C stops)', flush=True)
         policy = RestartPolicy(a.max_restarts_per_minute)
         gave_up = Supervisor(cluster, policy).run(lambda: stop)
     except KeyboardInterrupt:
@@ -131,6 +137,22 @@ def cmd_up(a: argparse.Namespace) -> int:
     code = cluster.stop()
     print("stopped" + ("" if code == 0 else f" (a node exited with {code})"), flush=True)
     return max(code, 1) if gave_up is not None else code
+
+
+def _print_endpoints(cluster: Cluster, endpoints: list[str], out: TextIO) -> None:
+    """The front door first (where there is one), then every decode node's own endpoint."""
+    door, http = cluster.front_door_endpoint, cluster.http_endpoints
+    if door is not None:
+        print(f"endpoint: {door} (front door; decode nodes: {', '.join(endpoints)})", file=out)
+        if cluster.front_door_http:
+            nodes = ", ".join(http)
+            print(f"HTTP (OpenAI API): {cluster.front_door_http}/v1 (nodes: {nodes})", file=out)
+        return
+    others = f" (all decode nodes: {', '.join(endpoints)})" if len(endpoints) > 1 else ""
+    print(f"endpoint: {endpoints[0]}{others}", file=out)
+    if http:
+        more = f" (all: {', '.join(http)})" if len(http) > 1 else ""
+        print(f"HTTP (OpenAI API): {http[0]}/v1{more}", file=out)
 
 
 def _refused(nodes: list[NodeProcess]) -> bool:

@@ -38,6 +38,14 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             help="0: the smaller of the model's context and what one request can hold in the KV "
             "pool; a longer one than the pool holds is refused at start-up",
         ),
+        add(
+            "--speculative-config",
+            default="",
+            metavar="JSON",
+            help='speculative decoding of greedy requests, as vLLM spells it: {"method": '
+            '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 1} (decode and colocated nodes; a prefill node ignores it)',
+        ),
         add("--no-prefix-caching", action="store_true"),
         add("--device", default="auto"),
         add(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.engine.speculative.config import SpeculativeConfig
 from shared.model.device import resolve_device, resolve_dtype
 
 
@@ -25,6 +26,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     cuda_graphs: bool = True  # decode steps through CUDA graphs on CUDA; ignored on CPU
+    # speculative decoding of greedy requests (shared/engine/speculative/); None: off
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -47,3 +50,5 @@ class EngineConfig:
         if not self.model:
             raise ValueError("model must be 'tiny' or a local Hugging Face model directory")
         resolve_dtype(self.dtype, resolve_device(self.device))
+        if self.speculative is not None:
+            self.speculative.validate()

@@ -39,11 +39,12 @@ from shared.engine.resources.resource_manager import (
 )
 from shared.engine.roles.role import Emit, EngineParts, Role, RoleSettings
 from shared.engine.runtime import cpu_threads, kv_budget, malloc_policy
-from shared.engine.runtime.model_runner import ModelRunner
+from shared.engine.runtime.model_runner import ModelRunner, draft_rows
 from shared.engine.runtime.warmup import warm_up
 from shared.engine.sampling.sampler import SampleOutput, Sampler
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from shared.engine.speculative.drafter import Drafter
 from shared.kv.layout import KvLayout, dtype_name
 from shared.model.device import resolve_device, resolve_dtype
 from shared.model.loader import LoadedModel, load_model
@@ -87,6 +88,9 @@ class EngineCore:
             self.max_num_sequences, self.device, self.loaded.eos_token_ids, self.tokenizer
         )
         self.runner = self._build_runner(num_blocks, settings.context_only)
+        spec = None if settings.context_only else config.speculative  # it decodes nothing
+        self.drafter = None if spec is None else Drafter(spec)
+        self._draft_logits: dict[str, torch.Tensor] = {}  # this step's, by request
         self.connector = settings.connector(self.kv_manager)
         self.connector.register_kv_pool(self.runner.kv_pool)
         # a context-only request ends at its first token: no block for a token after it
@@ -257,6 +261,8 @@ class EngineCore:
         self.role.after_step()
 
     def _schedule(self) -> list[ScheduledRequest]:
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
@@ -278,9 +284,10 @@ class EngineCore:
         hook = self.connector.layer_hook(scheduled)
         logits = self.runner.forward(scheduled, self.kv_manager.block_table, hook)
         self.connector.wait_for_save()
+        logits, self._draft_logits = draft_rows(scheduled, logits)
         sample_rows = [i for i, s in enumerate(scheduled) if s.completes_context]
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        for s in scheduled:  # drafts count once verified (_process)
+            s.request.num_computed_tokens += s.num_new_tokens - len(s.request.draft_token_ids)
         self.resource_manager.update_resources(batch)
         self.parts.num_steps += 1
         if not sample_rows:
@@ -313,8 +320,20 @@ class EngineCore:
             r.choice_first_tokens = choices
             if r.first_token_time is None:
                 r.first_token_time = now
-            deltas.extend(self.role.accept_tokens(r, [t], [lp]))
+            tokens = self._verified(r, t)
+            deltas.extend(self.role.accept_tokens(r, tokens, [lp, *[None] * (len(tokens) - 1)]))
         return deltas
+
+    def _verified(self, request: LlmRequest, token: int) -> list[int]:
+        """The step's tokens for `request`: the sampled one, then its accepted drafts' (their
+        K/V, computed this step, counts from now)."""
+        rows = self._draft_logits.pop(request.request_id, None)
+        if rows is None or self.drafter is None:
+            return [token]
+        tokens = self.drafter.verify(request, token, rows)
+        request.num_computed_tokens += len(tokens) - 1
+        request.draft_token_ids = []
+        return tokens
 
     # ---- release --------------------------------------------------------------------------
     def free_request_resources(self, request: LlmRequest) -> None:

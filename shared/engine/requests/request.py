@@ -122,6 +122,9 @@ class LlmRequest:
     # its prompt's KV is pushed by a prefill node (the decode side's KV connector reads this,
     # as vLLM's P/D connectors read a request's transfer parameters)
     remote_prefill: bool = False
+    # tokens a speculative proposer drafted after its last token, verified by the next step
+    # (shared/engine/speculative/drafter.py); not output until accepted
+    draft_token_ids: list[int] = field(default_factory=list)
     # (state entered, seat held at that moment): the debug trail tests read the lifecycle from
     history: list[tuple[LlmRequestState, int | None]] = field(default_factory=list)
 

@@ -6,6 +6,7 @@ no request state (the scheduler and the KV manager own that).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -72,12 +73,27 @@ class ModelRunner:
                 logits = self._graph_step(scheduled, entries)
                 if logits is not None:
                     return logits
-            forward = ForwardBatch.build(entries, self.block_size, self.device, self.ragged)
+            forward = self._batch(scheduled, entries)
             return self.model.forward(forward, self.kv_pool, layer_hook=hook)
-        forward = ForwardBatch.build(entries, self.block_size, self.device, self.ragged)
+        forward = self._batch(scheduled, entries)
         every = self.model.forward(forward, self.kv_pool, all_logits=True, layer_hook=hook)
         fill_prompt_logprobs(scheduled, every)
         return every[forward.last_token_index]
+
+    def _batch(
+        self, scheduled: Sequence[ScheduledRequest], entries: Sequence[SeqEntry]
+    ) -> ForwardBatch:
+        """The step's batch; with drafts in it, the logits rows are each sequence's last real
+        token (in order), then every draft's position (in order): `draft_rows` splits them."""
+        forward = ForwardBatch.build(entries, self.block_size, self.device, self.ragged)
+        drafts = [len(s.request.draft_token_ids) for s in scheduled]
+        if not any(drafts):
+            return forward
+        ends = torch.tensor([s.num_new_tokens for s in scheduled]).cumsum(0) - 1
+        main = [int(end) - k for end, k in zip(ends, drafts, strict=True)]
+        after = [row + j for row, k in zip(main, drafts, strict=True) for j in range(1, k + 1)]
+        rows = torch.tensor(main + after, dtype=torch.long, device=self.device)
+        return replace(forward, last_token_index=rows)
 
     def _graph_step(
         self, scheduled: Sequence[ScheduledRequest], entries: Sequence[SeqEntry]
@@ -105,11 +121,28 @@ class ModelRunner:
             self.kv_pool[:, :, dst].copy_(self.kv_pool[:, :, src])
 
 
+def draft_rows(
+    scheduled: Sequence[ScheduledRequest], logits: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A step's logits split as `ModelRunner._batch` laid them out: one row per sequence, and
+    each drafting request's rows after its drafts."""
+    drafts = [len(s.request.draft_token_ids) for s in scheduled]
+    if not any(drafts):
+        return logits, {}
+    by_request, row = {}, len(scheduled)
+    for s, k in zip(scheduled, drafts, strict=True):
+        if k:
+            by_request[s.request.request_id] = logits[row : row + k]
+            row += k
+    return logits[: len(scheduled)], by_request
+
+
 def _entry(s: ScheduledRequest, block_table: Callable[[str], list[int]]) -> SeqEntry:
     r = s.request
     start = r.num_computed_tokens
+    tokens = r.all_token_ids + r.draft_token_ids if r.draft_token_ids else r.all_token_ids
     return SeqEntry(
-        token_ids=r.all_token_ids[start : start + s.num_new_tokens],
+        token_ids=tokens[start : start + s.num_new_tokens],
         num_computed=start,
         block_table=block_table(r.request_id),
     )

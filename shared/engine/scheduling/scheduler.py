@@ -53,9 +53,10 @@ class ScheduledRequest:
 
     @property
     def completes_context(self) -> bool:
-        """After this step every token of the request has K/V: its logits yield a token."""
+        """After this step every token of the request has K/V: its logits yield a token (the
+        drafts it also computes are verified against them)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(r.draft_token_ids) == r.num_tokens
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._with_drafts(request, budget, reserved)
             need = self.kv.blocks_to_allocate(request, num_new)
             while need > self.kv.num_free_blocks - reserved:
                 victim = _victim(self.running[i:])
@@ -151,6 +152,21 @@ class Scheduler:
             reserved += need
             i += 1
         return budget, reserved
+
+    def _with_drafts(self, request: LlmRequest, budget: int, reserved: int) -> int:
+        """The request's tokens this step: its uncomputed ones and the drafts that fit in the
+        budget and the free blocks (drafts never cost another request its place)."""
+        uncomputed = request.num_tokens - request.num_computed_tokens
+        drafts = request.draft_token_ids
+        if drafts:
+            keep = max(0, min(len(drafts), budget - uncomputed))
+            while keep and (
+                self.kv.blocks_to_allocate(request, uncomputed + keep)
+                > self.kv.num_free_blocks - reserved
+            ):
+                keep -= 1
+            del drafts[keep:]
+        return min(uncomputed + len(drafts), budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, reserved: int) -> None:
         """Requests that already hold their blocks (their KV arrived from a prefill node) first,
@@ -240,6 +256,7 @@ class Scheduler:
     def _preempt(self, request: LlmRequest) -> None:
         if request in self.running:
             self.running.remove(request)
+        request.draft_token_ids = []
         self._release(request)
         request.transition(LlmRequestState.QUEUED)
         request.num_computed_tokens = 0

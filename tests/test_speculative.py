@@ -1,0 +1,139 @@
+"""Speculative decoding (n-gram prompt lookup): drafts verified in one forward give exactly the
+tokens of one-token steps, for greedy requests beside sampled ones, with every block and seat
+back after; drafts are really accepted (a step yields several tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from shared.engine.config import EngineConfig
+from shared.engine.core import EngineCore
+from shared.engine.roles.decode_role import DecodeSettings
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.engine.speculative import ngram
+from shared.engine.speculative.config import SpeculativeConfig
+from tests.sampling_reference import pd_generate
+from tests.support.cluster import pd_cluster
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+# repetitive prompts, as code, lists and quoted documents are: the n-gram proposer's case
+PROMPTS = [
+    [5, 6, 7, 8, 9] * 6,
+    [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41],
+    list(range(100, 160)),
+]
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]
+    assert ngram.propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
+    assert ngram.propose([4, 5, 4], 3, 1, 3) == [5, 4]  # a 1-gram, the latest earlier one
+    assert ngram.propose([8], 2, 1, 3) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"method": "draft_model"}', "not supported"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+        ('{"num_speculative_tokens": "4"}', "must be an integer"),
+        ('{"speculative_tokens": 4}', "unknown keys"),
+        ("[4]", "JSON object"),
+        ("{4", "not JSON"),
+    ],
+)
+def test_a_bad_config_is_refused_naming_the_field(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_json(text)
+
+
+def engine(spec: SpeculativeConfig | None) -> EngineCore:
+    config = EngineConfig(
+        model="tiny", block_size=8, num_kv_blocks=96, max_batch_size=8, speculative=spec
+    )
+    return EngineCore(config, role=DecodeSettings())
+
+
+def run(core: EngineCore, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    for i, (prompt, params) in enumerate(requests):
+        core.add_request(prompt, params, f"r{i}")
+    out: dict[str, list] = {f"r{i}": [] for i in range(len(requests))}
+    steps = 0
+    while core.has_work:
+        for delta in core.step():
+            out[delta.request_id].append((delta.token_ids, delta.finish_reason))
+        steps += 1
+        assert steps < 2000
+    core.check_conservation()
+    return out
+
+
+def tokens(out: dict[str, list]) -> dict[str, list[int]]:
+    return {rid: [t for ids, _ in deltas for t in ids] for rid, deltas in out.items()}
+
+
+def test_greedy_tokens_equal_one_token_steps_and_drafts_are_accepted() -> None:
+    work = [(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS]
+    want = run(engine(None), work)
+    spec = engine(SPEC)
+    got = run(spec, work)
+    assert tokens(got) == tokens(want)
+    assert spec.drafter is not None and spec.drafter.accepted > 0
+    multi = [ids for deltas in got.values() for ids, _ in deltas if len(ids) > 1]
+    assert multi, "no step yielded more than one token"
+    finishes = {rid: deltas[-1][1] for rid, deltas in got.items()}
+    assert finishes == {rid: deltas[-1][1] for rid, deltas in want.items()}
+
+
+def test_sampled_and_penalised_requests_beside_drafted_ones_are_unchanged() -> None:
+    work = [
+        (PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True)),
+        (PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)),
+        (PROMPTS[0], SamplingParams(max_tokens=24, repetition_penalty=1.3, ignore_eos=True)),
+        (PROMPTS[2], SamplingParams(max_tokens=24, logprobs=2, ignore_eos=True)),
+    ]
+    assert tokens(run(engine(SPEC), work)) == tokens(run(engine(None), work))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
+def test_max_tokens_and_stop_tokens_cut_a_step_exactly(max_tokens: int) -> None:
+    want = run(engine(None), [(PROMPTS[0], SamplingParams(max_tokens=max_tokens))])
+    got = run(engine(SPEC), [(PROMPTS[0], SamplingParams(max_tokens=max_tokens))])
+    assert tokens(got) == tokens(want)
+    assert len(tokens(got)["r0"]) <= max_tokens
+    greedy = tokens(want)["r0"]
+    if len(greedy) > 2:  # a stop token met mid-draft ends the step there
+        stop = SamplingParams(max_tokens=40, stop_token_ids=(greedy[2],), ignore_eos=True)
+        assert tokens(run(engine(SPEC), [(PROMPTS[0], stop)])) == tokens(
+            run(engine(None), [(PROMPTS[0], stop)])
+        )
+
+
+def test_across_the_split_the_decode_node_speculates_and_answers_exactly() -> None:
+    """P/D: the prefill node ignores the config (it decodes nothing); the decode node's
+    speculative greedy answer over gRPC equals the one without."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    async def answer(spec: SpeculativeConfig | None) -> list[int]:
+        decode = EngineConfig(model="tiny", num_kv_blocks=256, speculative=spec)
+        prefill = EngineConfig(model="tiny", num_kv_blocks=256, speculative=spec)
+        async with pd_cluster("tiny", prefill_engine=prefill, decode_engine=decode) as c:
+            got = await pd_generate(c.targets[0], PROMPTS[1], params)
+            await c.assert_idle_and_conserved()
+            return list(got[0].token_ids)
+
+    want = asyncio.run(answer(None))
+    assert asyncio.run(answer(SPEC)) == want and len(want) == 24
+
+
+def test_the_cli_refuses_a_bad_config_at_start_up() -> None:
+    argv = [sys.executable, "-m", "pdserve.cli", "colocated", "--model", "tiny", "--port", "0"]
+    argv += ["--speculative-config", '{"method": "eagle"}']
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "speculative method 'eagle' is not supported" in done.stderr
