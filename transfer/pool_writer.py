@@ -1,5 +1,5 @@
 """Where a validated payload's bytes go: straight into the pool blocks (CPU pools: one UCX receive
-over an iov list built from `KvLayout.block_spans`), or into a device staging buffer that is then
+over an iov list from `transfer.span_cache`), or into a device staging buffer that is then
 scattered into the blocks (CUDA pools: UCX does not order its copies with torch streams)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import asyncio
 import torch
 
 from shared.kv.layout import KvLayout
-from transfer import ucp
 from transfer.landing import Announced
+from transfer.span_cache import SpanCache
 from transfer.ucp import Probe
 from transfer.worker import UcxWorker
 
@@ -21,6 +21,7 @@ class PoolWriter:
         self.pool = kv_pool
         self._layout = layout
         self._stream: object | None = None  # torch.cuda.Stream for CUDA pools
+        self._spans = SpanCache(layout, kv_pool.shape[2])
 
     def start(self) -> None:
         """On the loop thread, before its UCX worker exists."""
@@ -37,8 +38,8 @@ class PoolWriter:
         if pool.is_cuda:
             staging = torch.empty(a.nbytes, dtype=torch.uint8, device=pool.device)
             return worker.recv_probed(probe, staging), staging
-        spans = self._layout.block_spans(pool.shape[2], a.layer, a.n_layers, a.ids)
-        return worker.recv_probed_iov(probe, ucp.iov(pool.data_ptr(), spans), pool), None
+        iov = self._spans.iov(pool.data_ptr(), a.layer, a.n_layers, a.ids)
+        return worker.recv_probed_iov(probe, iov, pool), None
 
     def land(self, a: Announced, staging: torch.Tensor | None) -> None:
         """CUDA pools: copy a landed staging buffer into its blocks (synchronously: the blocks

@@ -3,7 +3,7 @@
 `push = sender.open(dest, kv_pool)` starts one transfer; `push.post(KvMessage(...))` /
 `await push.send(...)` send messages; `await push.quiesce(timeout)` waits until UCX no longer
 reads for it. A message of pool blocks (`src`, CPU pools) is one UCX message gathered from the
-blocks by an iov list (from `KvLayout.block_spans`), so this side makes no copy of its own; the
+blocks by an iov list (`transfer.span_cache`), so this side makes no copy of its own; the
 caller keeps those blocks unchanged and allocated until the send completes (the prefill node pins
 them). CUDA pools, and payloads a caller packed itself (`KvSender.pack`), go as one contiguous
 buffer; the pack's CUDA event is waited for before UCX reads it. Each message has its own `seq`
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,9 +30,11 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shared.kv.layout import KvLayout
-from transfer import protocol, ucp
+from transfer import protocol
 from transfer.errors import TransferError, TransferTimeout, retrieve_exception
 from transfer.protocol import TransferDestination
+from transfer.send_cost import SendCost
+from transfer.span_cache import SpanCache
 from transfer.worker import UCXError, UcxWorker
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ class _Send:
     pending: int = 0
     peer: _Peer | None = None
     timer: asyncio.TimerHandle | None = None
+    posted_at: float = 0.0
 
     @property
     def _what(self) -> str:
@@ -105,6 +109,7 @@ class _Send:
             self.result.set_exception(e)
             return
         self.pending = len(ops)
+        self.posted_at = time.monotonic()
         push.reading.update(ops)
         for op in ops:
             op.add_done_callback(push.reading.discard)
@@ -124,8 +129,10 @@ class _Send:
             if self.timer is not None:
                 self.timer.cancel()
             sender = self.push.sender
-            sender.bytes_sent_total += self.nbytes + len(self.header)
+            wire = self.nbytes + len(self.header)
+            sender.bytes_sent_total += wire
             sender.messages_total += 1
+            sender.cost.observe(wire, self.posted_at, time.monotonic())
             self.result.set_result(self.nbytes)
 
     def _on_timeout(self) -> None:
@@ -145,13 +152,12 @@ class _Send:
 
 @dataclass(frozen=True)
 class _SameBlocks:
-    """A message's block tuples (compared by identity), their ids and layer 0's pool spans."""
+    """A message's block tuples (compared by identity) and their checked ids."""
 
     blocks: Sequence[int]
     src: Sequence[int]
     ids: tuple[int, ...]
     src_ids: tuple[int, ...]
-    spans0: tuple[np.ndarray, np.ndarray]
 
 
 class KvPush:
@@ -166,7 +172,7 @@ class KvPush:
         self.kv_pool = kv_pool
         self.reading: set[asyncio.Future] = set()  # UCX operations still reading our buffers
         self._next_seq = 0
-        self._last: _SameBlocks | None = None  # see _pool_iov
+        self._last: _SameBlocks | None = None  # the ids of the block tuples last named
 
     def post(self, message: KvMessage, *, timeout: float | None = None) -> asyncio.Future[int]:
         """Start sending `message`; the future gives its payload bytes once UCX has sent them,
@@ -241,11 +247,12 @@ class KvPush:
             )
         last = self._last
         if last is not None and m.blocks is last.blocks and m.src is last.src:
-            ids, src, spans0 = last.ids, last.src_ids, last.spans0
+            ids, src = last.ids, last.src_ids
         else:
-            ids = tuple(int(b) for b in m.blocks)
-            src = None if m.src is None else tuple(int(b) for b in m.src)
-            spans0 = None
+            ids = tuple(map(int, m.blocks))
+            src = None if m.src is None else tuple(map(int, m.src))
+            if src is not None and isinstance(m.blocks, tuple) and isinstance(m.src, tuple):
+                self._last = _SameBlocks(m.blocks, m.src, ids, src)  # immutable: key by id
         if not ids:
             raise ValueError("a KV message needs at least one block")
         if (m.src is None) == (m.payload is None):
@@ -257,7 +264,8 @@ class KvPush:
             if len(src) != len(ids):
                 raise ValueError(f"{len(src)} source blocks for {len(ids)} destination blocks")
             if not pool.is_cuda:
-                return ids, self._pool_iov(m, ids, src, spans0), pool
+                spans = self.sender._spans(pool)
+                return ids, spans.iov(pool.data_ptr(), m.layer, m.n_layers, src), pool
             if m.n_layers != 1:
                 raise ValueError("CUDA pools push one layer per message")
             payload = KvSender.pack(pool, m.layer, src)
@@ -271,28 +279,6 @@ class KvPush:
             )
         return ids, None, payload.contiguous()
 
-    def _pool_iov(
-        self,
-        m: KvMessage,
-        ids: tuple[int, ...],
-        src: tuple[int, ...],
-        spans0: tuple[np.ndarray, np.ndarray] | None,
-    ) -> np.ndarray:
-        """The iov of `m` over this push's CPU pool. A one-layer message's spans are layer 0's
-        moved by the layer stride; those and the checked ids are kept while messages name the
-        same block tuples (a layer-wise push sends every layer of one chunk's blocks, and
-        rebuilding them cost a busy prefill core ~0.5 ms a message: docs/performance.md)."""
-        assert self.kv_pool is not None
-        layout, base = self.sender.layout, self.kv_pool.data_ptr()
-        num_blocks = self.kv_pool.shape[2]
-        if m.n_layers != 1:
-            return ucp.iov(base, layout.block_spans(num_blocks, m.layer, m.n_layers, src))
-        if spans0 is None:
-            spans0 = layout.block_spans(num_blocks, 0, 1, src)
-            if isinstance(m.blocks, tuple) and isinstance(m.src, tuple):  # immutable: key by id
-                self._last = _SameBlocks(m.blocks, m.src, ids, src, spans0)
-        return ucp.iov(base + m.layer * layout.layer_stride_bytes(num_blocks), spans0)
-
 
 class KvSender:
     """Prefill-side endpoint of the KV push; lives on the prefill node's event loop."""
@@ -304,6 +290,8 @@ class KvSender:
         self._worker: UcxWorker | None = None
         self._closed = False
         self._peers: dict[str, _Peer] = {}
+        self._span_cache: SpanCache | None = None
+        self.cost = SendCost()  # fitted from this sender's completed messages
         self.bytes_sent_total = 0
         self.messages_total = 0
         self.errors_total = 0
@@ -352,7 +340,20 @@ class KvSender:
             await asyncio.wait(closing, timeout=_CLOSE_TIMEOUT_S)
         worker.close()
 
+    @property
+    def min_message_bytes(self) -> int:
+        """The smallest payload worth a message of its own, as measured so far (0: unknown);
+        a layer-wise push holds a chunk's layers until they add up to it."""
+        return self.cost.min_message_bytes
+
     # ---- internals ----------------------------------------------------------------------------
+    def _spans(self, kv_pool: torch.Tensor) -> SpanCache:
+        num_blocks = kv_pool.shape[2]
+        cache = self._span_cache
+        if cache is None or cache.num_blocks != num_blocks:
+            self._span_cache = cache = SpanCache(self.layout, num_blocks)
+        return cache
+
     def _ensure_worker(self, device: torch.device) -> UcxWorker:
         if self._closed:
             raise TransferError("KvSender is closed")
