@@ -240,11 +240,11 @@ _background_pool: ThreadPoolExecutor | None = None
 
 
 def warm_workers() -> None:
-    """Start the compile workers' zygote in the background when xgrammar is installed (a node
-    at start: its first structured request then finds it up instead of waiting seconds, at
-    normal priority, for xgrammar's import)."""
+    """Start the compile workers in the background when xgrammar is installed (a node at
+    start): its first structured requests then find them ready instead of waiting seconds for
+    xgrammar's import and the forks."""
     if importlib.util.find_spec("xgrammar") is not None:
-        ZYGOTE.warm()
+        compile_pool().refill()
 
 
 def compile_pool() -> CompilePool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -44,6 +45,7 @@ SHIP_BYTES = 8 * 1024 * 1024  # larger compiled grammars are compiled again by t
 RECYCLE_BYTES = 64 * 1024 * 1024  # a worker whose heap grew more exits after its answer
 WORKER_NICE = 19  # the lowest priority: the engine's steps come first
 ZYGOTE = Zygote(f"{__name__}:worker_main")  # one per node: every pool forks from it
+log = logging.getLogger(__name__)
 POLL_S = 0.02  # how often the node looks at a running compile (its result, deadline, memory)
 
 
@@ -130,6 +132,7 @@ class CompilePool:
         self._idle: list[_Worker] = []
         self._live = 0  # workers busy, idle or starting
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def workers(self) -> int:
@@ -147,21 +150,21 @@ class CompilePool:
         timeout: float,
         deadline: float | None = None,
     ) -> ChildResult:
-        """`spec` compiled for tokenizer `key` (`vocab`: its TokenizerInfo JSON) in at most
-        `timeout` seconds of a worker's time, and before `deadline` (monotonic seconds, the
+        """`spec` compiled for tokenizer `key` (`vocab`: its TokenizerInfo JSON) within
+        `timeout` seconds of its arrival (waiting for a free worker included; the node's compile
+        workers starting up, once, not) and before `deadline` (monotonic seconds, the
         request's). GrammarError when it is invalid, too large or too slow; GrammarBusy when no
-        worker is free within `timeout` (or by `deadline`)."""
+        worker is free in that time."""
         end = math.inf if deadline is None else deadline
-        worker = await self._acquire(spec, min(time.monotonic() + timeout, end), timeout, end)
-        acquired = time.monotonic()
-        kill_at = min(acquired + timeout, end)
+        worker, clock = await self._acquire(spec, time.monotonic(), timeout, end)
+        kill_at = min(clock + timeout, end)
         keep = False
         try:
             if key not in worker.vocabs:
                 worker.conn.send(("vocab", key, vocab))
                 worker.vocabs.add(key)
             worker.conn.send(("compile", key, spec))
-            status, value, retire = await self._answer(worker, spec, kill_at, kill_at - acquired)
+            status, value, retire = await self._answer(worker, spec, kill_at, kill_at - clock)
             keep = not retire
         finally:
             self._give_back(worker, keep)
@@ -171,32 +174,37 @@ class CompilePool:
         return value
 
     async def _acquire(
-        self, spec: StructuredOutput, wait_until: float, timeout: float, end: float
-    ) -> _Worker:
-        """A worker, waiting for one until `wait_until`; while the zygote starts (the node's
-        first compile: seconds), waiting does not count, up to the request's own `end`."""
+        self, spec: StructuredOutput, clock: float, timeout: float, end: float
+    ) -> tuple[_Worker, float]:
+        """A worker, waiting for one until `clock + timeout` (or `end`), and the compile's clock:
+        its arrival, or when the zygote came up if the compile waited for that."""
+        first = True
         while True:
-            with self._lock:
-                if self._idle:
-                    return self._idle.pop()
-                start = self._live < self.size
-                if start:
-                    self._live += 1
-            if start:
-                try:
-                    return await asyncio.to_thread(_start_worker, ZYGOTE)
-                except BaseException:
-                    with self._lock:
-                        self._live -= 1
-                    raise
             now = time.monotonic()
             if not ZYGOTE.up:
-                wait_until = min(end, max(wait_until, now + timeout))
-            if now >= wait_until:
+                clock = now
+            if not first and now >= min(clock + timeout, end):
                 raise GrammarBusy(
                     f"all {self.size} grammar compile workers stayed busy past the time this "
                     f"{spec.kind} could wait; retry later"
                 )
+            with self._lock:
+                worker = self._idle.pop() if self._idle else None
+                start = worker is None and self._live < self.size
+                if start:
+                    self._live += 1
+            if worker is not None:
+                return worker, clock
+            if start:
+                was_up = ZYGOTE.up
+                try:
+                    worker = await asyncio.to_thread(_start_worker, ZYGOTE)
+                except BaseException:
+                    with self._lock:
+                        self._live -= 1
+                    raise
+                return worker, clock if was_up else time.monotonic()
+            first = False
             await asyncio.sleep(POLL_S)
 
     def _give_back(self, worker: _Worker, keep: bool) -> None:
@@ -207,6 +215,35 @@ class CompilePool:
         worker.stop()
         with self._lock:
             self._live -= 1
+        self.refill()
+
+    def refill(self) -> None:
+        """Start workers in the background until `size` are up: a request then finds one
+        ready (forking at nice 19 on a busy machine can take seconds)."""
+
+        def run() -> None:
+            while True:
+                with self._lock:
+                    if self._closed or self._live >= self.size:
+                        return
+                    self._live += 1
+                try:
+                    worker = _start_worker(ZYGOTE)
+                except (OSError, RuntimeError, EOFError) as e:  # the next compile says why
+                    with self._lock:
+                        self._live -= 1
+                    log.warning("grammar compile worker: %s", e)
+                    return
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._idle.append(worker)
+                if closed:
+                    worker.stop()
+                    with self._lock:
+                        self._live -= 1
+
+        threading.Thread(target=run, name="grammar-workers", daemon=True).start()
 
     async def _answer(
         self, worker: _Worker, spec: StructuredOutput, kill_at: float, allowed: float
@@ -227,6 +264,7 @@ class CompilePool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
             self._live -= len(idle)
         for worker in idle:
