@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram prompt lookup): drafts verified in one forward give exactly the
-tokens of one-token steps, for greedy requests beside sampled ones, with every block and seat
-back after; drafts are really accepted (a step yields several tokens)."""
+tokens of one-token steps, greedy and seeded, beside requests that are not drafted for, with
+every block and seat back after; drafts are really accepted (a step yields several tokens)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
+from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.speculative import ngram
 from shared.engine.speculative.config import SpeculativeConfig
+from shared.engine.speculative.drafter import Drafter
 from tests.sampling_reference import pd_generate
 from tests.support.cluster import pd_cluster
 
@@ -125,6 +127,13 @@ def test_across_the_split_the_decode_node_speculates_and_answers_exactly() -> No
         async with pd_cluster("tiny", prefill_engine=prefill, decode_engine=decode) as c:
             got = await pd_generate(c.targets[0], PROMPTS[1], params)
             await c.assert_idle_and_conserved()
+            decode_metrics = (await asyncio.to_thread(c.metrics))[-1]
+            proposed = decode_metrics.get("pdserve_spec_drafts_proposed_total", 0.0)
+            accepted = decode_metrics.get("pdserve_spec_drafts_accepted_total", 0.0)
+            yielded = decode_metrics.get("pdserve_spec_draft_step_tokens_total", 0.0)
+            steps = decode_metrics.get("pdserve_spec_draft_steps_total", 0.0)
+            if spec is not None:  # /metrics counts what the engine did
+                assert proposed >= accepted > 0 and yielded == accepted + steps
             return list(got[0].token_ids)
 
     want = asyncio.run(answer(None))
@@ -137,3 +146,61 @@ def test_the_cli_refuses_a_bad_config_at_start_up() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "speculative method 'eagle' is not supported" in done.stderr
+
+
+def logprob_values(out: dict[str, list]) -> dict[str, list[float]]:
+    return {
+        rid: [lp.logprob for ids, _, lps in deltas for lp in lps or []]
+        for rid, deltas in out.items()
+    }
+
+
+def run_with_logprobs(core: EngineCore, work: list[tuple[list[int], SamplingParams]]) -> dict:
+    for i, (prompt, params) in enumerate(work):
+        core.add_request(prompt, params, f"r{i}")
+    out: dict[str, list] = {f"r{i}": [] for i in range(len(work))}
+    while core.has_work:
+        for d in core.step():
+            out[d.request_id].append((d.token_ids, d.finish_reason, d.logprobs))
+    core.check_conservation()
+    return out
+
+
+def test_seeded_sampling_draws_the_same_tokens_and_logprobs() -> None:
+    """Temperature 1 (and 0.3, where drafts are often accepted) over 24 seeds: every seed's
+    tokens are those of one-token steps. A draw is a pure function of (logits, seed, output
+    index), so equal tokens per seed is stronger than equal distributions over seeds."""
+    work = [
+        (PROMPTS[seed % 2], SamplingParams(max_tokens=16, temperature=t, seed=seed, logprobs=1))
+        for seed in range(12)
+        for t in (1.0, 0.3)
+    ]
+    spec = engine(SPEC)
+    got, want = run_with_logprobs(spec, work), run_with_logprobs(engine(None), work)
+    assert {r: [t for ids, *_ in d for t in ids] for r, d in got.items()} == {
+        r: [t for ids, *_ in d for t in ids] for r, d in want.items()
+    }
+    for rid, values in logprob_values(got).items():
+        assert values == pytest.approx(logprob_values(want)[rid], abs=1e-4)
+    assert spec.drafter is not None and spec.drafter.accepted > 0
+
+
+def test_drafting_stops_where_it_does_not_pay() -> None:
+    """Above max_batch running requests nobody drafts; a request whose drafts keep failing
+    rests for a while."""
+    drafter = Drafter(SPEC, max_batch=2)
+    batch = [LlmRequest(f"q{i}", PROMPTS[0], SamplingParams(max_tokens=30)) for i in range(3)]
+    for r in batch:
+        r.state = LlmRequestState.GENERATION_IN_PROGRESS
+        r.output_token_ids = [5]
+        r.num_computed_tokens = r.num_tokens - 1
+    drafter.propose(batch)
+    assert all(r.draft_token_ids == [] for r in batch)
+    drafter.propose(batch[:2])
+    assert all(r.draft_token_ids for r in batch[:2])
+    r = batch[0]
+    for _ in range(4):  # every draft rejected: the first draw never equals draft 1
+        r.draft_token_ids = [6, 7, 8, 9]
+        drafter.accept(r, (999, None), [(1, None)] * 4)
+    drafter.propose(batch[:2])
+    assert r.draft_token_ids == [] and batch[1].draft_token_ids

@@ -41,6 +41,7 @@ from shared.engine.roles.role import Emit, EngineParts, Role, RoleSettings
 from shared.engine.runtime import cpu_threads, kv_budget, malloc_policy
 from shared.engine.runtime.model_runner import ModelRunner, draft_rows
 from shared.engine.runtime.warmup import warm_up
+from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.engine.sampling.sampler import SampleOutput, Sampler
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -320,20 +321,24 @@ class EngineCore:
             r.choice_first_tokens = choices
             if r.first_token_time is None:
                 r.first_token_time = now
-            tokens = self._verified(r, t)
-            deltas.extend(self.role.accept_tokens(r, tokens, [lp, *[None] * (len(tokens) - 1)]))
+            step = self._verified(r, (t, lp))
+            tokens, logprobs = [s[0] for s in step], [s[1] for s in step]
+            deltas.extend(self.role.accept_tokens(r, tokens, logprobs))
         return deltas
 
-    def _verified(self, request: LlmRequest, token: int) -> list[int]:
-        """The step's tokens for `request`: the sampled one, then its accepted drafts' (their
-        K/V, computed this step, counts from now)."""
+    def _verified(
+        self, request: LlmRequest, first: tuple[int, TokenLogprobs | None]
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """The step's tokens for `request`: the sampled one, then those its accepted drafts
+        let through (the drafts' K/V, computed this step, counts from now)."""
         rows = self._draft_logits.pop(request.request_id, None)
         if rows is None or self.drafter is None:
-            return [token]
-        tokens = self.drafter.verify(request, token, rows)
-        request.num_computed_tokens += len(tokens) - 1
+            return [first]
+        drawn = zip(*self.sampler.draw_drafts(request, rows), strict=True)
+        step = self.drafter.accept(request, first, list(drawn))
+        request.num_computed_tokens += len(step) - 1
         request.draft_token_ids = []
-        return tokens
+        return step
 
     # ---- release --------------------------------------------------------------------------
     def free_request_resources(self, request: LlmRequest) -> None:

@@ -60,6 +60,12 @@ class EngineSnapshot:
     waiting: int = 0
     running: int = 0
     steps: int = 0
+    # speculative decoding since start: drafts proposed and accepted, verifying steps of a
+    # request and the tokens they yielded
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    draft_steps: int = 0
+    draft_step_tokens: int = 0
 
 
 class EngineThread:
@@ -198,4 +204,17 @@ class EngineThread:
             waiting=len(core.scheduler.waiting),
             running=len(core.scheduler.running),
             steps=core.num_steps,
+            **_draft_counts(core),
         )
+
+
+def _draft_counts(core: EngineCore) -> dict[str, int]:
+    drafter = core.drafter
+    if drafter is None:
+        return {}
+    return {
+        "drafts_proposed": drafter.proposed,
+        "drafts_accepted": drafter.accepted,
+        "draft_steps": drafter.steps,
+        "draft_step_tokens": drafter.tokens,
+    }

@@ -166,7 +166,7 @@ class Sampler:
             if random_rows.numel():
                 idx = torch.tensor(live, dtype=torch.long)[random_rows]
                 uniforms = [
-                    stream_uniform(self.seeds[rows[i]] or 0, len(requests[i].output_token_ids))  # type: ignore[union-attr]
+                    stream_uniform(self.seeds[rows[i]] or 0, _output_index(requests[i]))
                     for i in idx.tolist()
                 ]
                 tokens[idx] = self._sample_random(
@@ -187,6 +187,37 @@ class Sampler:
             self._logprobs(rows, live, raw, token_list),
             self._draw_choices(requests, rows, shaped, raw),
         )
+
+    def draw_drafts(
+        self, request: LlmRequest, logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """What `request`'s seat draws from each row of `logits` [k, vocab] as if each were a
+        step of its own, row j at the output index after the next token's + j: argmax when
+        greedy, else its seeded stream under its temperature, top-k, top-p and min-p; with its
+        logprobs where it asked. Changes no state (drafted requests hold no penalties and no
+        grammar): a speculative step's verification (shared/engine/speculative/drafter.py)."""
+        seat = request.seq_slot
+        assert seat is not None and self.owner[seat] == request.request_id
+        raw = logits.float()
+        k = raw.shape[0]
+        if float(self.temperature[seat]) > 0:
+            base = _output_index(request) + 1
+            seed = self.seeds[seat] or 0
+            uniforms = [stream_uniform(seed, base + j) for j in range(k)]
+            tokens = self._sample_random(
+                raw.cpu(),
+                self.temperature[seat].repeat(k),
+                self.top_k[seat].repeat(k),
+                self.top_p[seat].repeat(k),
+                torch.tensor(uniforms, dtype=torch.float64),
+                self.min_p[seat].repeat(k),
+            ).tolist()
+        else:
+            tokens = raw.max(dim=-1).indices.tolist()
+        top = self.logprobs_k[seat]
+        if top is None:
+            return tokens, [None] * k
+        return tokens, list(compute_logprobs(raw, tokens, [top] * k))
 
     def _draw_choices(
         self,
@@ -315,6 +346,13 @@ class Sampler:
                     logits[idx], temps[idx], top_k[idx], top_p[idx], uniforms[idx], width
                 )
         return out
+
+
+def _output_index(request: LlmRequest | None) -> int:
+    """The seeded stream's index of the token `request` samples next: its own outputs, after
+    those of the answer it continues (SamplingParams.output_index_offset)."""
+    assert request is not None  # a live row
+    return request.sampling_params.output_index_offset + len(request.output_token_ids)
 
 
 def _apply_min_p(logits: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,10 @@ class SamplingParams:
     # a grammar every output token is drawn under (shared/engine/sampling/grammar_rows.py); None:
     # free
     structured: StructuredOutput | None = None
+    # the seeded stream's index of the first token sampled: a request continuing an answer whose
+    # first tokens were produced elsewhere (now at the end of its prompt) draws what the
+    # uninterrupted request would have
+    output_index_offset: int = 0
     # priority and latency targets: admission's, not the sampler's (service_level.py)
     service: ServiceLevel = field(default_factory=ServiceLevel)
 
