@@ -204,3 +204,18 @@ def test_drafting_stops_where_it_does_not_pay() -> None:
         drafter.accept(r, (999, None), [(1, None)] * 4)
     drafter.propose(batch[:2])
     assert r.draft_token_ids == [] and batch[1].draft_token_ids
+
+
+def test_the_benchmark_reports_both_paths_and_their_ratio(tmp_path) -> None:
+    from pdserve.bench import speculative
+
+    result = speculative.main(["--quick", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for row in rows:
+        assert row["itl_ratio"] == pytest.approx(
+            row["ngram"]["itl_p50_s"] / row["plain"]["itl_p50_s"]
+        )
+        assert row["plain"]["tokens_per_step"] == 1.0  # one token per request per step
+        assert 1.0 <= row["ngram"]["tokens_per_step"] <= 5.0  # k = 4: at most 5
+    assert (tmp_path / "speculative.json").exists()

@@ -13,4 +13,5 @@ BENCHMARKS = {
     "structured": "pdserve.bench.structured",
     "profile": "pdserve.bench.profile",
     "plan-check": "pdserve.bench.plan_check",
+    "speculative": "pdserve.bench.speculative",
 }
