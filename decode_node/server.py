@@ -62,7 +62,12 @@ from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer
 from shared.serving.request_outcomes import DECODE_OUTCOMES, RequestOutcomes
 from shared.serving.status import Status
-from shared.serving.wire import WireError, generate_params_from_proto, validate_request
+from shared.serving.wire import (
+    WireError,
+    continue_answer,
+    generate_params_from_proto,
+    validate_request,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -393,7 +398,10 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             prompt = list(request.token_ids.ids)
         else:
             raise GenerateError(Status.INVALID_ARGUMENT, "prompt is missing: set text or token_ids")
-        params = generate_params_from_proto(request)
+        try:
+            prompt, params = continue_answer(request, prompt, generate_params_from_proto(request))
+        except WireError as e:
+            raise GenerateError(Status.INVALID_ARGUMENT, str(e)) from None
         return prompt, self.validate(prompt, params, request.request_id)
 
     # ---- admission (remote path) ----------------------------------------------------------

@@ -35,7 +35,8 @@ def bound_ports(a: argparse.Namespace) -> list[tuple[str, str, int]]:
         port, http_port = up_ports(a)
         return [
             (service, "127.0.0.1", first + i)
-            for i in range(a.decode)
+            # with more than one decode node the front door (a proxy) takes the first ports
+            for i in range(a.decode + (a.decode > 1 and a.run is None))
             for service, first in (("grpc", port), ("http", http_port))
             if first > 0
         ]

@@ -82,6 +82,7 @@ def spawn(
     return popen_node(role, [sys.executable, "-m", "pdserve.cli", role, *args], echo, env, stderr)
 
 
+_STOP_ORDER = {"proxy": 0, "decode": 1}
 # The ports a node announces once ready, by the flag that asks for them.
 _PORT_FLAGS = {"--port": "port", "--metrics-port": "metrics_port", "--http-port": "http_port"}
 
@@ -133,8 +134,9 @@ def wait_ready(nodes: list[NodeProcess], timeout: float) -> None:
 
 
 def stop_all(nodes: list[NodeProcess], grace: float = 15.0) -> int:
-    """SIGTERM everyone (decode first: it is the front door), then wait; kill stragglers."""
-    for node in sorted(nodes, key=lambda n: n.role != "decode"):
+    """SIGTERM everyone, the front door first (the proxy, then decode nodes), then wait; kill
+    stragglers."""
+    for node in sorted(nodes, key=lambda n: _STOP_ORDER.get(n.role, len(_STOP_ORDER))):
         if node.proc.poll() is None:
             node.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -153,8 +155,10 @@ def stop_all(nodes: list[NodeProcess], grace: float = 15.0) -> int:
 
 class Cluster:
     """`port`/`http_port`: the first decode node's (the next ones count up; 0: ephemeral; an
-    http_port of -1: no HTTP API). `extra` goes to every node, `prefill_extra` to prefill nodes
-    only, `decode_extra` to decodes only."""
+    http_port of -1: no HTTP API). With `front_door` and more than one decode node, a proxy
+    (`pdserve proxy`: gRPC and, unless http_port is -1, HTTP) takes `port`/`http_port` in front
+    of them all and the decode nodes the ports after. `extra` goes to every node,
+    `prefill_extra` to prefill nodes only, `decode_extra` to decodes only."""
 
     def __init__(
         self,
@@ -167,6 +171,7 @@ class Cluster:
         http_port: int = -1,
         decode_extra: list[str] | None = None,
         prefill_extra: list[str] | None = None,
+        front_door: bool = False,
     ):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
@@ -176,6 +181,7 @@ class Cluster:
         self.prefill_extra = list(prefill_extra or [])
         self.num_prefill = num_prefill
         self.num_decode = num_decode
+        self.front_door = front_door and num_decode > 1
         self.port = port
         self.extra = extra
         self.nodes: list[NodeProcess] = []
@@ -189,7 +195,7 @@ class Cluster:
         # --ucx-host, 127.0.0.1 by default. An operator's UCX_NET_DEVICES wins.
         env.setdefault("UCX_NET_DEVICES", "lo")
         # each node's stderr through one relay: two nodes loading at once draw one bar at a time
-        self.relay = StderrRelay(self.num_prefill + self.num_decode)
+        self.relay = StderrRelay(self.num_prefill + self.num_decode + self.front_door)
         fds = iter(self.relay.fds)
         prefill_args = ("--model", self.model, "--port", "0", *self.extra, *self.prefill_extra)
         specs = [
@@ -201,11 +207,41 @@ class Cluster:
             self._decode_spec(i, targets, env, echo, next(fds)) for i in range(self.num_decode)
         ]
         decodes = self._start_nodes(specs, timeout)
-        return [f"127.0.0.1:{d.info['port']}" for d in decodes]
+        endpoints = [f"127.0.0.1:{d.info['port']}" for d in decodes]
+        if self.front_door:
+            self._start_nodes([self._proxy_spec(decodes, env, echo, next(fds))], timeout)
+        return endpoints
+
+    def _proxy_spec(
+        self, decodes: list[NodeProcess], env: dict[str, str], echo: bool, stderr: int
+    ) -> NodeSpec:
+        """The front door: one gRPC (and HTTP) endpoint over every decode node, resuming a
+        stream whose node dies on another (pdserve/proxy.py)."""
+        grpc = ",".join(f"127.0.0.1:{d.info['port']}" for d in decodes)
+        args = ("--backend", grpc, "--host", "127.0.0.1", "--port", str(self.port))
+        args += ("--http-port", str(self.http_port), "--health-interval", "1")
+        if self.http_port >= 0:
+            http = ",".join(f"127.0.0.1:{d.info['http_port']}" for d in decodes)
+            args += ("--backend-http", http)
+        return NodeSpec("proxy", args, env, echo, stderr)
+
+    @property
+    def front_door_endpoint(self) -> str | None:
+        """HOST:PORT of the front door's gRPC API (None: no front door)."""
+        proxy = next((n for n in self.nodes if n.role == "proxy"), None)
+        return None if proxy is None else f"127.0.0.1:{proxy.info['port']}"
+
+    @property
+    def front_door_http(self) -> str | None:
+        """http://HOST:PORT of the front door's HTTP API (None: none)."""
+        proxy = next((n for n in self.nodes if n.role == "proxy"), None)
+        port = None if proxy is None else proxy.info.get("http_port")
+        return f"http://127.0.0.1:{port}" if port else None
 
     def _decode_spec(
         self, i: int, targets: str, env: dict[str, str], echo: bool, stderr: int
     ) -> NodeSpec:
+        i += self.front_door  # the front door takes the first ports
         port = self.port + i if self.port else 0
         http_port = self.http_port + i if self.http_port > 0 else self.http_port
         args = ("--model", self.model, "--port", str(port), "--prefill", targets)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import httpx
@@ -85,7 +85,7 @@ class _Relay(StreamingResponse):
     def __init__(
         self, upstream: httpx.Response, backend: Replica, release: Callable[[], None]
     ) -> None:
-        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code)
+        super().__init__(_relayed(upstream, backend), status_code=upstream.status_code)
         self.raw_headers = [
             (k.lower().encode("latin-1"), v.encode("latin-1"))
             for k, v in _forwardable(upstream.headers)
@@ -98,6 +98,24 @@ class _Relay(StreamingResponse):
         finally:
             self.release()
             await self.upstream.aclose()
+
+
+async def _relayed(upstream: httpx.Response, backend: Replica) -> AsyncIterator[bytes]:
+    """The upstream body as it comes. A replica lost mid-stream (killed, connection reset) ends
+    an event stream the way a node's own failure does, with an error event (503: retry) and
+    [DONE], so that the client is told rather than cut off; any other body just ends."""
+    last = b"\n\n"
+    try:
+        async for chunk in upstream.aiter_raw():
+            last = chunk[-2:] or last
+            yield chunk
+    except httpx.HTTPError as e:
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            raise
+        log.warning("HTTP stream from %s lost mid-stream: %r", backend.target, e)
+        error = ApiError(503, f"decode node {backend.target} failed mid-stream: {e!r}")
+        # an event cut short is closed first: the error is an event of its own
+        yield (b"" if last == b"\n\n" else b"\n\n") + error.sse_event() + b"data: [DONE]\n\n"
 
 
 def _names_stored_response(request: Request, body: bytes) -> bool:
@@ -136,8 +154,12 @@ class HttpForwarder:
         *,
         backend_port: int,
         max_attempts: int,
+        http_targets: Mapping[str, str] | None = None,
     ) -> None:
         self.pool = pool
+        # gRPC target -> HOST:PORT of its HTTP API, where replicas share a host (`pdserve up`);
+        # any other replica: its host on `backend_port`
+        self.http_targets = dict(http_targets or {})
         self.router = router
         self.backend_port = backend_port
         self.max_attempts = max_attempts
@@ -197,7 +219,7 @@ class HttpForwarder:
                 break
             tried.add(backend.target)
             url = httpx.URL(
-                f"http://{http_address(backend, self.backend_port)}{request.url.path}",
+                f"http://{self._address(backend)}{request.url.path}",
                 query=request.url.query.encode(),
             )
             upstream = self.client.build_request(request.method, url, headers=headers, content=body)
@@ -234,6 +256,9 @@ class HttpForwarder:
         if not_here is not None:  # every replica was asked: none holds it
             return not_here
         return ApiError(503, f"no decode node could take the request ({last_error})").response()
+
+    def _address(self, backend: Replica) -> str:
+        return self.http_targets.get(backend.target) or http_address(backend, self.backend_port)
 
     def _prompt_key(self, request: Request, body: bytes) -> PromptKey | None:
         if not self.router.uses_keys:

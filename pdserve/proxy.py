@@ -33,8 +33,11 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
@@ -44,9 +47,13 @@ from pdserve.prefix_router import ROUTING_MODES, PrefixRouter
 from pdserve.prompt_key import GENERATE_METHOD, PromptKey, grpc_key
 from pdserve.proxy_backends import Backend, backend_pool
 from pdserve.replay import ReplayableRequests
+from pdserve.stream_resume import NODE_LOST, GenerateLedger
 from shared.serving import tracing
 from shared.serving.limits import GRPC_CHANNEL_OPTIONS
 from shared.serving.metrics import AsgiServer, metrics_app, register_scrape_gauge
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -79,6 +86,7 @@ class Proxy:
         health_interval: float = 2.0,
         max_attempts: int = 3,
         routing: str = "kv",
+        max_resumes: int = 2,
     ):
         if not backends:
             raise ValueError("the proxy needs at least one --backend")
@@ -87,7 +95,11 @@ class Proxy:
         self.registry = r = CollectorRegistry()
         self.router = PrefixRouter(routing, r)  # which backend gets each call
         self.pool = backend_pool(backends, health_interval, self.router.forget)
+        self.backends = list(backends)
         self.max_attempts = max_attempts
+        if max_resumes < 0:
+            raise ValueError("max_resumes must be >= 0")
+        self.max_resumes = max_resumes
         self.server: aio.Server | None = None
         self.health = health.HealthServicer()
         self.metrics_server: AsgiServer | None = None
@@ -104,6 +116,13 @@ class Proxy:
         self.retries = Counter(
             "pdserve_proxy_retries_total",
             "Calls moved to another backend before any answer",
+            registry=r,
+        )
+        self.resumes = Counter(
+            "pdserve_proxy_resumes_total",
+            "Streams whose decode node failed mid-stream, moved to another node: completed there, "
+            "or failed (no node left, --max-resumes or the deadline reached)",
+            labelnames=("outcome",),
             registry=r,
         )
         register_scrape_gauge(
@@ -129,7 +148,10 @@ class Proxy:
         metrics_port: int = -1,
         http_port: int = -1,
         backend_http_port: int = 8000,
+        backend_http: Sequence[str] = (),
     ) -> None:
+        """`backend_http`: each backend's HTTP HOST:PORT, in the order of the backends given
+        (empty: every backend's host on `backend_http_port`)."""
         await self.pool.refresh()
         self._set_serving(self.pool.any_healthy())
         self._health_task = asyncio.create_task(self._health_loop())
@@ -151,6 +173,7 @@ class Proxy:
                 self.registry,
                 backend_port=backend_http_port,
                 max_attempts=self.max_attempts,
+                http_targets=dict(zip(self.backends, backend_http, strict=False)),
             )
             self.http_server = await AsgiServer.start(self.http.app(), host, http_port)
         log.info(
@@ -200,55 +223,107 @@ class Proxy:
         metadata = tracing.inject(forwardable(incoming), span)  # the decode node's parent
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        requests = ReplayableRequests(request_iterator)
-        tried: set[str] = set()
-        last_error = "no decode node is known"
+        call = _Call(method, ReplayableRequests(request_iterator), metadata, deadline)
         try:
-            key = await self._prompt_key(method, requests)
-            for attempt in range(self.max_attempts):
-                backend = self.router.route(self.pool, key, tried)
-                if backend is None:
-                    break
-                tried.add(backend.target)
-                call = self._open(backend, method, metadata, deadline, key)
-                writer = asyncio.create_task(requests.feed(call))
-                answered = False
-                code = grpc.StatusCode.UNKNOWN
-                try:
-                    async for response in call:
-                        if not answered:
-                            answered = True
-                            requests.commit()
-                            with contextlib.suppress(Exception):
-                                await context.send_initial_metadata(
-                                    forwardable(await call.initial_metadata())
-                                )
-                        yield response
-                    code = grpc.StatusCode.OK
-                    context.set_trailing_metadata(
-                        tuple(forwardable(await call.trailing_metadata()))  # type: ignore[arg-type]
-                    )
+            call.key = await self._prompt_key(method, call.requests)
+            if method == GENERATE_METHOD and self.max_resumes > 0:
+                first = await call.requests.first()
+                with contextlib.suppress(DecodeError):  # malformed: the node answers it
+                    call.ledger = None if first is None else GenerateLedger(first)
+            while (backend := self.router.route(self.pool, call.key, call.tried)) is not None:
+                call.tried.add(backend.target)
+                async for response in self._attempt(call, backend, span, context):
+                    yield response
+                if call.done:
                     return
-                except aio.AioRpcError as e:
-                    code = e.code()
-                    retry = not answered and requests.replayable
-                    retry = retry and attempt + 1 < self.max_attempts
-                    last_error = await self._failed(method, backend, e, retry, context)
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = grpc.StatusCode.CANCELLED  # the client went away
-                    raise
-                finally:
-                    self.router.release(backend, key)
-                    self.calls.labels(backend.target, code.name).inc()
-                    tracing.attempt(span, backend.target, code.name, code == grpc.StatusCode.OK)
-                    writer.cancel()
-                    call.cancel()
+            if call.ledger is not None and call.ledger.resumes:
+                self.resumes.labels("failed").inc()
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"no decode node could take the call ({last_error})"
+                grpc.StatusCode.UNAVAILABLE,
+                f"no decode node could take the call ({call.last_error})",
             )
         finally:
-            await requests.close()
+            await call.requests.close()
             tracing.end(span)
+
+    async def _attempt(
+        self, call: _Call, backend: Backend, span: Span | None, context: aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """One backend's try at the call: its answer passed on; `call.done` unless the next
+        backend should try (a retry before any answer, or a resume of a stream cut short)."""
+        resume = call.resume_request
+        rpc = self._open(backend, call.method, call.metadata, call.deadline, call.key)
+        feed = call.requests.feed(rpc) if resume is None else _send_one(rpc, resume)
+        writer = asyncio.create_task(feed)
+        code = grpc.StatusCode.UNKNOWN
+        try:
+            async for response in rpc:
+                if not call.answered:
+                    call.answered = True
+                    call.requests.commit()
+                    with contextlib.suppress(Exception):
+                        await context.send_initial_metadata(
+                            forwardable(await rpc.initial_metadata())
+                        )
+                yield response if call.ledger is None else call.ledger.record(response)
+            code = grpc.StatusCode.OK
+            context.set_trailing_metadata(
+                tuple(forwardable(await rpc.trailing_metadata()))  # type: ignore[arg-type]
+            )
+            if resume is not None:
+                self.resumes.labels("completed").inc()
+            call.done = True
+        except aio.AioRpcError as e:
+            code = e.code()
+            call.done = not await self._next_try(call, backend, e, context)
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED  # the client went away
+            raise
+        finally:
+            self.router.release(backend, call.key)
+            self.calls.labels(backend.target, code.name).inc()
+            tracing.attempt(span, backend.target, code.name, code == grpc.StatusCode.OK)
+            writer.cancel()
+            rpc.cancel()
+
+    async def _next_try(
+        self, call: _Call, backend: Backend, e: aio.AioRpcError, context: aio.ServicerContext
+    ) -> bool:
+        """Whether another backend should try after `backend` failed with `e`: before any
+        answer, an UNAVAILABLE is retried (`--max-attempts`); after one, a Generate stream whose
+        node was lost is resumed (`--max-resumes`, within the deadline). Otherwise the client
+        gets the error (aborts)."""
+        if not call.answered:
+            retry = call.requests.replayable and len(call.tried) < self.max_attempts
+            call.last_error = await self._failed(call.method, backend, e, retry, context)
+            return True
+        ledger = call.ledger
+        if ledger is None or e.code() not in NODE_LOST or not ledger.resumable:
+            await self._abort(e, context)
+        if ledger.resumes >= self.max_resumes:
+            self.resumes.labels("failed").inc()
+            await context.abort(
+                e.code(),
+                f"decode node {backend.target} failed mid-stream ({e.details()}) and the stream "
+                f"was resumed {ledger.resumes} time(s) already (--max-resumes {self.max_resumes})",
+            )
+        if call.deadline is not None and time.monotonic() >= call.deadline:
+            self.resumes.labels("failed").inc()
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"decode node {backend.target} failed mid-stream and the deadline passed",
+            )
+        self.pool.mark_unhealthy(backend, f"{call.method} lost mid-stream: {e.code().name}")
+        log.warning(
+            "%s on %s failed after %d tokens (%s): resuming on another node",
+            call.method,
+            backend.target,
+            len(ledger.sent),
+            e.code().name,
+        )
+        call.resume_request = ledger.continuation()
+        call.last_error = f"{backend.target} failed mid-stream: {e.details()}"
+        return True
 
     def _open(
         self,
@@ -285,16 +360,46 @@ class Proxy:
         """A backend's call failed before answering: UNAVAILABLE is retried elsewhere (when
         `retry` allows); anything else goes to the client as it came. Returns the error."""
         if e.code() != grpc.StatusCode.UNAVAILABLE or not retry:
-            await context.abort(
-                e.code(),
-                e.details() or "",
-                tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
-            )
+            await self._abort(e, context)
         # until the next health round says otherwise
         self.pool.mark_unhealthy(backend, f"{method} answered UNAVAILABLE")
         log.info("%s on %s: UNAVAILABLE, retrying elsewhere", method, backend.target)
         self.retries.inc()
         return f"{backend.target}: {e.details()}"
+
+    @staticmethod
+    async def _abort(e: aio.AioRpcError, context: aio.ServicerContext) -> NoReturn:
+        """The backend's error to the client as it came."""
+        await context.abort(
+            e.code(),
+            e.details() or "",
+            tuple(forwardable(e.trailing_metadata())),  # type: ignore[arg-type]
+        )
+        raise AssertionError("context.abort returned")  # it raises
+
+
+@dataclass
+class _Call:
+    """One client call as the proxy forwards it, over however many backends it takes."""
+
+    method: str
+    requests: ReplayableRequests
+    metadata: list[tuple[str, object]]
+    deadline: float | None
+    key: PromptKey | None = None
+    ledger: GenerateLedger | None = None  # a Generate call's request and what was sent
+    tried: set[str] = field(default_factory=set)
+    answered: bool = False  # some backend answered: no plain retry any more
+    done: bool = False
+    resume_request: bytes | None = None  # what the next backend is asked: the rest of a stream
+    last_error: str = "no decode node is known"
+
+
+async def _send_one(rpc: aio.StreamStreamCall, request: bytes) -> None:
+    """A resumed call's one request message, then half-close."""
+    with contextlib.suppress(Exception):  # the call ended (error or cancel)
+        await rpc.write(request)
+        await rpc.done_writing()
 
 
 class _ForwardHandler(grpc.GenericRpcHandler):
@@ -327,8 +432,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=-1, help="-1 disables /metrics")
     p.add_argument("--http-port", type=int, default=-1, help="forward the HTTP API (-1: off)")
     p.add_argument("--backend-http-port", type=int, default=8000, help="decode nodes' HTTP port")
+    p.add_argument(
+        "--backend-http",
+        default="",
+        help="HOST:PORT[,...] of each --backend's HTTP API, in the same order (decode nodes "
+        "sharing a host); unset: each backend's host on --backend-http-port",
+    )
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     p.add_argument("--max-attempts", type=int, default=3, help="backends tried per call")
+    p.add_argument(
+        "--max-resumes",
+        type=int,
+        default=2,
+        help="times a Generate stream whose decode node failed mid-stream is continued on "
+        "another node (0: never; the client gets the error)",
+    )
     p.add_argument(
         "--routing",
         choices=ROUTING_MODES,
@@ -362,12 +480,14 @@ def run(a: argparse.Namespace) -> int:
             health_interval=a.health_interval,
             max_attempts=a.max_attempts,
             routing=a.routing,
+            max_resumes=a.max_resumes,
         )
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
-        await proxy.start(a.host, a.port, a.metrics_port, a.http_port, a.backend_http_port)
+        http = [t.strip() for t in a.backend_http.split(",") if t.strip()]
+        await proxy.start(a.host, a.port, a.metrics_port, a.http_port, a.backend_http_port, http)
         info = {
             "role": "proxy",
             "port": proxy.port,

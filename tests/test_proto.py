@@ -39,6 +39,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "priority": (5, _T.TYPE_INT32, False),
         "ttft_slo_ms": (6, _T.TYPE_UINT32, False),
         "itl_slo_ms": (7, _T.TYPE_UINT32, False),
+        "continuation": (8, _T.TYPE_MESSAGE, False),
     },
     "TokenIds": {"ids": (1, _T.TYPE_UINT32, True)},
     "SamplingParams": {
@@ -61,6 +62,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "min_p": (17, _T.TYPE_FLOAT, False),
         "include_stop_str_in_output": (18, _T.TYPE_BOOL, False),
         "structured": (19, _T.TYPE_MESSAGE, False),
+        "output_index_offset": (20, _T.TYPE_UINT32, False),
     },
     "StructuredOutput": {
         "kind": (1, _T.TYPE_ENUM, False),

@@ -20,9 +20,9 @@ from shared.serving.metrics import parse_prometheus_text
 class Up:
     proc: subprocess.Popen[str]
     log: Path  # its stderr (and its nodes')
-    grpc: str = ""  # the first decode node's HOST:PORT
+    grpc: str = ""  # the front door's HOST:PORT (one decode node: that node's)
     decodes: list[str] = field(default_factory=list)  # every decode node's HOST:PORT
-    http: str = ""  # the first decode node's http://HOST:PORT
+    http: str = ""  # the front door's http://HOST:PORT (one decode node: that node's)
     stdout: list[str] = field(default_factory=list)
 
     def nodes(self, role: str) -> list[int]:
@@ -71,7 +71,9 @@ def start_up(tmp_path: Path, *args: str, timeout: float = 120.0) -> Up:
             up.stdout.append(line)
             if line.startswith("endpoint: "):
                 up.grpc = line.split()[1]
-                up.decodes = list(dict.fromkeys(re.findall(r"127\.0\.0\.1:\d+", line)))
+                # after the front door, where there is one: each decode node's own
+                nodes = line.split("decode nodes: ", 1)[-1]
+                up.decodes = list(dict.fromkeys(re.findall(r"127\.0\.0\.1:\d+", nodes)))
             elif line.startswith("HTTP (OpenAI API): "):
                 up.http = line.split()[3].removesuffix("/v1")
             elif line.startswith("try: "):

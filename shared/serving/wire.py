@@ -29,6 +29,7 @@ __all__ = [
     "add_servicer",
     "check_request_id",
     "check_sampling",
+    "continue_answer",
     "generate_params_from_proto",
     "logprob_from_proto",
     "logprob_to_proto",
@@ -76,6 +77,7 @@ def sampling_from_proto(
         n=s.n or 1,
         include_stop_str_in_output=s.include_stop_str_in_output,
         structured=structured_from_proto(s.structured) if s.HasField("structured") else None,
+        output_index_offset=s.output_index_offset,
     )
 
 
@@ -106,6 +108,31 @@ def generate_params_from_proto(request: generation_pb2.GenerateRequest) -> Sampl
     return replace(sampling_from_proto(request.sampling), service=service)
 
 
+def continue_answer(
+    request: generation_pb2.GenerateRequest, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], SamplingParams]:
+    """The prompt and sampling of a request that continues an answer (its `continuation`: the
+    output tokens some earlier call already streamed): those tokens follow the prompt, seeded
+    draws go on at their output index, max_tokens and min_tokens count what is left."""
+    if not request.HasField("continuation"):
+        return prompt, params
+    done = list(request.continuation.ids)
+    if params.n > 1:
+        raise WireError("continuation", "an answer with sampling.n > 1 cannot be continued")
+    if len(done) >= params.max_tokens:
+        raise WireError(
+            "continuation",
+            f"continuation has {len(done)} tokens: sampling.max_tokens {params.max_tokens} "
+            "leaves none to generate",
+        )
+    return prompt + done, replace(
+        params,
+        max_tokens=params.max_tokens - len(done),
+        min_tokens=max(0, params.min_tokens - len(done)),
+        output_index_offset=params.output_index_offset + len(done),
+    )
+
+
 def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
     msg = generation_pb2.SamplingParams(
         max_tokens=params.max_tokens,
@@ -125,6 +152,7 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         n=params.n,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        output_index_offset=params.output_index_offset,
     )
     if params.seed is not None:  # unset: the server draws one
         msg.seed = params.seed
