@@ -51,7 +51,6 @@ from shared.engine.events import Admitted
 from shared.engine.info import EngineInfo
 from shared.engine.requests.output import TokenDelta
 from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
-from shared.engine.sampling.grammar_compiler import warm_workers
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.transfer_admission import AdmissionClosed, TransferGrant
 from shared.engine.thread import EngineThread
@@ -125,7 +124,6 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             self.core, loop, self._on_deltas, "decode-engine", on_event=self._on_event
         )
         await self.thread.start_warm()
-        warm_workers()  # structured outputs' compile workers, in the background
         await self.receiver.start()
         await self.pool.start()
         self.serving = await NodeServing.serve(

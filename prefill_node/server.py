@@ -36,7 +36,7 @@ from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import LlmRequest
 from shared.engine.roles.prefill_role import PrefillSettings
-from shared.engine.sampling.grammar_compiler import compile_async, warm_workers
+from shared.engine.sampling.grammar_compiler import compile_async
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
 from shared.model import native
@@ -104,7 +104,6 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
         await self.thread.start_warm()
-        warm_workers()  # structured outputs' compile workers, in the background
         native.log_states()  # each C kernel on (variant, path) or off and why
         self.sender.start(self.info.kv_pool.device)  # not inside the first request's push
         self.serving = await NodeServing.serve(

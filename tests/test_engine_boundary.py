@@ -41,12 +41,7 @@ NODE_API: dict[str, set[str]] = {
     },  # what a prefill node's layer hook sees
     "shared.engine.scheduling.transfer_admission": {"TransferGrant", "AdmissionClosed"},
     "shared.engine.resources.block_manager": {"BlockHash", "compute_block_hashes"},
-    "shared.engine.sampling.grammar_compiler": {
-        "GrammarError",
-        "compile_async",
-        "compiler_for",
-        "warm_workers",
-    },
+    "shared.engine.sampling.grammar_compiler": {"GrammarError", "compile_async", "compiler_for"},
 }
 ROLE_MODULES = (
     "shared/engine/roles/role.py",

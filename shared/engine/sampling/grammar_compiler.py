@@ -11,7 +11,6 @@ offline LLM API) is compiled on the thread that asks.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import threading
@@ -41,7 +40,6 @@ __all__ = [
     "compile_async",
     "compile_pool",
     "compiler_for",
-    "warm_workers",
     "xgrammar",
 ]
 
@@ -239,14 +237,6 @@ _compile_pool: CompilePool | None = None
 _background_pool: ThreadPoolExecutor | None = None
 
 
-def warm_workers() -> None:
-    """Start the compile workers in the background when xgrammar is installed (a node at
-    start): its first structured requests then find them ready instead of waiting seconds for
-    xgrammar's import and the forks."""
-    if importlib.util.find_spec("xgrammar") is not None:
-        compile_pool().refill()
-
-
 def compile_pool() -> CompilePool:
     """The node's compile workers, one pool for every tokenizer."""
     global _compile_pool
@@ -298,4 +288,5 @@ async def compile_async(
     if spec.compiled is None:
         ZYGOTE.warm()  # no-op once up; else it starts while this node builds the vocabulary
     compiler = await asyncio.to_thread(compiler_for, tokenizer, vocab_size)
+    compile_pool().refill((compiler.key, compiler.vocab_json()))  # workers ahead, from now on
     await compiler.compile_async(spec, timeout, deadline)

@@ -126,13 +126,15 @@ class CompilePool:
     """At most `size` compiles at once, each in a worker of its own; a compile that finds every
     worker busy waits for one until its deadline (then GrammarBusy: 429 / RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, size: int, limit_bytes: int):
+    def __init__(self, size: int, limit_bytes: int, ahead: int = 2):
         self.size = size
+        self.ahead = ahead  # idle workers kept forked ahead, once the node has compiled once
         self.limit_bytes = limit_bytes  # a compile's heap growth past this kills it: a 400
         self._idle: list[_Worker] = []
         self._live = 0  # workers busy, idle or starting
         self._lock = threading.Lock()
         self._closed = False
+        self._vocab: tuple[str, str] | None = None  # (key, JSON) a new worker is given first
 
     @property
     def workers(self) -> int:
@@ -160,10 +162,11 @@ class CompilePool:
         kill_at = min(clock + timeout, end)
         keep = False
         try:
+            # off the event loop: a busy worker at nice 19 may take a while to read 1-2 MB
             if key not in worker.vocabs:
-                worker.conn.send(("vocab", key, vocab))
+                await asyncio.to_thread(worker.conn.send, ("vocab", key, vocab))
                 worker.vocabs.add(key)
-            worker.conn.send(("compile", key, spec))
+            await asyncio.to_thread(worker.conn.send, ("compile", key, spec))
             status, value, retire = await self._answer(worker, spec, kill_at, kill_at - clock)
             keep = not retire
         finally:
@@ -217,18 +220,28 @@ class CompilePool:
             self._live -= 1
         self.refill()
 
-    def refill(self) -> None:
-        """Start workers in the background until `size` are up: a request then finds one
-        ready (forking at nice 19 on a busy machine can take seconds)."""
+    def refill(self, vocab: tuple[str, str] | None = None) -> None:
+        """Start workers in the background until `ahead` are idle (and at most `size` live),
+        each given `vocab` (a tokenizer's key and TokenizerInfo JSON; the last one given here)
+        before it is idle: a request then finds one ready (forking and reading a vocabulary at
+        nice 19 on a busy machine can take seconds)."""
+        if vocab is not None:
+            self._vocab = vocab
+        with self._lock:
+            if self._closed or len(self._idle) >= self.ahead or self._live >= self.size:
+                return
 
         def run() -> None:
             while True:
                 with self._lock:
-                    if self._closed or self._live >= self.size:
+                    if self._closed or self._live >= self.size or len(self._idle) >= self.ahead:
                         return
                     self._live += 1
                 try:
                     worker = _start_worker(ZYGOTE)
+                    if (given := self._vocab) is not None:
+                        worker.conn.send(("vocab", *given))
+                        worker.vocabs.add(given[0])
                 except (OSError, RuntimeError, EOFError) as e:  # the next compile says why
                     with self._lock:
                         self._live -= 1
