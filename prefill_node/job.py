@@ -49,6 +49,17 @@ class PrefillJob:
         """From the engine thread: queue a message (or FINAL) for the handler."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
+    def put_many(self, items: list[KvMessage]) -> None:
+        """From the engine thread: queue messages in one hop, so the handler finds them queued
+        together and sends consecutive layers of the same blocks as one message."""
+        if items:
+            self.loop.call_soon_threadsafe(_put_all, self.queue, items)
+
+    @property
+    def min_message_bytes(self) -> int:
+        """The smallest payload the sender measured worth a message of its own (0: unknown)."""
+        return 0 if self.push is None else self.push.sender.min_message_bytes
+
     def dest_ids(self, start: int, stop: int) -> list[int]:
         offset = self.first_block_index
         return list(self.destination.block_ids[start - offset : stop - offset])
@@ -63,3 +74,8 @@ class PrefillJob:
     def pushed(self) -> bool:
         """Whether the decode node has the whole context (the blocks may be unpinned as done)."""
         return self.completed and not self.cancelled
+
+
+def _put_all(queue: asyncio.Queue[KvMessage | None], items: list[KvMessage]) -> None:
+    for item in items:
+        queue.put_nowait(item)

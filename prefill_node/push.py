@@ -12,7 +12,7 @@ the compute stream, ordered after the layer) and sent from the copy.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,10 @@ class _Work:
     final: bool
     upto: int
     table: list[int]
+    # the last chunk's layers not queued yet, and their payload bytes: layers are held until
+    # they add up to the size the sender measured worth a message (`min_message_bytes`)
+    held: list[KvMessage] = field(default_factory=list)
+    held_bytes: int = 0
 
 
 def plan_push(
@@ -76,14 +80,17 @@ def make_layer_hook(
     if not work:
         return None
     last_layer = num_layers - 1
+    block_bytes = kv_pool[0, :, 0].numel() * kv_pool.element_size()  # one block, one layer
 
     def hook(layer: int) -> None:
         for w in work:
             if w.job.layerwise and w.src:
                 if layer == 0:
                     pin(w.job.request_id, w.src)
-                if w.final or kv_pool.is_cuda:
+                if kv_pool.is_cuda:
                     _queue_layer(w.job, kv_pool, layer, w.upto - len(w.src), w.dst, w.src)
+                elif w.final:
+                    _hold_layer(w, kv_pool, layer, block_bytes, layer == last_layer)
                 elif layer == last_layer:
                     # An earlier chunk's blocks go once all its layers are done, as one message
                     # (queued together, the sender coalesces them): they still move while the
@@ -100,6 +107,20 @@ def make_layer_hook(
                 w.job.put(FINAL)
 
     return hook
+
+
+def _hold_layer(w: _Work, kv_pool: torch.Tensor, layer: int, block_bytes: int, last: bool) -> None:
+    """The last chunk, layer by layer: queue the layers held so far once their payload reaches
+    the sender's measured `min_message_bytes` (or at the last layer), together, so that they go
+    as one message. Per-layer payloads that small would otherwise pay the fixed cost of a
+    message each (measured: docs/performance.md, "KV transfer")."""
+    message = _layer_message(w.job, kv_pool, layer, w.upto - len(w.src), w.dst, w.src)
+    if message is not None:
+        w.held.append(message)
+        w.held_bytes += len(message.blocks) * block_bytes
+    if w.held and (last or w.held_bytes >= w.job.min_message_bytes):
+        w.job.put_many(w.held)
+        w.held, w.held_bytes = [], 0
 
 
 def _queue_whole_request(
@@ -124,8 +145,9 @@ def _queue_all_layers(
 ) -> None:
     """One message per layer, queued together (so the sender coalesces the layers sending the
     same blocks into one); `src` are prompt blocks [upto - len(src), upto)."""
-    for layer in range(num_layers):
-        _queue_layer(job, kv_pool, layer, upto - len(src), dst, src)
+    start = upto - len(src)
+    messages = (_layer_message(job, kv_pool, i, start, dst, src) for i in range(num_layers))
+    job.put_many([m for m in messages if m is not None])
 
 
 def _queue_layer(
@@ -136,8 +158,22 @@ def _queue_layer(
     dst: tuple[int, ...],
     src: tuple[int, ...],
 ) -> None:
-    """Queue `layer`'s message for prompt blocks `start`, ... (`src` here, `dst` there), less
-    those out of its window (none left: no message)."""
+    message = _layer_message(job, kv_pool, layer, start, dst, src)
+    if message is not None:
+        job.put(message)
+
+
+def _layer_message(
+    job: PrefillJob,
+    kv_pool: torch.Tensor,
+    layer: int,
+    start: int,
+    dst: tuple[int, ...],
+    src: tuple[int, ...],
+) -> KvMessage | None:
+    """`layer`'s message for prompt blocks `start`, ... (`src` here, `dst` there), less those
+    out of its window (None: none left)."""
     cut = max(0, job.sends_from(layer) - start)
-    if cut < len(src):
-        job.put(_message(kv_pool, layer, dst[cut:], src[cut:]))
+    if cut >= len(src):
+        return None
+    return _message(kv_pool, layer, dst[cut:], src[cut:])
