@@ -49,7 +49,13 @@ def test_transfer_quick(tmp_path: Path) -> None:
         assert "skipped" in nixl or nixl["correct"] is True
         assert set(row["ratios"]) == {f"vs_{m}" for m in transfer.METHODS if m != transfer.HEADLINE}
     for checks in (result["targets"], result["targets"]["whole_request"]):
-        assert {"ge_80pct_of_ucx_perftest", "ge_1_5x_nixl", "ge_5x_grpc"} <= set(checks)
+        assert {
+            "ge_90pct_of_ucx_perftest",
+            "ge_50pct_of_ucx_perftest_2_16mib",
+            "fixed_cost_p50_le_100us",
+            "ge_1_5x_nixl",
+            "ge_5x_grpc",
+        } <= set(checks)
     assert "idle_lt_5pct_core" in result["targets"]
 
 

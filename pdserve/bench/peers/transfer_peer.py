@@ -191,8 +191,9 @@ class Sender(_Role, SenderBaselines):
     async def cmd_send_kv(
         self, dest: dict[str, Any], src_ids: list[int], mode: str
     ) -> dict[str, Any]:
-        """layerwise: every layer posted straight from the pool (no copy on this side), at most
-        SEND_WINDOW messages in flight, like PrefillNode._drain. whole: one message for every
+        """layerwise: the layers posted straight from the pool (no copy on this side), held
+        until they add up to the sender's measured min_message_bytes (prefill_node/push.py), at
+        most SEND_WINDOW messages in flight, like PrefillNode._drain. whole: one message for every
         layer (a whole-request push; also what a layer-wise push coalesces to when its queue is
         ahead of the sends). packed: every layer packed into a contiguous buffer first (the
         CUDA pools' path), then sent like layerwise."""
@@ -215,13 +216,21 @@ class Sender(_Role, SenderBaselines):
                 "sent": time.monotonic(),
                 "pack_s": 0.0,
                 "send_s": time.monotonic() - packed,
+                "min_message_bytes": self.kv.min_message_bytes,
             }
+        src, run, held = tuple(src_ids), 0, 0  # the layers held back (prefill_node/push.py)
+        layer_bytes = self.layout.payload_bytes(1, len(src))
         for layer in range(layers):
             last = layer == layers - 1
             if mode == "packed":
                 message = KvMessage(layer=layer, blocks=dst, payload=payloads[layer], last=last)
             else:
-                message = KvMessage(layer=layer, blocks=dst, src=src_ids, last=last)
+                held += layer_bytes
+                if not last and held < self.kv.min_message_bytes:
+                    continue  # coalesced with the next layers, as the prefill node does
+                n = layer + 1 - run
+                message = KvMessage(layer=run, blocks=dst, src=src, n_layers=n, last=last)
+                run, held = layer + 1, 0
             in_flight.append(push.post(message))
             if len(in_flight) >= SEND_WINDOW:
                 await in_flight.pop(0)
@@ -231,6 +240,7 @@ class Sender(_Role, SenderBaselines):
             "sent": time.monotonic(),
             "pack_s": packed - t0,
             "send_s": time.monotonic() - packed,
+            "min_message_bytes": self.kv.min_message_bytes,
         }
 
     # -- the tests' messages: exact layers and blocks, hand-made headers, a sender that stops
