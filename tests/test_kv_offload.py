@@ -149,3 +149,36 @@ def test_offload_config_is_checked() -> None:
         OffloadConfig(0, "/tmp/x", MIB).validate()
     with pytest.raises(ValueError, match="go together"):
         OffloadConfig(MIB, "/tmp/x", 0).validate()
+
+
+def test_a_decode_node_lands_pushes_and_reloads_its_own_prompts() -> None:
+    """The decode engine's composed connector: a prompt a prefill node computes lands in the
+    blocks the landing connector reserved (finish_load goes to it, not to the tier), while the
+    prompts prefilled here go through the tier; the pushed prompt's blocks, evicted later, come
+    back from the tier too."""
+    from tests.pd_steps import reserve_now
+
+    remote = conversation(9)
+    want, _ = run_turns(EngineCore(config(), role=DecodeSettings()), [remote, *TURNS[1:4]])
+    core = EngineCore(config(), role=DecodeSettings(offload=offload()))
+    _, blocks, first_block = reserve_now(core, remote, GREEDY, "r")
+    assert first_block == 0
+    reference = EngineCore(config(), role=DecodeSettings())
+    reference.add_request(remote, GREEDY, "ref")
+    reference.step()  # the whole prompt computed (and its first token sampled)
+    table = reference.kv_manager.block_table("ref")
+    for mine, theirs in zip(blocks, table, strict=False):
+        core.kv_pool[:, :, mine].copy_(reference.kv_pool[:, :, theirs])  # as the receiver does
+    token = reference.requests["ref"].output_token_ids[0]
+    landed = core.role.complete_transfer("r", token)  # type: ignore[attr-defined]
+    got = [t for d in landed for t in d.token_ids]
+    while core.has_work:
+        for delta in core.step():
+            got.extend(delta.token_ids)
+    core.check_conservation()
+    tier_of(core).check_conservation()
+    assert got == want[0]
+    # three more conversations evict the landed prompt's blocks to the tier; it comes back
+    outputs, cached = run_turns(core, [*TURNS[1:4], [*remote, 9]])
+    assert outputs[:3] == want[1:4]
+    assert cached[-1] == 56 and tier_of(core).stats.loaded_blocks > 0
