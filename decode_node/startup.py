@@ -12,7 +12,7 @@ from decode_node.config import DecodeNodeConfig
 from decode_node.peers import PrefillPeer, prefill_pool
 from shared.engine.info import EngineInfo
 from shared.engine.thread import EngineSnapshot
-from shared.model import native
+from shared.model import attention_timing, native
 from shared.serving.grpc_server import NodeMetrics
 from shared.serving.metrics import (
     prompt_tokens_counter,
@@ -51,6 +51,8 @@ def build_parts(
     config: DecodeNodeConfig, info: EngineInfo, snapshot: Callable[[], EngineSnapshot]
 ) -> DecodeParts:
     native.log_states()  # each C kernel on (variant, path) or off and why, once at start-up
+    # attention's path for each kind, timed on this CPU at the first start, then cached
+    attention_timing.establish(info.loaded.config, info.kv_pool.dtype, info.device_type)
     receiver = KvReceiver(
         info.kv_pool,
         info.layout,

@@ -39,7 +39,7 @@ from shared.engine.roles.prefill_role import PrefillSettings
 from shared.engine.sampling.grammar_compiler import compile_async
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
-from shared.model import native
+from shared.model import attention_timing, native
 from shared.model.kv_window import skipped_problem
 from shared.model.loader import LoadedModel
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
@@ -102,6 +102,10 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        # attention's path for each kind, timed on this CPU at the first start, then cached;
+        # before the engine thread runs a forward
+        info = self.info
+        attention_timing.establish(info.loaded.config, info.kv_pool.dtype, info.device_type)
         self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
         await self.thread.start_warm()
         native.log_states()  # each C kernel on (variant, path) or off and why

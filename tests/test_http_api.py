@@ -188,6 +188,10 @@ def test_api_key_is_required_on_the_api_only(run) -> None:
         assert version["version"]
         kernels = version["kernels"].values()  # each C kernel: on, or off and why
         assert all((k["state"] == "on" and k["path"]) or k["reason"] for k in kernels)
+        # attention's path per kind, timed at the nodes' start (or cached), and its times
+        attention = version["attention"]
+        assert set(attention["paths"]) == {"prefill", "decode"}
+        assert attention["source"] in ("measured", "cache", "PDSERVE_ATTENTION")
 
     run(body, api_key="s3cret", served_model_name="tiny-served")
 

@@ -4,11 +4,14 @@ the numbers live in docs/performance.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from pdserve.bench import roofline
-from pdserve.bench.roofline_models import linear_params, linear_shapes
+from pdserve.bench.roofline_models import attention_flops, linear_params, linear_shapes
 from shared.model import panel_gemm
 from shared.model.loader import tiny_config
 
@@ -16,7 +19,8 @@ OP_KEYS = {"op", "self_ms", "share", "calls"}
 GEMM_OPS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", panel_gemm.PROFILER_NAME}
 
 
-def test_roofline_quick(tmp_path: Path) -> None:
+def test_roofline_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_ATTENTION_CACHE", str(tmp_path / "attention.json"))
     result = roofline.main(["--quick", "--out", str(tmp_path)])
     assert (tmp_path / "roofline.png").stat().st_size > 0
     on_disk = json.loads((tmp_path / "roofline.json").read_text())
@@ -30,10 +34,19 @@ def test_roofline_quick(tmp_path: Path) -> None:
     ]
     for run in on_disk["runs"]:
         assert run["linear_params"] == linear_params(tiny_config())
+        assert set(run["attention"]["paths"]) == {"prefill", "decode"}
         assert [p["tokens"] for p in run["prefill"]] == [128, 512]
         for p in run["prefill"]:
             assert p["tokens_per_s"] > 0 and p["ceiling_gflops"] > 0
             assert abs(p["ratio"] - p["effective_gflops"] / p["ceiling_gflops"]) < 1e-9
+            attention = attention_flops(tiny_config(), p["tokens"]) / 1e9
+            assert p["attention_gflop"] == attention > 0
+            total = (p["linear_gflop"] + attention) / p["seconds"]
+            assert abs(p["with_attention_gflops"] - total) < 1e-6
+            assert p["with_attention_ratio"] > p["ratio"]
+            shares = p["time_share"]  # attention and the GEMMs both took time, all sums to 1
+            assert shares["attention"] > 0 and shares["linear"] > 0 and shares["other"] >= 0
+            assert abs(sum(shares.values()) - 1.0) < 1e-6 or shares["other"] == 0.0
         assert [d["batch"] for d in run["decode"]] == [1, 8]
         assert all(d["step_ms"] > 0 and d["bandwidth_ratio"] > 0 for d in run["decode"])
         for ceiling in run["matmul_ceiling"]:
@@ -51,6 +64,16 @@ def test_roofline_quick(tmp_path: Path) -> None:
             "decode_b1_ge_0_7x_bandwidth",
         }
         assert all(isinstance(c["met"], bool) for c in checks.values())
+
+
+def test_attention_flops_count_the_keys_each_query_sees() -> None:
+    """Causal: query i sees i + 1 keys; a window of w caps that at w (sliding-window layers)."""
+    config = tiny_config()
+    per_pair, layers = 4 * config.num_heads * config.head_dim, config.num_layers
+    full, local = sum(i + 1 for i in range(10)), sum(min(i + 1, 4) for i in range(10))
+    assert attention_flops(config, 10) == per_pair * layers * full
+    windowed = dataclasses.replace(config, sliding_window=4, sliding_window_layers=(0,))
+    assert attention_flops(windowed, 10) == per_pair * ((layers - 1) * full + local)
 
 
 def test_agreement_finds_the_first_divergence() -> None:

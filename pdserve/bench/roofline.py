@@ -5,9 +5,12 @@
 (b) Engine (`EngineCore`, one request of T prompt tokens and one output token; B requests in
     decode): prefill tokens/s at 128..4k tokens, decode step time at batch 1..128, 1 and 2 threads.
 (c) Ratios: prefill's effective FLOP rate (2 x linear-layer params x tokens / time) over the
-    matmul ceiling at the same token count and threads; decode's weight-read bandwidth (weight
-    bytes per step / step time) over the measured read bandwidth. Plus a torch-profiler per-op
-    table of one prefill and one decode step, and bf16-vs-fp32 greedy agreement.
+    matmul ceiling at the same token count and threads, and the same with the causal attention's
+    FLOPs added (`with_attention_ratio`), with each part's share of the prefill's time
+    (attention, the GEMMs, the rest: `time_share`, from torch's profiler); decode's weight-read
+    bandwidth (weight bytes per step / step time) over the measured read bandwidth. Plus a
+    torch-profiler per-op table of one prefill and one decode step, and bf16-vs-fp32 greedy
+    agreement.
 
     python -m pdserve.bench.roofline [--quick] [--out bench_out] [--models tiny,smollm2,large]
 """
@@ -35,17 +38,20 @@ from pdserve.bench.roofline_decode import (
 )
 from pdserve.bench.roofline_models import (
     DTYPES,
+    attention_flops,
     linear_params,
     load_bench_model,
     weight_bytes_per_step,
 )
-from pdserve.bench.roofline_report import roofline_plot, top_ops
+from pdserve.bench.roofline_report import roofline_plot, step_profile, top_ops
 from pdserve.bench.support.util import environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
 from shared.engine.llm import LLM
 from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
+from shared.model import attention_timing
+from shared.model.attention_choice import Choice
 from shared.model.loader import LoadedModel
 
 PREFILL_TARGET, DECODE_TARGET, PREFILL_TARGET_MIN_TOKENS = 0.7, 0.7, 512
@@ -110,6 +116,10 @@ def measure_run(model: str, dtype: str, a: argparse.Namespace, bar: tqdm) -> dic
         "decode": [],
     }
     blocks = max(max(lengths), max(a.batches) * (DECODE_CONTEXT + DECODE_STEPS + 16)) // 16 + 64
+    torch.set_num_threads(a.threads[0])
+    # the attention paths a node would take here: timed (or cached, or forced) as at its start
+    choice = attention_timing.establish(c, DTYPES[dtype], "cpu")
+    run["attention"] = choice.as_dict() if choice is not None else None
     for threads in a.threads:
         torch.set_num_threads(threads)
         _measure_prefill(run, loaded, dtype, threads, lengths, blocks, a, bar)
@@ -143,21 +153,39 @@ def _measure_prefill(
         ceiling = matmul_ceiling(c, DTYPES[dtype], tokens, a.reps)
         run["matmul_ceiling"].append({"threads": threads, **ceiling})
         seconds = min(prefill_seconds(prefill, tokens, a.prefill_reps))
-        gflops = 2.0 * params * tokens / seconds / 1e9
+        linear, attention = 2.0 * params * tokens, attention_flops(c, tokens)
+        gflops, all_gflops = linear / seconds / 1e9, (linear + attention) / seconds / 1e9
         run["prefill"].append(
             {
                 "tokens": tokens,
                 "threads": threads,
                 "seconds": seconds,
                 "tokens_per_s": tokens / seconds,
+                "linear_gflop": linear / 1e9,
+                "attention_gflop": attention / 1e9,
                 "effective_gflops": gflops,
                 "ceiling_gflops": ceiling["gflops"],
                 "ratio": gflops / ceiling["gflops"],
+                # the issue's measure: linear + causal attention FLOPs over the matmul ceiling
+                "with_attention_gflops": all_gflops,
+                "with_attention_ratio": all_gflops / ceiling["gflops"],
                 "intensity": 2.0 * tokens / elem,
+                "time_share": prefill_time_shares(prefill, tokens),
             }
         )
         bar.update()
     del prefill
+
+
+def prefill_time_shares(core: EngineCore, tokens: int) -> dict[str, float]:
+    """Share of one prefill step's CPU time in attention, the GEMMs and the rest (profiled)."""
+    core.add_request(
+        prompt(random.Random(tokens), tokens, core.model_config.vocab_size),
+        SamplingParams(max_tokens=1, ignore_eos=True),
+    )
+    shares = step_profile(core.step, limit=0)["time_share"]
+    _drain(core)
+    return shares
 
 
 def _measure_decode(
@@ -212,14 +240,14 @@ def profile_steps(
         prompt(random.Random(0), tokens, loaded.config.vocab_size),
         SamplingParams(max_tokens=1, ignore_eos=True),
     )
-    prefill_ops = top_ops(core.step)
+    prefill = step_profile(core.step)
     _drain(core)
     decode_setup(core, batch, 2)
     decode_ops = top_ops(core.step)
     _drain(core)
     core.check_conservation()
     return {
-        "prefill": {"tokens": tokens, "top_ops": prefill_ops},
+        "prefill": {"tokens": tokens, **prefill},
         "decode": {"batch": batch, "context": DECODE_CONTEXT, "top_ops": decode_ops},
     }
 
@@ -347,11 +375,17 @@ def _result(
 
 
 def _report(run: dict[str, Any]) -> None:
+    if run.get("attention"):
+        choice = Choice(**run["attention"]).describe()
+        tqdm.write(f"{run['model']:>8} {run['dtype']} attention: {choice}")
     for p in run["prefill"]:
         tqdm.write(
             f"{run['model']:>8} {run['dtype']} {p['threads']}t prefill {p['tokens']:>5}: "
             f"{p['tokens_per_s']:8.0f} tok/s  {p['effective_gflops']:7.1f} GFLOP/s  "
-            f"= {p['ratio']:.2f}x matmul ceiling"
+            f"= {p['ratio']:.2f}x matmul ceiling; with attention "
+            f"{p['with_attention_gflops']:7.1f} GFLOP/s = {p['with_attention_ratio']:.2f}x; "
+            f"time: attention {p['time_share']['attention']:.0%}, "
+            f"linear {p['time_share']['linear']:.0%}, other {p['time_share']['other']:.0%}"
         )
     for d in run["decode"]:
         tqdm.write(

@@ -57,6 +57,20 @@ def linear_params(c: ModelConfig) -> int:
     return c.num_layers * sum(i * o for i, o in linear_shapes(c))
 
 
+def attention_flops(c: ModelConfig, tokens: int) -> float:
+    """FLOPs of a fresh causal prefill's attention over all layers: per head, 2 x head_dim for
+    each query-key score and 2 x head_dim for each value summed, over the keys a query sees
+    (its own position and those before it, within the layer's window)."""
+    total = 0.0
+    for layer in range(c.num_layers):
+        window = c.window_for_layer(layer) or tokens
+        # query i sees min(i + 1, window) keys
+        seen = min(window, tokens)
+        pairs = seen * (seen + 1) / 2 + (tokens - seen) * window
+        total += 4.0 * c.num_heads * c.head_dim * pairs
+    return total
+
+
 def weight_bytes_per_step(loaded: LoadedModel) -> int:
     """Bytes of weights one decode step reads: every parameter, the embedding only when it is
     also the head (an untied embedding is read a few rows at a time)."""

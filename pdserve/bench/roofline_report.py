@@ -7,9 +7,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+ATTENTION_RANGE = "pdserve::attention"  # shared/model/attention.py's PROFILE_RANGE
+_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"})
+
 
 def top_ops(fn: Callable[[], object], limit: int = 12) -> list[dict[str, Any]]:
     """torch.profiler self-CPU time per op of one call of `fn`, largest first."""
+    return step_profile(fn, limit)["top_ops"]
+
+
+def step_profile(fn: Callable[[], object], limit: int = 12) -> dict[str, Any]:
+    """One call of `fn` under torch.profiler: its `top_ops` (self-CPU time per op, largest
+    first) and `time_share`, the share of its CPU time in attention, in the linear layers'
+    GEMMs and in the rest."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -17,7 +27,7 @@ def top_ops(fn: Callable[[], object], limit: int = 12) -> list[dict[str, Any]]:
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events) or 1.0
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [
+    ops = [
         {
             "op": e.key,
             "self_ms": e.self_cpu_time_total / 1e3,
@@ -26,6 +36,30 @@ def top_ops(fn: Callable[[], object], limit: int = 12) -> list[dict[str, Any]]:
         }
         for e in events[:limit]
     ]
+    return {"top_ops": ops, "time_share": time_shares(prof.events(), total)}
+
+
+def _part(name: str) -> str | None:
+    if name == ATTENTION_RANGE:
+        return "attention"
+    if name in _GEMM_OPS or "gemm" in name or "linear" in name:
+        return "linear"
+    return None
+
+
+def time_shares(events: Any, total_us: float) -> dict[str, float]:
+    """Share of `total_us` in attention and in GEMMs: each outermost event of a part counts
+    with its children (the eager formula's matmuls inside attention count as attention)."""
+    spent = {"attention": 0.0, "linear": 0.0}
+    for e in events:
+        part = _part(e.name)
+        parent, nested = e.cpu_parent, False
+        while parent is not None and not nested:
+            nested, parent = _part(parent.name) is not None, parent.cpu_parent
+        if part is not None and not nested:
+            spent[part] += e.cpu_time_total
+    shares = {part: us / total_us for part, us in spent.items()}
+    return {**shares, "other": max(0.0, 1.0 - sum(shares.values()))}
 
 
 def roofline_plot(path: Path, runs: list[dict[str, Any]], read_gbps: float) -> None:

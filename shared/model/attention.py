@@ -13,6 +13,10 @@
   shared/model/paged_prefill.py), writing its rows of the output in place.
 * Otherwise a fresh-prefill group (nothing cached) attends over this step's K/V directly with
   SDPA's causal mode, skipping the pool round trip and the masked half of the work.
+* Which of the kernel, SDPA and the eager formula runs each kind (prefill, decode) is chosen by
+  timing them on this machine (shared/model/attention_choice.py); the kernels decline shapes
+  they do not cover, which then take SDPA. Soft-capped layers (Gemma 2) always take the eager
+  formula: SDPA has no soft-capping step.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from shared.model import paged_decode, paged_prefill
+from shared.model import attention_choice, paged_decode, paged_prefill
 from shared.model.forward_batch import AttentionGroup, ForwardBatch
 
 
@@ -52,6 +56,9 @@ class GatherScratch:
         return buf[:numel].view(shape)
 
 
+PROFILE_RANGE = "pdserve::attention"  # the roofline's time share of attention reads this range
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -62,29 +69,54 @@ def paged_attention(
     window: int | None,
     scratch: GatherScratch,
     softcap: float | None = None,
+    paths: tuple[str, str] | None = None,
 ) -> torch.Tensor:
     """Attention of the batch's new tokens over their full context.
 
     q: [T, heads, head_dim] and k, v: [T, kv_heads, head_dim], this step's tokens (rotated).
     layer_pool: `kv_pool[layer]`, shape (2, num_blocks, block_size, kv_heads, head_dim), with this
     step's K/V already written. `softcap`: scores become cap * tanh(scores / cap) before the mask
-    (Gemma 2); no kernel has that step, so such layers run torch's eager formula. Returns
-    [T, heads * head_dim] in q's dtype.
+    (Gemma 2); neither a kernel nor SDPA has that step, so such layers run torch's eager formula.
+    `paths`: (prefill, decode) path, each "native", "sdpa" or "torch" (default: the measured
+    choice, shared/model/attention_choice.py). Returns [T, heads * head_dim] in q's dtype.
     """
+    if paths is None:
+        paths = (attention_choice.path("prefill"), attention_choice.path("decode"))
+    args = (q, k, v, layer_pool, batch, scale, window, scratch, softcap, paths)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(PROFILE_RANGE):
+            return _paged_attention(*args)
+    return _paged_attention(*args)
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_pool: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    window: int | None,
+    scratch: GatherScratch,
+    softcap: float | None,
+    paths: tuple[str, str],
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     out = None
     for group in batch.groups:
-        if softcap is None and paged_prefill.usable(q, layer_pool, group):
+        decode = group.query_len == 1 and not group.fresh
+        chosen = paths[1] if decode else paths[0]
+        if chosen == "native" and softcap is None and paged_prefill.usable(q, layer_pool, group):
             if out is None:
                 out = q.new_empty(num_tokens, num_heads * head_dim)
             if paged_prefill.prefill_attention(q, layer_pool, group, scale, window, out):
                 continue  # the kernel wrote the group's rows of `out`
         g_out = None
-        if softcap is not None:
-            g_out = softcap_attention(q, k, v, layer_pool, group, scale, window, softcap, scratch)
+        if softcap is not None or chosen == "torch":
+            g_out = eager_attention(q, k, v, layer_pool, group, scale, window, softcap, scratch)
         elif group.fresh:
             g_out = _fresh_attention(q, k, v, group, scale, window)
-        elif paged_decode.usable(q, layer_pool, group):
+        elif chosen == "native" and paged_decode.usable(q, layer_pool, group):
             g_out = paged_decode.decode_attention(q, layer_pool, group, scale, window)
         if g_out is None:
             g_out = _pool_attention(q, layer_pool, group, scale, window, scratch)
@@ -137,7 +169,7 @@ def _pool_attention(
     return valid_rows(attn, group)
 
 
-def softcap_attention(
+def eager_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -145,11 +177,12 @@ def softcap_attention(
     group: AttentionGroup,
     scale: float,
     window: int | None,
-    softcap: float,
+    softcap: float | None,
     scratch: GatherScratch,
 ) -> torch.Tensor:
-    """transformers' eager attention with logit soft-capping, over this step's K/V (fresh
-    groups) or the gathered pool: scores * scale, cap * tanh(/ cap), + mask, fp32 softmax."""
+    """transformers' eager attention, with logit soft-capping where `softcap` is set, over this
+    step's K/V (fresh groups) or the gathered pool: scores * scale, cap * tanh(/ cap), + mask,
+    fp32 softmax."""
     if group.fresh:
         keys, values = padded_rows(k, group), padded_rows(v, group)
     else:
@@ -166,7 +199,8 @@ def softcap_attention(
     keys = keys.reshape(n_seqs, kv_heads * groups, kv_len, head_dim)
     values = values.reshape(n_seqs, kv_heads * groups, kv_len, head_dim)
     scores = torch.matmul(queries, keys.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + group.mask(window, q.dtype)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return valid_rows(torch.matmul(probs, values), group)

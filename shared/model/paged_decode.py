@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from shared.model import native
+from shared.model import attention_choice, native
 from shared.model.forward_batch import AttentionGroup
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,14 @@ def library() -> ctypes.CDLL | None:
 
 def reads_ragged(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention in `dtype` on `device` runs in this kernel, which reads each
-    sequence's own context: decode rows then need no grouping by length (ForwardBatch.build)."""
-    return device.type == "cpu" and dtype in KERNEL_DTYPES and library() is not None
+    sequence's own context: decode rows then need no grouping by length (ForwardBatch.build).
+    Not where the measured choice (shared/model/attention_choice.py) gave decode another path."""
+    return (
+        device.type == "cpu"
+        and dtype in KERNEL_DTYPES
+        and attention_choice.path("decode") == "native"
+        and library() is not None
+    )
 
 
 def usable(q: torch.Tensor, layer_pool: torch.Tensor, group: AttentionGroup) -> bool:

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from shared.model import native
+from shared.model import attention_choice, native
 from shared.serving import tracing
 from shared.serving.http.disconnect import ClientGone, until_disconnect
 from shared.serving.http.errors import install_error_handlers
@@ -118,7 +118,9 @@ def _install_info_routes(app: FastAPI, service: OpenAIService, backend: Backend)
         kernels = {name: state.as_dict() for name, state in native.states().items()}
         info = backend.info  # the pool, what sized it, and the context it serves
         pool = {**info.pool_size.as_dict(), "max_model_len": info.max_model_len}
-        return {"version": version, "kernels": kernels, "kv_pool": pool}
+        # attention's path per kind and the times it was chosen by (attention_choice.py)
+        attention = attention_choice.current().as_dict()
+        return {"version": version, "kernels": kernels, "attention": attention, "kv_pool": pool}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
