@@ -22,11 +22,15 @@ if TYPE_CHECKING:
 
     from shared.engine.connector.base import KvConnector
 
+PRUNE_AT = 1024  # loads routed and not yet finished: past it, ended requests' entries go
+
 
 class MultiConnector:
     def __init__(self, connectors: Sequence[KvConnector]):
         self.connectors = list(connectors)
-        self._source: dict[str, KvConnector] = {}  # rid -> who supplies its external tokens
+        # rid -> who supplies its external tokens, and the request (an entry whose request
+        # ended without its load finishing, a failed transfer, is pruned: `_prune`)
+        self._source: dict[str, tuple[KvConnector, LlmRequest]] = {}
         self._asked: KvConnector | None = None
 
     def register_kv_pool(self, pool: torch.Tensor) -> None:
@@ -47,11 +51,17 @@ class MultiConnector:
         source, self._asked = self._asked, None
         if source is None:
             raise RuntimeError(f"no connector was asked for {request.request_id}'s KV")
-        self._source[request.request_id] = source
+        if len(self._source) >= PRUNE_AT:
+            self._prune()
+        self._source[request.request_id] = (source, request)
         source.after_allocate(request, blocks)
 
+    def _prune(self) -> None:
+        for rid in [rid for rid, (_, r) in self._source.items() if r.is_finished]:
+            del self._source[rid]
+
     def finish_load(self, request: LlmRequest) -> None:
-        self._source.pop(request.request_id).finish_load(request)
+        self._source.pop(request.request_id)[0].finish_load(request)
 
     def request_finished(self, request: LlmRequest) -> bool:
         self._source.pop(request.request_id, None)
