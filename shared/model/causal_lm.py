@@ -18,6 +18,7 @@ from shared.model.decoder_layer import DecoderLayer
 from shared.model.forward_batch import ForwardBatch
 from shared.model.gemm import PackedGemm
 from shared.model.linear import Embedding, Linear
+from shared.model.lora_bank import LoraBank, LoraStep
 from shared.model.norms import make_norm
 from shared.model.rotary import RotaryEmbedding
 from shared.model.step_context import LayerHook, StepContext
@@ -62,6 +63,7 @@ class Model(nn.Module):
         self._scratch = GatherScratch()
         # the native decode stack implements exactly a Llama layer, nothing else
         self._stack = DecodeStack(self.model.layers) if config.llama_layers else None
+        self.lora: LoraBank | None = None  # set by the loader with --lora-modules / --max-loras
         self.eval()
 
     @property
@@ -101,7 +103,13 @@ class Model(nn.Module):
             x = self.model.embed_tokens(batch.input_ids)
             rope = self.model.rotary_emb(batch.positions, x.dtype)
             stack = self._stack
-            if layer_hook is None and stack is not None and stack.usable(batch, x, kv_pool):
+            lora = self._lora_step(batch)
+            if (
+                lora is None
+                and layer_hook is None
+                and stack is not None
+                and stack.usable(batch, x, kv_pool)
+            ):
                 pending = stack.run(x, batch, rope, kv_pool)
             else:
                 local = self.model.local_rotary_emb
@@ -112,6 +120,7 @@ class Model(nn.Module):
                     layer_hook,
                     scratch or self._scratch,
                     None if local is None else local(batch.positions, x.dtype),
+                    lora,
                 )
                 pending = None
                 for layer in self.model.layers:
@@ -125,6 +134,13 @@ class Model(nn.Module):
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap
             return logits.float()
+
+    def _lora_step(self, batch: ForwardBatch) -> LoraStep | None:
+        if batch.lora_slots is None:
+            return None
+        if self.lora is None:
+            raise ValueError("the batch names LoRA adapters but the model has no adapter slots")
+        return self.lora.step(batch.lora_slots)
 
     def _check_pool(self, kv_pool: torch.Tensor) -> None:
         c = self.config

@@ -12,6 +12,7 @@ from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.mla import LatentAttention
+from shared.model.mlp import GatedMLP
 from shared.model.moe import build_mlp
 from shared.model.norms import make_norm
 from shared.model.self_attention import Attention
@@ -30,6 +31,7 @@ class DecoderLayer(nn.Module):
             else LatentAttention(config, layer, device, dtype)
         )
         self.mlp = build_mlp(config, layer, device, dtype)
+        self.layer = layer
         self.input_layernorm = make_norm(kind, h, eps, device, dtype)
         self.post_attention_layernorm = make_norm(kind, h, eps, device, dtype)
         self.sandwich = config.sandwich_norms
@@ -45,6 +47,11 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm.add_forward(x, pending)
         attn = self.self_attn(h, step)
         if not self.sandwich:
-            return self.mlp(self.post_attention_layernorm.add_forward(x, attn))
+            return self._mlp(self.post_attention_layernorm.add_forward(x, attn), step)
         h = self.pre_feedforward_layernorm.add_forward(x, self.post_attention_layernorm(attn))
-        return self.post_feedforward_layernorm(self.mlp(h))
+        return self.post_feedforward_layernorm(self._mlp(h, step))
+
+    def _mlp(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
+        if step.lora is None or not isinstance(self.mlp, GatedMLP):
+            return self.mlp(h)
+        return self.mlp(h, step.lora, self.layer)

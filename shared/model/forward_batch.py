@@ -98,6 +98,8 @@ class ForwardBatch:
     last_token_index: torch.Tensor  # [B] row of each sequence's last new token in [T]
     groups: list[AttentionGroup]
     block_size: int
+    # [T] each token's LoRA slot (-1: the base model); None when no sequence names an adapter
+    lora_slots: torch.Tensor | None = None
 
     @classmethod
     def build(

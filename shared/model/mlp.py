@@ -8,6 +8,8 @@ model runs it in its dense layers and as its shared expert, and its experts gate
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,9 @@ from shared.model import fused_ops
 from shared.model.config import ModelConfig
 from shared.model.gemm import PackedGemm
 from shared.model.linear import Linear, register_fused_linear
+
+if TYPE_CHECKING:
+    from shared.model.lora_bank import LoraStep
 
 
 def gated_activation(
@@ -49,6 +54,13 @@ class GatedMLP(nn.Module):
         self.gate_up_gemm: PackedGemm
         self.down_proj = Linear.empty(i, h, bias, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, lora: LoraStep | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        """`lora`: the step's adapter deltas, added to layer `layer`'s gate/up and down."""
         gate_up = self.gate_up_gemm(x)
-        return self.down_proj(gated_activation(gate_up, self.intermediate_size, self.activation))
+        if lora is not None:
+            gate_up = lora.add(layer, "gate_up", x, gate_up)
+        gated = gated_activation(gate_up, self.intermediate_size, self.activation)
+        down = self.down_proj(gated)
+        return down if lora is None else lora.add(layer, "down", gated, down)

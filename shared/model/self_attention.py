@@ -50,6 +50,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_gemm(x)
+        if step.lora is not None:
+            qkv = step.lora.add(self.layer, "qkv", x, qkv)
         heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         v = heads[:, self.num_heads + self.num_kv_heads :]
         layer_pool = step.kv_pool[self.layer]
@@ -73,7 +75,8 @@ class Attention(nn.Module):
         attn = paged_attention(
             q, k, v, layer_pool, step.batch, self.scale, self.window, step.scratch, self.softcap
         )
-        return self.o_proj(attn)
+        out = self.o_proj(attn)
+        return out if step.lora is None else step.lora.add(self.layer, "o", attn, out)
 
     def _rope(self, step: StepContext) -> Rope:
         if self.local_rope:
