@@ -27,9 +27,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from shared.engine.sampling.grammar_kinds import (
     GrammarBusy,
@@ -46,6 +48,7 @@ RECYCLE_BYTES = 64 * 1024 * 1024  # a worker whose heap grew more exits after it
 WORKER_NICE = 19  # the lowest priority: the engine's steps come first
 ZYGOTE = Zygote(f"{__name__}:worker_main")  # one per node: every pool forks from it
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 POLL_S = 0.02  # how often the node looks at a running compile (its result, deadline, memory)
 
 
@@ -108,18 +111,26 @@ class _Worker:
     base: int  # its heap once ready: what a compile's growth is measured from
     vocabs: set[str] = field(default_factory=set)
 
-    def stop(self) -> None:
+    def kill(self) -> None:
         """Kill it (mid-compile: its memory returns now); the zygote reaps it."""
-        self.conn.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
 
+    def stop(self) -> None:
+        self.kill()
+        self.conn.close()
 
-def _start_worker(zygote: Zygote) -> _Worker:
+
+def _start_worker(zygote: Zygote, timeout: float | None = None) -> _Worker:
+    """A new worker, once it said it is ready (within `timeout`: else it is killed)."""
     pid, conn = zygote.fork()
-    status, base = conn.recv()  # ("ready", its heap): xgrammar was imported before the fork
+    worker = _Worker(pid, conn, 0)
+    if timeout is not None and not conn.poll(max(timeout, 0.0)):
+        worker.stop()
+        raise TimeoutError("a grammar compile worker did not start in time")
+    status, worker.base = conn.recv()  # ("ready", its heap): xgrammar imported before the fork
     assert status == "ready", status
-    return _Worker(pid, conn, base)
+    return worker
 
 
 class CompilePool:
@@ -162,11 +173,12 @@ class CompilePool:
         kill_at = min(clock + timeout, end)
         keep = False
         try:
-            # off the event loop: a busy worker at nice 19 may take a while to read 1-2 MB
+            # off the event loop and within the time limit: a busy worker at nice 19 may take a
+            # while to read 1-2 MB (on the limit it is killed, which ends the send)
             if key not in worker.vocabs:
-                await asyncio.to_thread(worker.conn.send, ("vocab", key, vocab))
+                await self._send(worker, ("vocab", key, vocab), spec, kill_at, kill_at - clock)
                 worker.vocabs.add(key)
-            await asyncio.to_thread(worker.conn.send, ("compile", key, spec))
+            await self._send(worker, ("compile", key, spec), spec, kill_at, kill_at - clock)
             status, value, retire = await self._answer(worker, spec, kill_at, kill_at - clock)
             keep = not retire
         finally:
@@ -201,7 +213,12 @@ class CompilePool:
             if start:
                 was_up = ZYGOTE.up
                 try:
-                    worker = await asyncio.to_thread(_start_worker, ZYGOTE)
+                    limit = None if not was_up else min(clock + timeout, end) - time.monotonic()
+                    worker = await _blocking(_start_worker, ZYGOTE, limit)
+                except TimeoutError:
+                    with self._lock:
+                        self._live -= 1
+                    continue  # the loop answers GrammarBusy: its time is up
                 except BaseException:
                     with self._lock:
                         self._live -= 1
@@ -263,17 +280,31 @@ class CompilePool:
     ) -> tuple[str, object, bool]:
         while not worker.conn.poll():  # True on an answer, or EOF: the worker died
             if time.monotonic() >= kill_at:
-                raise GrammarError(
-                    field_of(spec),
-                    f"the {spec.kind} did not compile within {max(allowed, 0):.3g}s; simplify it",
-                )
+                raise GrammarError(field_of(spec), _too_slow(spec, allowed))
             if anon_bytes(worker.pid) - worker.base > self.limit_bytes:
                 raise GrammarError(field_of(spec), _too_large(spec, self.limit_bytes))
             await asyncio.sleep(POLL_S)
         try:
-            return await asyncio.to_thread(worker.conn.recv)
+            return await _blocking(worker.conn.recv)
         except EOFError:
             raise GrammarError(field_of(spec), f"the {spec.kind} crashed its compiler") from None
+
+    async def _send(
+        self,
+        worker: _Worker,
+        msg: tuple[object, ...],
+        spec: StructuredOutput,
+        kill_at: float,
+        allowed: float,
+    ) -> None:
+        sending = _blocking(worker.conn.send, msg)
+        try:
+            await asyncio.wait_for(asyncio.shield(sending), kill_at - time.monotonic())
+        except TimeoutError:
+            worker.kill()  # the send fails at once (a broken pipe); then its connection closes
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(sending, 5.0)
+            raise GrammarError(field_of(spec), _too_slow(spec, allowed)) from None
 
     def close(self) -> None:
         with self._lock:
@@ -282,6 +313,19 @@ class CompilePool:
             self._live -= len(idle)
         for worker in idle:
             worker.stop()
+
+
+_IO = ThreadPoolExecutor(32, "grammar-io")  # blocking pipe work, not the loop's default pool
+
+
+async def _blocking(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` on the pool's own threads: waits on workers that may be slow to run (nice
+    19 on a busy machine) must not take the threads the rest of the node uses."""
+    return await asyncio.get_running_loop().run_in_executor(_IO, fn, *args)
+
+
+def _too_slow(spec: StructuredOutput, allowed: float) -> str:
+    return f"the {spec.kind} did not compile within {max(allowed, 0):.3g}s; simplify it"
 
 
 def _too_large(spec: StructuredOutput, limit: int) -> str:
