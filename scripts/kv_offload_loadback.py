@@ -34,7 +34,7 @@ def turn(core: EngineCore, prompt: list[int], rid: str) -> tuple[float, int]:
 
 def measure(
     loaded, config: EngineConfig, n: int, tier_gb: float
-) -> tuple[float, int, float, float]:
+) -> tuple[float, int, float, float, int, float]:
     offload = OffloadConfig(int(tier_gb * GIB), model_id=config.model)
     core = EngineCore(config, loaded, role=DecodeSettings(offload=offload))
     vocab = core.model_config.vocab_size
@@ -46,12 +46,16 @@ def measure(
     for i, prompt in enumerate(convs):
         turn(core, prompt, f"w{i}")
     seconds, cached = turn(core, [*convs[0], 42], "back")
+    # the same prompt once more: its whole prefix in the pool now (no tier involved)
+    pool_hit, _ = turn(core, [*convs[0], 43], "again")
     load = copy_down = 0.0
+    copied = 0
     if isinstance(core.connector, MultiConnector):
         tier = core.connector.connectors[1]
         assert isinstance(tier, OffloadConnector)
         load, copy_down = tier.stats.load_seconds, tier.stats.offload_seconds
-    return seconds, cached, load, copy_down
+        copied = tier.stats.offloaded_blocks
+    return seconds, cached, load, copy_down, copied, pool_hit
 
 
 def main() -> None:
@@ -70,9 +74,10 @@ def main() -> None:
     print(f"recompute: TTFT {off[0] * 1e3:.1f} ms, {off[1]} of {a.prompt + 1} tokens reused")
     print(
         f"load-back: TTFT {on[0] * 1e3:.1f} ms, {on[1]} of {a.prompt + 1} tokens reused, "
-        f"load {on[2] * 1e3:.1f} ms; copying evicted blocks down took {on[3] * 1e3:.1f} ms "
-        "in all"
+        f"load {on[2] * 1e3:.1f} ms; copying {on[4]} evicted blocks down took "
+        f"{on[3] * 1e3:.1f} ms in all"
     )
+    print(f"pool hit (the same prefix still in the pool): TTFT {off[5] * 1e3:.1f} ms")
 
 
 def _device(config: EngineConfig) -> tuple:
