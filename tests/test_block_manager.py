@@ -145,9 +145,9 @@ def test_carried_prompt_hashes_spare_the_engine_a_second_pass(monkeypatch) -> No
     calls: list[int] = []
     real = resource_manager.extend_block_hashes
 
-    def counting(hashes, tokens, block_size):
+    def counting(hashes, tokens, block_size, seed=b""):
         calls.append(len(tokens) // block_size - len(hashes))  # blocks hashed here
-        return real(hashes, tokens, block_size)
+        return real(hashes, tokens, block_size, seed)
 
     monkeypatch.setattr(resource_manager, "extend_block_hashes", counting)
     prompt = list(range(100, 150))  # 3 full blocks of 16, 2 tokens over

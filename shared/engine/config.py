@@ -28,6 +28,11 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps through CUDA graphs on CUDA; ignored on CPU
     # speculative decoding of greedy requests (shared/engine/speculative/); None: off
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (PEFT directories) served beside the base model: ((name, path), ...); with
+    # max_loras > 0 the model gets that many adapter slots of rank <= max_lora_rank
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 0  # 0: as many as lora_modules
+    max_lora_rank: int = 16
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -52,3 +57,15 @@ class EngineConfig:
         resolve_dtype(self.dtype, resolve_device(self.device))
         if self.speculative is not None:
             self.speculative.validate()
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, "
+                f"{self.max_lora_rank}"
+            )
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names) or self.model in names:
+            raise ValueError(f"lora_modules names must be unique and not the model's: {names}")
+
+    @property
+    def lora_slots(self) -> int:
+        return max(self.max_loras, len(self.lora_modules))

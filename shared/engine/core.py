@@ -158,6 +158,7 @@ class EngineCore:
             num_blocks,
             self.max_num_sequences,
             context_only,
+            self.loaded.model.lora_names,
         )
         outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
         return RequestTable(

@@ -13,6 +13,7 @@ from shared.engine.runtime.kv_budget import PoolSize
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.layout import KvLayout
 from shared.model.loader import LoadedModel
+from shared.model.lora_adapter import LoraAdapter
 from shared.model.tokenizer import Tokenizer
 
 
@@ -45,3 +46,9 @@ class EngineInfo:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field; nothing is allocated before this passes."""
         self.limits.check(prompt_token_ids, params)
+
+    @property
+    def lora_adapters(self) -> dict[str, LoraAdapter]:
+        """The adapters the model serves now, by name (--lora-modules)."""
+        bank = self.loaded.model.lora
+        return {} if bank is None else dict(bank.adapters)

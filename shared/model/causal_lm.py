@@ -135,6 +135,10 @@ class Model(nn.Module):
                 logits = torch.tanh(logits / cap) * cap
             return logits.float()
 
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters this model serves now."""
+        return frozenset(() if self.lora is None else self.lora.slots)
+
     def _lora_step(self, batch: ForwardBatch) -> LoraStep | None:
         if batch.lora_slots is None:
             return None

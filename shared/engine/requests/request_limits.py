@@ -3,8 +3,8 @@ allocated, with a message naming the field."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 from shared.cdiv import cdiv
 from shared.engine.errors import RequestRejected
@@ -19,6 +19,8 @@ class RequestLimits:
     num_blocks: int  # the whole KV pool
     max_num_sequences: int  # seats
     context_only: bool  # a prefill node holds the prompt only
+    # the LoRA adapters the model serves now (they may be loaded and unloaded while it runs)
+    lora_adapters: Callable[[], Collection[str]] = field(default=lambda: ())
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field."""
@@ -40,6 +42,17 @@ class RequestLimits:
                 f"{self.max_model_len} tokens"
             )
         self._check_fits_alone(prompt_token_ids, params)
+        self._check_adapter(params.lora_adapter)
+
+    def _check_adapter(self, adapter: str | None) -> None:
+        if adapter is None:
+            return
+        loaded = self.lora_adapters()
+        if adapter not in loaded:
+            raise RequestRejected(
+                f"lora_adapter: LoRA adapter {adapter!r} is not loaded on this node (loaded: "
+                f"{sorted(loaded)}); start it with --lora-modules {adapter}=PATH"
+            )
 
     def _check_fits_alone(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Never admissible: it could not finish even alone on this node."""

@@ -26,19 +26,30 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
-def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Chained hashes of the full blocks of `token_ids`; block i's covers tokens [0, (i+1)*bs)."""
-    return extend_block_hashes([], token_ids, block_size)
+def compute_block_hashes(
+    token_ids: Sequence[int], block_size: int, seed: BlockHash = b""
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of `token_ids`; block i's covers tokens [0, (i+1)*bs).
+    `seed` starts the chain: what else the KV depends on (`lora_seed`)."""
+    return extend_block_hashes([], token_ids, block_size, seed)
+
+
+def lora_seed(adapter: str | None) -> BlockHash:
+    """The hash chain's start for a request run with LoRA `adapter`: its KV differs from the
+    base model's and every other adapter's, so no block is shared across them."""
+    if adapter is None:
+        return b""
+    return hashlib.sha256(b"lora\0" + adapter.encode()).digest()[:16]
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, seed: BlockHash = b""
 ) -> list[BlockHash]:
     """Append the hashes of full blocks of `token_ids` not yet in `hashes` (in place)."""
     start, end = len(hashes), len(token_ids) // block_size
     if start >= end:
         return hashes
-    parent = hashes[-1] if hashes else b""
+    parent = hashes[-1] if hashes else seed
     # one buffer for every new block: 1.3x faster than a bytes object per block (2k tokens)
     data = array("q", token_ids[start * block_size : end * block_size]).tobytes()
     step = block_size * 8  # bytes per block: int64 token ids

@@ -18,6 +18,7 @@ from shared.engine.resources.block_manager import (
     BlockHash,
     BlockManager,
     extend_block_hashes,
+    lora_seed,
 )
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 
@@ -311,7 +312,8 @@ class KVCacheManager(BaseResourceManager):
         if len(hashes) < min(full, len(known)):
             hashes.extend(known[len(hashes) : full])
         if len(hashes) < full:
-            extend_block_hashes(hashes, request.all_token_ids[:num_tokens], self.block_size)
+            seed = lora_seed(request.sampling_params.lora_adapter)
+            extend_block_hashes(hashes, request.all_token_ids[:num_tokens], self.block_size, seed)
         return hashes
 
     # ---- BaseResourceManager hooks --------------------------------------------------------

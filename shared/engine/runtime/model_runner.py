@@ -20,6 +20,7 @@ from shared.model.cuda_graph_padding import DecodeRow
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel
+from shared.model.lora_bank import install_lora, token_slots
 from shared.model.step_context import LayerHook
 
 
@@ -38,6 +39,10 @@ class ModelRunner:
     ):
         self.loaded = loaded
         self.model = loaded.model
+        if config.lora_slots and self.model.lora is None:
+            install_lora(
+                self.model, dict(config.lora_modules), config.lora_slots, config.max_lora_rank
+            )
         self.device = device
         self.block_size = config.block_size
         # decode rows as one attention group where the paged decode kernel runs them (K/V
@@ -68,8 +73,10 @@ class ModelRunner:
         after them); when a request wants prompt logprobs, every token's logits are computed
         and its prompt entries filled from them. Counters are not yet advanced."""
         entries = [_entry(s, block_table) for s in scheduled]
+        lora = any(s.request.sampling_params.lora_adapter is not None for s in scheduled)
         if not any(s.request.needs_prompt_logits for s in scheduled):
-            if self.decode_runner is not None and hook is None:
+            # the captured graphs compute the base model only
+            if self.decode_runner is not None and hook is None and not lora:
                 logits = self._graph_step(scheduled, entries)
                 if logits is not None:
                     return logits
@@ -86,6 +93,7 @@ class ModelRunner:
         """The step's batch; with drafts in it, the logits rows are each sequence's last real
         token (in order), then every draft's position (in order): `draft_rows` splits them."""
         forward = ForwardBatch.build(entries, self.block_size, self.device, self.ragged)
+        forward = self._with_lora(scheduled, forward)
         drafts = [len(s.request.draft_token_ids) for s in scheduled]
         if not any(drafts):
             return forward
@@ -94,6 +102,17 @@ class ModelRunner:
         after = [row + j for row, k in zip(main, drafts, strict=True) for j in range(1, k + 1)]
         rows = torch.tensor(main + after, dtype=torch.long, device=self.device)
         return replace(forward, last_token_index=rows)
+
+    def _with_lora(
+        self, scheduled: Sequence[ScheduledRequest], forward: ForwardBatch
+    ) -> ForwardBatch:
+        names = [s.request.sampling_params.lora_adapter for s in scheduled]
+        if all(n is None for n in names):
+            return forward
+        bank = self.model.lora
+        assert bank is not None  # EngineInfo.validate admitted only adapters the bank holds
+        slots = [-1 if n is None else bank.slots[n] for n in names]
+        return replace(forward, lora_slots=token_slots(slots, forward.query_lens, self.device))
 
     def _graph_step(
         self, scheduled: Sequence[ScheduledRequest], entries: Sequence[SeqEntry]

@@ -51,6 +51,10 @@ class SamplingParams:
     output_index_offset: int = 0
     # priority and latency targets: admission's, not the sampler's (service_level.py)
     service: ServiceLevel = field(default_factory=ServiceLevel)
+    # the LoRA adapter (a --lora-modules name) the model runs this request with; None: the base.
+    # Not the sampler's either: it rides here because these params go wherever the request goes
+    # (engine, Prefill RPC, forks), and its prefix-cache blocks are keyed by it.
+    lora_adapter: str | None = None
 
     def __hash__(self) -> int:  # logit_bias is a dict; params are compared, rarely hashed
         return hash((self.max_tokens, self.seed, self.stop, self.n))
