@@ -116,18 +116,29 @@ def nixl_status() -> str | None:
 
 
 # ---- driver -------------------------------------------------------------------------------------
-def start_peers(plan: NetPlan, out: Path) -> tuple[PeerProcess, PeerProcess]:
-    python = [sys.executable, "-m", "pdserve.bench.peers.transfer_peer"]
+def start_peers(
+    plan: NetPlan, out: Path, profile: Path | None = None
+) -> tuple[PeerProcess, PeerProcess]:
+    """The two peers; with `profile`, each under cProfile, its stats written to
+    profile/transfer_<role>.prof when it quits (read them with `python -m pstats`)."""
+
+    def python(role: str) -> list[str]:
+        run = [sys.executable]
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+            run += ["-m", "cProfile", "-o", str(profile / f"transfer_{role}.prof")]
+        return [*run, "-m", "pdserve.bench.peers.transfer_peer", "--role", role]
+
     recv = PeerProcess(
         "receiver",
-        [*plan.receiver_prefix, *python, "--role", "receiver", "--host", plan.receiver_host],
+        [*plan.receiver_prefix, *python("receiver"), "--host", plan.receiver_host],
         child_env(**plan.receiver_env),
         out / "logs" / f"transfer_{plan.name}_receiver.log",
     )
     try:
         send = PeerProcess(
             "sender",
-            [*plan.sender_prefix, *python, "--role", "sender"],
+            [*plan.sender_prefix, *python("sender")],
             child_env(**plan.sender_env),
             out / "logs" / f"transfer_{plan.name}_sender.log",
         )
@@ -251,6 +262,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-payload-mib", type=float, default=0, help="0: from the memory available"
     )
     parser.add_argument("--idle-seconds", type=float, default=0)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="run both peers under cProfile, stats into this directory (where a push's time goes)",
+    )
     a = parser.parse_args(argv)
     a.shapes = a.shapes.split(",") if a.shapes else (["tiny"] if a.quick else list(SHAPES))
     default_tokens = QUICK_TOKENS if a.quick else FULL_TOKENS
@@ -277,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     net = netns_pair() if a.netns else loopback()
     rows: list[dict[str, Any]] = []
     with net as plan:
-        recv, send = start_peers(plan, a.out)
+        recv, send = start_peers(plan, a.out, a.profile)
         try:
             idle = measure_idle(recv, send, idle_seconds, SHAPES["tiny"])
             tqdm.write(
