@@ -222,3 +222,34 @@ def test_no_resume_left_ends_the_stream_unavailable(up: Up) -> None:
         up.wait_log("is back (restart 2)", timeout=180)
     finally:
         stop_all([proxy], grace=5)
+
+
+def test_a_deadline_that_passes_during_a_resume_is_deadline_exceeded(up: Up) -> None:
+    """Streams too long for their deadline: the killed node's are resumed, and the deadline,
+    carried to the survivor, still ends every stream DEADLINE_EXCEEDED; nothing stays held."""
+    resumed_before = up.log.read_text().count("resuming on another node")
+    long = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0.8, seed=5)
+
+    async def one(i: int, started: asyncio.Event) -> grpc.StatusCode:
+        tokens = 0
+        try:
+            async for msg in generate_stream(up.grpc, PROMPTS[i], long, timeout=8.0):
+                tokens += len(msg.token_ids)
+                if tokens >= 4:
+                    started.set()
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    async def body() -> list[grpc.StatusCode]:
+        events = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.create_task(one(i, e)) for i, e in enumerate(events)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+        os.kill(_busiest(up, up.http), signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    codes = asyncio.run(body())
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * len(PROMPTS), codes
+    assert up.log.read_text().count("resuming on another node") > resumed_before
+    up.wait_log("is back (restart 3)", timeout=180)
+    _assert_conserved(up)
