@@ -17,6 +17,8 @@ from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import single_torch_thread
 
 ENGINE = EngineConfig(model="tiny", block_size=16, num_kv_blocks=24, max_batch_size=2)
+# P/D: a decode pool of 24 blocks, like the prefill node's
+DECODE = EngineConfig(model="tiny", block_size=16, num_kv_blocks=24, max_batch_size=2)
 CONVERSATIONS = [[(seed * 37 + 11 * i) % 250 + 5 for i in range(150)] for seed in range(1, 5)]
 
 
@@ -79,3 +81,32 @@ def test_a_colocated_node_reloads_an_evicted_conversation() -> None:
     assert metrics['pdserve_kv_offload_hit_blocks_total{tier="host"}'] == loaded // 16
     assert metrics["pdserve_kv_offload_loaded_bytes_total"] > 0
     assert metrics['pdserve_kv_offload_written_bytes_total{tier="host"}'] > 0
+
+
+async def _pd(cpu_gb: float) -> tuple[list[list[int]], dict[str, float]]:
+    from pdserve.client import generate
+    from tests.support.cluster import pd_cluster
+
+    overrides = {"kv_offload_cpu_gb": cpu_gb}
+    async with pd_cluster(
+        "tiny", prefill_engine=ENGINE, decode_engine=DECODE, prefill_overrides=overrides
+    ) as cluster:
+        outputs = []
+        for prompt in [*CONVERSATIONS, [*CONVERSATIONS[0], 7]]:
+            result = await generate(cluster.targets[0], prompt, max_tokens=3, timeout=60)
+            outputs.append(list(result.token_ids))
+        await cluster.assert_idle_and_conserved()
+        prefill_metrics = (await asyncio.to_thread(cluster.metrics))[0]
+    return outputs, prefill_metrics
+
+
+def test_a_prefill_node_reloads_an_evicted_conversation() -> None:
+    """P/D: the prefill node's prefix cache gains the tier (its push connector composed with
+    it); the decode node's output is the same and the prefill node counts host hits."""
+    with single_torch_thread():
+        want, off = asyncio.run(_pd(0.0))
+        got, on = asyncio.run(_pd(0.01))
+    assert got == want
+    assert "pdserve_kv_offload_loaded_bytes_total" not in off
+    assert on['pdserve_kv_offload_hit_blocks_total{tier="host"}'] > 0
+    assert on["pdserve_kv_offload_loaded_bytes_total"] > 0
