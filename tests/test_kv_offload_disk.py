@@ -64,7 +64,10 @@ def test_a_restarted_engine_reuses_the_disk_tier(tmp_path: Path, reference) -> N
     want, mib = reference
     first = fill(tmp_path, mib)
     assert all(block_file(first, i).exists() for i in range(7))
+    cut_short = block_file(first, 0).with_suffix(".tmp")
+    cut_short.write_bytes(b"half a block")  # a write a stop interrupted
     core, got, cached = restart(tmp_path, mib)
+    assert not cut_short.exists()
     assert got == want
     assert cached == 56  # seven blocks from disk; only the last token's block computed
     stats = tier_of(core).stats

@@ -69,6 +69,8 @@ class DiskTier:
             probe = self.dir / ".write-probe"
             probe.write_bytes(b"")
             probe.unlink()
+            for stale in self.dir.glob("*.tmp"):  # a write a stop cut short
+                stale.unlink(missing_ok=True)
             found = [(p.stat().st_mtime, p) for p in self.dir.glob(f"*{SUFFIX}")]
         except OSError as e:
             log.error(
