@@ -144,6 +144,12 @@ def test_keys_differ_across_configurations(tmp_path: Path) -> None:
     assert cached == [0]  # a fresh pool, and nothing of the other model's tier
 
 
+def test_a_host_tier_larger_than_free_memory_is_refused_at_start() -> None:
+    too_big = OffloadConfig(1 << 50, model_id="tiny")
+    with pytest.raises(ValueError, match=r"--kv-offload-cpu-gb 1\.04858e\+06 is more than"):
+        EngineCore(config(), role=DecodeSettings(offload=too_big))
+
+
 def test_offload_config_is_checked() -> None:
     with pytest.raises(ValueError, match="needs --kv-offload-cpu-gb"):
         OffloadConfig(0, "/tmp/x", MIB).validate()

@@ -28,10 +28,11 @@ import torch
 
 from shared.engine.connector.disk_tier import DiskStats, DiskTier
 from shared.engine.connector.host_tier import HostTier, Key
-from shared.engine.connector.offload_config import OffloadConfig
+from shared.engine.connector.offload_config import GIB, OffloadConfig
 from shared.engine.requests.request import LlmRequest
 from shared.engine.resources.block_manager import BlockHash
 from shared.engine.resources.resource_manager import KVCacheManager
+from shared.engine.runtime.kv_budget import host_memory
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.model.step_context import LayerHook
 
@@ -64,6 +65,20 @@ def tier_key(fingerprint: bytes, block_hash: BlockHash) -> Key:
     return hashlib.sha256(fingerprint + block_hash).digest()
 
 
+def _check_host_memory(wanted: int) -> None:
+    """Refuse at start a host tier the process could not hold (it is allocated and touched
+    now: past the free memory, the kernel's OOM killer would end the node later instead)."""
+    try:
+        free = host_memory()
+    except ValueError:
+        return  # nothing tells what is free: the operator sized it
+    if wanted > free.available:
+        raise ValueError(
+            f"--kv-offload-cpu-gb {wanted / GIB:g} is more than the "
+            f"{free.available / GIB:.1f} GiB free ({free.source}): lower it"
+        )
+
+
 class OffloadConnector:
     def __init__(
         self, kv: KVCacheManager, config: OffloadConfig, stats: OffloadStats | None = None
@@ -88,6 +103,7 @@ class OffloadConnector:
         ident = f"{self._config.model_id}|{pool.dtype}|{shape}|bs={self._bs}"
         self._fingerprint = hashlib.sha256(ident.encode()).digest()
         self._pool = pool
+        _check_host_memory(self._config.cpu_bytes)
         self.host = HostTier(self._config.cpu_bytes, block, self._to_disk)
         if self._config.disk_dir:
             block_bytes = block.numel() * block.element_size()
