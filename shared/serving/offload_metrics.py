@@ -15,7 +15,8 @@ def register_offload_metrics(registry: CollectorRegistry, stats: OffloadStats) -
     registry.register(
         ScrapeCollector(
             "pdserve_kv_offload_hit_blocks",
-            "prompt blocks past the pool's prefix hit loaded back from a tier, by tier",
+            "prompt blocks past the pool's prefix hit found in a tier, by tier (per lookup: "
+            "a request that waits for blocks is looked up again)",
             lambda: {"host": stats.host_hit_blocks, "disk": stats.disk_hit_blocks},
             labelnames=("tier",),
             kind="counter",
