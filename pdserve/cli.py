@@ -93,7 +93,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             return 2
     out = sys.stdout if prompt is None else sys.stderr
     port, http_port = up_ports(a)
-    front_door = prompt is None  # --run's client talks to a node itself
+    # --run's client talks to a node itself; the proxy speaks plaintext only
+    front_door = prompt is None and not getattr(a, "tls_cert", "")
     cluster = Cluster(
         a.model, a.prefill, a.decode, port, [], http_port=http_port, front_door=front_door
     )
