@@ -75,6 +75,7 @@ def _engine_config(a: argparse.Namespace, step_tokens: int | None = None) -> Eng
         enable_prefix_caching=not a.no_prefix_caching,
         max_num_tokens=budget,
         speculative=speculative_config(a.speculative_config),
+        lora_modules=tuple(a.lora_modules),
     )
 
 

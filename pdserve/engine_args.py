@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.log_level import log_level_arg
+from pdserve.lora_args import lora_args, lora_module_text
 from pdserve.offload_args import offload_args
 from shared.serving import tracing
 
@@ -22,6 +23,7 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         *_pool_args(g),
         *offload_args(g),
+        *lora_args(g),
         add("--max-batch-size", type=int, default=32),
         add(
             "--max-num-tokens",
@@ -107,6 +109,8 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
             argv.append(action.option_strings[0 if value else 1])
         elif action.nargs == 0:  # store_true
             argv.append(action.option_strings[0])
+        elif action.dest == "lora_modules":
+            argv += [action.option_strings[0], *map(lora_module_text, value)]
         else:
             argv += [action.option_strings[0], str(value)]
     return argv

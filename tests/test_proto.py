@@ -63,6 +63,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "include_stop_str_in_output": (18, _T.TYPE_BOOL, False),
         "structured": (19, _T.TYPE_MESSAGE, False),
         "output_index_offset": (20, _T.TYPE_UINT32, False),
+        "lora_adapter": (21, _T.TYPE_STRING, False),
     },
     "StructuredOutput": {
         "kind": (1, _T.TYPE_ENUM, False),

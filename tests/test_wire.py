@@ -35,7 +35,10 @@ def test_sampling_round_trips_and_wire_zero_top_p_is_off() -> None:
     unset = generation_pb2.SamplingParams(max_tokens=2)
     back = sampling_from_proto(unset)
     assert back.top_p == 1.0 and back.seed is None and back.stop == ()
+    assert back.lora_adapter is None  # the wire's "" is the base model
     assert sampling_from_proto(unset, seed=5).seed == 5
+    adapted = SamplingParams(max_tokens=3, lora_adapter="sql")
+    assert sampling_from_proto(sampling_to_proto(adapted)) == adapted
 
 
 @pytest.mark.parametrize("name", ["temperature", "top_p"])

@@ -157,16 +157,30 @@ class OpenAIService:
         )
 
     def models(self) -> ModelList:
-        return ModelList(data=[self.model_card()])
+        """The base model, then each LoRA adapter (vLLM's cards: `parent` is the base)."""
+        base = self.model_card()
+        adapters = [
+            base.model_copy(update={"id": name, "root": str(adapter.path), "parent": base.id})
+            for name, adapter in sorted(self.backend.info.lora_adapters.items())
+        ]
+        return ModelList(data=[base, *adapters])
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model != self.model_name and model not in self.backend.info.lora_adapters:
+            adapters = sorted(self.backend.info.lora_adapters)
+            served = f"`{self.model_name}`"
+            if adapters:
+                served += f" and the LoRA adapters {adapters}"
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                f"The model `{model}` does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
+
+    def adapter(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names; None: the base model."""
+        return None if model == self.model_name else model
 
     # ---- prompts --------------------------------------------------------------------------
     def completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
@@ -233,7 +247,8 @@ class OpenAIService:
         jobs = []
         for i, (prompt, text) in enumerate(prompts):
             params = to_sampling_params(req, self.defaults, len(prompt), limit)
-            params = replace(params, service=req.service_level)
+            adapter = self.adapter(req.model)
+            params = replace(params, service=req.service_level, lora_adapter=adapter)
             jobs.append(Job(i, prompt, self.backend.validate(prompt, params), text))
         return jobs
 

@@ -1,0 +1,74 @@
+"""LoRA adapters across the split: the adapter travels in the Prefill RPC, the prefill node
+computes the prompt's KV with it and the decode node decodes with it, greedy tokens equal to
+transformers with peft's LoRA forward for the base and two adapters mixed; a prefill node without
+the adapter refuses with INVALID_ARGUMENT naming it (real gRPC, real UCX, real torch)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from pdserve.client import generate
+from shared.engine.config import EngineConfig
+from shared.engine.sampling.sampling_params import SamplingParams
+from tests.engine_helpers import random_prompts
+from tests.support.cluster import pd_cluster
+from tests.test_lora_engine import MAX_TOKENS, SPECS, setup  # noqa: F401  (the fixture)
+
+ADAPTERS = ("all-r4", "qv-r8")
+
+
+def _config(base, paths: dict[str, str], names: tuple[str, ...]) -> EngineConfig:
+    modules = tuple((n, paths[n]) for n in names)
+    return EngineConfig(
+        model=str(base), num_kv_blocks=512, max_num_tokens=32, lora_modules=modules, max_lora_rank=8
+    )
+
+
+def test_adapters_across_the_split_match_peft(setup) -> None:  # noqa: F811
+    base, paths, prompts, want = setup
+    engine = _config(base, paths, ADAPTERS)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    jobs = [(i, n) for i in range(len(prompts)) for n in (None, *ADAPTERS)]
+
+    async def body() -> None:
+        async with pd_cluster(base, prefill_engine=engine, decode_engine=engine) as c:
+            results = await asyncio.gather(
+                *(
+                    generate(c.targets[0], prompts[i], replace(greedy, lora_adapter=n), timeout=120)
+                    for i, n in jobs
+                )
+            )
+            for (i, n), r in zip(jobs, results, strict=True):
+                assert r.token_ids == want[n][i], (n, len(prompts[i]))
+            assert all(node.core.num_steps > 0 for node in c.prefills)
+            await c.assert_idle_and_conserved()
+
+    asyncio.run(body())
+
+
+def test_prefill_node_without_the_adapter_refuses_naming_it(setup) -> None:  # noqa: F811
+    base, paths, _, _ = setup
+    decode = _config(base, paths, ADAPTERS)
+    prefill = _config(base, paths, ("all-r4",))
+    prompt = random_prompts(1, 512, min_len=40, max_len=40, seed=5)[0]
+
+    async def body() -> None:
+        async with pd_cluster(base, prefill_engine=prefill, decode_engine=decode) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(
+                    c.targets[0], prompt, SamplingParams(max_tokens=4, lora_adapter="qv-r8")
+                )
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert "'qv-r8' is not loaded" in (err.value.details() or ""), err.value
+            # the adapter it has still serves
+            ok = await generate(
+                c.targets[0], prompt, SamplingParams(max_tokens=4, lora_adapter="all-r4")
+            )
+            assert len(ok.token_ids) == 4
+            await c.assert_idle_and_conserved()
+
+    asyncio.run(body())
