@@ -28,6 +28,13 @@ def up_ports(a: argparse.Namespace) -> tuple[int, int]:
     return port, http_port
 
 
+def up_front_door(a: argparse.Namespace) -> bool:
+    """Whether `pdserve up` starts a front door (a proxy) before its decode nodes: with more than
+    one, unless --run's client talks to a node itself or TLS is on (the proxy speaks
+    plaintext)."""
+    return a.decode > 1 and a.run is None and not getattr(a, "tls_cert", "")
+
+
 def bound_ports(a: argparse.Namespace) -> list[tuple[str, str, int]]:
     """(service, host, port) of every port the command `a` will listen on (0: ephemeral, -1:
     off; both never taken)."""
@@ -36,7 +43,7 @@ def bound_ports(a: argparse.Namespace) -> list[tuple[str, str, int]]:
         return [
             (service, "127.0.0.1", first + i)
             # with more than one decode node the front door (a proxy) takes the first ports
-            for i in range(a.decode + (a.decode > 1 and a.run is None))
+            for i in range(a.decode + up_front_door(a))
             for service, first in (("grpc", port), ("http", http_port))
             if first > 0
         ]

@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING, Any, TextIO, TypeVar
 
 from decode_node.config import DecodeNodeConfig
 from pdserve.bench import BENCHMARKS
-from pdserve.bound_ports import check_bound_ports, port_in_use_line, up_ports
+from pdserve.bound_ports import check_bound_ports, port_in_use_line, up_front_door, up_ports
 from pdserve.cli_args import build_parser
 from pdserve.cluster_args import node_argv
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
@@ -94,8 +94,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             return 2
     out = sys.stdout if prompt is None else sys.stderr
     port, http_port = up_ports(a)
-    # --run's client talks to a node itself; the proxy speaks plaintext only
-    front_door = prompt is None and not getattr(a, "tls_cert", "")
+    front_door = up_front_door(a)
     cluster = Cluster(
         a.model, a.prefill, a.decode, port, [], http_port=http_port, front_door=front_door
     )
