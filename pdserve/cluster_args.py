@@ -65,7 +65,24 @@ def _add_node_flags(up: argparse.ArgumentParser) -> None:
                 assert seen[action.dest].option_strings == action.option_strings, action.dest
                 continue
             seen[action.dest] = action
-            groups[role]._add_action(copy.copy(action))
+            groups[role]._add_action(_as_given(action))
+
+
+def _as_given(action: argparse.Action) -> argparse.Action:
+    """`up`'s copy of a node flag. A value of a type of the flag's own (NAME=PATH, ...) is
+    checked as the node would, and kept as typed: `up` passes it on, it need not read it, and
+    str() of what such a type returns need not be what it reads back."""
+    mine = copy.copy(action)
+    convert = action.type
+    if callable(convert) and convert not in (int, float, str):
+
+        def checked(text: str) -> str:
+            convert(text)  # its error, as the node would give it
+            return text
+
+        checked.__name__ = getattr(convert, "__name__", "value")
+        mine.type = checked
+    return mine
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:
