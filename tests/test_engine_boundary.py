@@ -40,7 +40,10 @@ NODE_API: dict[str, set[str]] = {
         "ScheduledRequest"
     },  # what a prefill node's layer hook sees
     "shared.engine.scheduling.transfer_admission": {"TransferGrant", "AdmissionClosed"},
-    "shared.engine.resources.block_manager": {"BlockHash", "compute_block_hashes"},
+    "shared.engine.resources.block_manager": {"BlockHash", "compute_block_hashes", "lora_seed"},
+    # the offload tiers' settings, and the counters a node's /metrics reads
+    "shared.engine.connector.offload_config": {"OffloadConfig"},
+    "shared.engine.connector.offload": {"OffloadStats"},
     "shared.engine.sampling.grammar_compiler": {"GrammarError", "compile_async", "compiler_for"},
 }
 ROLE_MODULES = (
