@@ -258,18 +258,7 @@ class NodeMetrics:
             "Requests preempted (full release, re-queued for recompute) when blocks ran out",
             lambda: float(snapshot().preemptions),
         )
-        for field, doc in (
-            ("drafts_proposed", "Speculative draft tokens proposed"),
-            ("drafts_accepted", "Speculative draft tokens accepted"),
-            ("draft_steps", "A request's speculative (verifying) steps"),
-            ("draft_step_tokens", "Tokens those steps yielded (accepted drafts + 1 each)"),
-        ):
-            register_scrape_counter(
-                r,
-                f"pdserve_spec_{field}_total",
-                doc,
-                lambda field=field: float(getattr(snapshot(), field)),
-            )
+        _speculative_counters(r, snapshot)
         self.requests_total = Counter(
             "pdserve_requests_total",
             "Finished requests by outcome",
@@ -279,3 +268,19 @@ class NodeMetrics:
 
     def _latency(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+
+def _speculative_counters(r: CollectorRegistry, snapshot: Callable[[], EngineSnapshot]) -> None:
+    """pdserve_spec_*_total: speculative decoding's drafts, as the engine counts them."""
+    for field, doc in (
+        ("drafts_proposed", "Speculative draft tokens proposed"),
+        ("drafts_accepted", "Speculative draft tokens accepted"),
+        ("draft_steps", "A request's speculative (verifying) steps"),
+        ("draft_step_tokens", "Tokens those steps yielded (accepted drafts + 1 each)"),
+    ):
+        register_scrape_counter(
+            r,
+            f"pdserve_spec_{field}_total",
+            doc,
+            lambda field=field: float(getattr(snapshot(), field)),
+        )
