@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
 from shared.model.loader import LoadedModel, load_model
 from tests.support.clusters import SMOLLM2_PD_CHUNK
 from tests.support.shared_cluster import SharedCluster
+from tests.support.smollm2 import hf_smollm2
 
 MAX_TOKENS = 8
 CHUNK = SMOLLM2_PD_CHUNK  # max_num_tokens: prompts longer than this prefill in several steps
@@ -90,17 +89,6 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
     return prompts_for(loaded)
 
 
-@cache
-def hf_model() -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def reference(prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy continuation (stopping at eos, included) for every prompt."""
@@ -108,7 +96,7 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.inference_mode():
-            gen = hf_model().generate(
+            gen = hf_smollm2().generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
@@ -169,12 +157,12 @@ def test_prefill_logits_allclose(loaded: LoadedModel, prompts: list[list[int]]) 
         batch = ForwardBatch.build([SeqEntry(prompt, 0, list(range(blocks)))], 16, "cpu")
         ours = loaded.model(batch, pool, all_logits=True)
         with torch.inference_mode():
-            theirs = hf_model()(torch.tensor([prompt])).logits[0]
+            theirs = hf_smollm2()(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=1e-3)
 
 
 def test_weights_equal_transformers_dequantization(loaded: LoadedModel) -> None:
-    theirs = hf_model().state_dict()
+    theirs = hf_smollm2().state_dict()
     for name, param in loaded.model.state_dict().items():
         if name in theirs:
             assert torch.equal(param, theirs[name]), name

@@ -6,19 +6,18 @@ Slow (three 8k-token prefills of a 135M model in fp32 on the CPU): one test."""
 from __future__ import annotations
 
 import asyncio
-from functools import cache
 from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams
-from shared.model.gguf_builtin import SMOLLM2_SPEC, smollm2_path
+from shared.model.gguf_builtin import SMOLLM2_SPEC
 from tests.engine_helpers import hf_greedy_with, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate
 from tests.support.cluster import pd_cluster
+from tests.support.smollm2 import hf_smollm2
 
 ENGINE = EngineConfig(model=SMOLLM2_SPEC, dtype="float32")  # no --kv-cache-mb, --num-kv-blocks
 # a long prompt's prefill on a loaded two-core machine outlasts the default 30 s / 60 s
@@ -29,17 +28,6 @@ SLOW_MACHINE = {"http_port": 0, "kv_transfer_timeout": 900.0, "prefill_timeout":
 def _one_thread():
     with single_torch_thread():
         yield
-
-
-@cache
-def _hf_model() -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 async def _serve(colocated: bool, prompt_for: Any) -> tuple[int, list[int], dict[str, Any]]:
@@ -77,6 +65,6 @@ def test_memory_sized_pool_serves_max_model_len_minus_32_exactly() -> None:
     assert max_len == pool["max_model_len"] == min(8192, pool["tokens"] + 1), pool
     assert pd[0] == max_len, (pd, max_len)
     prompt = prompts[max_len - 32]
-    want = hf_greedy_with(_hf_model(), prompt, 24)
+    want = hf_greedy_with(hf_smollm2(), prompt, 24)
     assert colocated[1] == want, (colocated[1], want)
     assert pd[1] == want, (pd[1], want)
