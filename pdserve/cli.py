@@ -274,7 +274,7 @@ def cmd_export_hf(a: argparse.Namespace) -> int:
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
-    from pdserve.proxy import run as run_proxy
+    from pdserve.proxy_main import run as run_proxy
 
     return run_proxy(a)
 

@@ -24,16 +24,12 @@ SERVING while at least one backend is healthy. /metrics (optional) counts calls 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import logging
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 import grpc
@@ -43,9 +39,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.http_proxy import HttpForwarder
-from pdserve.prefix_router import ROUTING_MODES, PrefixRouter
+from pdserve.prefix_router import PrefixRouter
 from pdserve.prompt_key import GENERATE_METHOD, PromptKey, grpc_key
 from pdserve.proxy_backends import Backend, backend_pool
+from pdserve.proxy_call import ProxiedCall, forwardable, send_one
 from pdserve.replay import ReplayableRequests
 from pdserve.stream_resume import NODE_LOST, GenerateLedger
 from shared.serving import tracing
@@ -58,24 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.proxy")
 
 SERVER_OPTIONS = [*GRPC_CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
-# Set by gRPC itself on every hop: forwarding them would duplicate or contradict the new hop's.
-HOP_HEADERS = frozenset(
-    {
-        "user-agent",
-        "te",
-        "content-type",
-        "host",
-        "grpc-timeout",
-        "grpc-encoding",
-        "grpc-accept-encoding",
-        "grpc-status",
-        "grpc-message",
-    }
-)
-
-
-def forwardable(metadata: Sequence[tuple[str, str | bytes]] | None) -> list[tuple[str, object]]:
-    return [(k, v) for k, v in (metadata or ()) if k not in HOP_HEADERS and not k.startswith(":")]
 
 
 class Proxy:
@@ -223,7 +202,7 @@ class Proxy:
         metadata = tracing.inject(forwardable(incoming), span)  # the decode node's parent
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        call = _Call(method, ReplayableRequests(request_iterator), metadata, deadline)
+        call = ProxiedCall(method, ReplayableRequests(request_iterator), metadata, deadline)
         try:
             call.key = await self._prompt_key(method, call.requests)
             if method == GENERATE_METHOD and self.max_resumes > 0:
@@ -247,13 +226,13 @@ class Proxy:
             tracing.end(span)
 
     async def _attempt(
-        self, call: _Call, backend: Backend, span: Span | None, context: aio.ServicerContext
+        self, call: ProxiedCall, backend: Backend, span: Span | None, context: aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         """One backend's try at the call: its answer passed on; `call.done` unless the next
         backend should try (a retry before any answer, or a resume of a stream cut short)."""
         resume = call.resume_request
         rpc = self._open(backend, call.method, call.metadata, call.deadline, call.key)
-        feed = call.requests.feed(rpc) if resume is None else _send_one(rpc, resume)
+        feed = call.requests.feed(rpc) if resume is None else send_one(rpc, resume)
         writer = asyncio.create_task(feed)
         code = grpc.StatusCode.UNKNOWN
         try:
@@ -287,7 +266,7 @@ class Proxy:
             rpc.cancel()
 
     async def _next_try(
-        self, call: _Call, backend: Backend, e: aio.AioRpcError, context: aio.ServicerContext
+        self, call: ProxiedCall, backend: Backend, e: aio.AioRpcError, context: aio.ServicerContext
     ) -> bool:
         """Whether another backend should try after `backend` failed with `e`: before any
         answer, an UNAVAILABLE is retried (`--max-attempts`); after one, a Generate stream whose
@@ -378,30 +357,6 @@ class Proxy:
         raise AssertionError("context.abort returned")  # it raises
 
 
-@dataclass
-class _Call:
-    """One client call as the proxy forwards it, over however many backends it takes."""
-
-    method: str
-    requests: ReplayableRequests
-    metadata: list[tuple[str, object]]
-    deadline: float | None
-    key: PromptKey | None = None
-    ledger: GenerateLedger | None = None  # a Generate call's request and what was sent
-    tried: set[str] = field(default_factory=set)
-    answered: bool = False  # some backend answered: no plain retry any more
-    done: bool = False
-    resume_request: bytes | None = None  # what the next backend is asked: the rest of a stream
-    last_error: str = "no decode node is known"
-
-
-async def _send_one(rpc: aio.StreamStreamCall, request: bytes) -> None:
-    """A resumed call's one request message, then half-close."""
-    with contextlib.suppress(Exception):  # the call ended (error or cancel)
-        await rpc.write(request)
-        await rpc.done_writing()
-
-
 class _ForwardHandler(grpc.GenericRpcHandler):
     def __init__(self, proxy: Proxy):
         self.proxy = proxy
@@ -420,98 +375,7 @@ class _ForwardHandler(grpc.GenericRpcHandler):
         return grpc.stream_stream_rpc_method_handler(forward)
 
 
-# -------------------------------------------------------------------------------- entry point
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--backend",
-        required=True,
-        help="HOST:PORT[,HOST:PORT...] of decode nodes; a DNS name stands for all its addresses",
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=-1, help="-1 disables /metrics")
-    p.add_argument("--http-port", type=int, default=-1, help="forward the HTTP API (-1: off)")
-    p.add_argument("--backend-http-port", type=int, default=8000, help="decode nodes' HTTP port")
-    p.add_argument(
-        "--backend-http",
-        default="",
-        help="HOST:PORT[,...] of each --backend's HTTP API, in the same order (decode nodes "
-        "sharing a host); unset: each backend's host on --backend-http-port",
-    )
-    p.add_argument("--health-interval", type=float, default=2.0, help="seconds")
-    p.add_argument("--max-attempts", type=int, default=3, help="backends tried per call")
-    p.add_argument(
-        "--max-resumes",
-        type=int,
-        default=2,
-        help="times a Generate stream whose decode node failed mid-stream is continued on "
-        "another node (0: never; the client gets the error)",
-    )
-    p.add_argument(
-        "--routing",
-        choices=ROUTING_MODES,
-        default="kv",
-        help="kv: where the prompt's prefix is likely cached, load considered; "
-        "least-loaded: fewest calls in flight",
-    )
-    p.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM, seconds")
-    p.add_argument("--log-level", default="warning")
-    tracing.endpoint_arg(p)
+if __name__ == "__main__":  # `python -m pdserve.proxy`, as the images run it
+    from pdserve.proxy_main import main
 
-
-def run(a: argparse.Namespace) -> int:
-    import uvloop
-
-    logging.basicConfig(
-        level=getattr(logging, a.log_level.upper(), logging.INFO),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    backends = [t.strip() for t in a.backend.split(",") if t.strip()]
-    for t in backends:
-        host, sep, port = t.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            print(f"pdserve proxy: invalid backend {t!r} (want HOST:PORT)", file=sys.stderr)
-            return 2
-
-    async def main() -> int:
-        proxy = Proxy(
-            backends,
-            health_interval=a.health_interval,
-            max_attempts=a.max_attempts,
-            routing=a.routing,
-            max_resumes=a.max_resumes,
-        )
-        loop = asyncio.get_running_loop()
-        stopping = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stopping.set)
-        http = [t.strip() for t in a.backend_http.split(",") if t.strip()]
-        await proxy.start(a.host, a.port, a.metrics_port, a.http_port, a.backend_http_port, http)
-        info = {
-            "role": "proxy",
-            "port": proxy.port,
-            "metrics_port": proxy.metrics_server.port if proxy.metrics_server else None,
-            "http_port": proxy.http_server.port if proxy.http_server else None,
-        }
-        print("PDSERVE_READY " + json.dumps(info), flush=True)
-        await stopping.wait()
-        log.info("shutting down")
-        await proxy.stop(a.grace)
-        return 0
-
-    tracing.setup("pdserve-proxy", a.otlp_traces_endpoint)
-    try:
-        return uvloop.run(main())
-    finally:
-        tracing.shutdown()  # exports the spans still buffered
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve proxy", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
     sys.exit(main())

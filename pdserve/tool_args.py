@@ -19,7 +19,7 @@ def add_export_hf(sub: argparse._SubParsersAction) -> None:
 
 
 def add_proxy(sub: argparse._SubParsersAction) -> None:
-    from pdserve.proxy import add_arguments as add_proxy_arguments
+    from pdserve.proxy_args import add_arguments as add_proxy_arguments
 
     add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
 
