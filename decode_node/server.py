@@ -90,9 +90,14 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.outcomes = RequestOutcomes(self.metrics.requests_total, DECODE_OUTCOMES)
         windows = layer_windows(self.info.loaded.config) if config.window_aware_transfer else ()
         self.remote = RemotePrefill(
-            config, self.pool, self.receiver, self.metrics, self.layout_info, self.info.device_type,
+            config,
+            self.pool,
+            self.receiver,
+            self.metrics,
+            self.layout_info,
+            self.info.device_type,
             windows,
-        )  # fmt: skip
+        )
         self.serving: NodeServing | None = None
         self.http: AsgiServer | None = None
         self.port, self.accepting = 0, True
