@@ -17,7 +17,8 @@ from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
 from shared.model.lora_adapter import AdapterError
-from shared.model.lora_bank import install_lora, token_slots
+from shared.model.lora_bank import install_lora
+from shared.model.lora_batch import lora_batch
 from tests.engine_helpers import random_prompts, single_torch_thread
 from tests.support.lora_files import AdapterSpec, peft_hooks, write_adapter
 
@@ -55,7 +56,7 @@ def _logits(loaded: LoadedModel, prompts: list[list[int]], names: list[str | Non
     entries = [SeqEntry(p, 0, list(range(i * 32, i * 32 + 32))) for i, p in enumerate(prompts)]
     batch = ForwardBatch.build(entries, BLOCK, "cpu")
     slots = [-1 if n is None else bank.slots[n] for n in names]
-    batch = replace(batch, lora_slots=token_slots(slots, batch.query_lens, torch.device("cpu")))
+    batch = replace(batch, lora=lora_batch(slots, batch.query_lens, torch.device("cpu")))
     return loaded.model(batch, pool, all_logits=True)
 
 

@@ -140,11 +140,11 @@ class Model(nn.Module):
         return frozenset(() if self.lora is None else self.lora.slots)
 
     def _lora_step(self, batch: ForwardBatch) -> LoraStep | None:
-        if batch.lora_slots is None:
+        if batch.lora is None:
             return None
         if self.lora is None:
             raise ValueError("the batch names LoRA adapters but the model has no adapter slots")
-        return self.lora.step(batch.lora_slots)
+        return self.lora.step(batch.lora)
 
     def _check_pool(self, kv_pool: torch.Tensor) -> None:
         c = self.config

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.cdiv import cdiv
+from shared.model.lora_batch import LoraBatch
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,8 @@ class ForwardBatch:
     last_token_index: torch.Tensor  # [B] row of each sequence's last new token in [T]
     groups: list[AttentionGroup]
     block_size: int
-    # [T] each token's LoRA slot (-1: the base model); None when no sequence names an adapter
-    lora_slots: torch.Tensor | None = None
+    # the tokens that run a LoRA adapter, by adapter; None when no sequence names one
+    lora: LoraBatch | None = None
 
     @classmethod
     def build(

@@ -2,24 +2,28 @@
 and the per-step delta that lets requests of different adapters (and the base) share a batch.
 
 Per fused projection (q/k/v, gate/up) and per plain one (o, down), every slot's A matrices are
-stacked into one `[parts * slots * R, in]` tensor and its B matrices into one
-`[out, parts * slots * R]` tensor (R = `--max-lora-rank`, smaller ranks zero-padded, B already
-scaled). A step computes, for the whole batch at once,
+stacked into one `[slots, parts * R, in]` tensor and each part's B matrices into one
+`[slots, R, out_part]` tensor (R = `--max-lora-rank`, smaller ranks zero-padded, B already
+scaled). A step groups the tokens that run an adapter by slot (shared/model/lora_batch.py) and
+computes, for all of them at once,
 
-    out += ((x @ A_all.T) * mask) @ B_all.T
+    h[g] = x_g @ A[slot_g].T;  delta[g] = concat_p(h[g, :, part p] @ B_p[slot_g])
 
-where `mask[t, c]` is 1 when column c belongs to token t's slot: each token gets exactly its own
-adapter's `s * B (A x)` (masked columns contribute exact zeros; a base token gets + 0) in two
-GEMMs per projection, whatever the mix, with no host sync and no per-adapter loop.
+(batched GEMMs over the active slots: one for A, one per part for B, which keeps each part's B
+free of the other parts' zeros: a step is bound by reading these weights)
+then adds each token's row of its group's delta to its output: a token gets exactly its own
+adapter's `s * B (A x)`, tokens of the base model are not touched, and the work is that of the
+tokens' own rank whatever the mix of adapters, with no per-adapter loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from shared.model.lora_adapter import ATTENTION_MODULES, LoraAdapter, read_adapter
+from shared.model.lora_batch import LoraBatch
 from shared.model.mlp import GatedMLP
 from shared.model.self_attention import Attention
 
@@ -34,9 +38,8 @@ SITES: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class _Site:
-    a: torch.Tensor  # [parts * slots * R, in]
-    b: torch.Tensor  # [out, parts * slots * R]
-    rows: tuple[tuple[int, int], ...]  # each part's (start, end) rows of the fused output
+    a: torch.Tensor  # [slots, parts * R, in]
+    b: tuple[torch.Tensor, ...]  # per part: [slots, R, out_part]
 
 
 class LoraBank:
@@ -62,24 +65,21 @@ class LoraBank:
             for site, parts in SITES.items():
                 if all((layer, p) in shapes for p in parts):
                     self.sites[(layer, site)] = self._allocate(layer, parts)
-        # column c of a one-part site belongs to slot c // R
-        self._col_slot = torch.arange(max_loras * max_rank, device=device) // max_rank
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.adapters: dict[str, LoraAdapter] = {}
 
     def _allocate(self, layer: int, parts: tuple[str, ...]) -> _Site:
-        outs = [self.shapes[(layer, p)][0] for p in parts]
         width = self.shapes[(layer, parts[0])][1]
-        cols = len(parts) * self.max_loras * self.max_rank
-        rows, start = [], 0
-        for out in outs:
-            rows.append((start, start + out))
-            start += out
         z = dict(device=self.device, dtype=self.dtype)
-        return _Site(torch.zeros(cols, width, **z), torch.zeros(start, cols, **z), tuple(rows))
+        a = torch.zeros(self.max_loras, len(parts) * self.max_rank, width, **z)
+        b = tuple(
+            torch.zeros(self.max_loras, self.max_rank, self.shapes[(layer, p)][0], **z)
+            for p in parts
+        )
+        return _Site(a, b)
 
     def bytes(self) -> int:
-        return sum(s.a.nbytes + s.b.nbytes for s in self.sites.values())
+        return sum(s.a.nbytes + sum(b.nbytes for b in s.b) for s in self.sites.values())
 
     def load(self, adapter: LoraAdapter) -> int:
         """Copy `adapter` into a free slot; returns the slot."""
@@ -103,44 +103,45 @@ class LoraBank:
         self._write(slot, None)
 
     def _write(self, slot: int, adapter: LoraAdapter | None) -> None:
-        r_max, n = self.max_rank, self.max_loras
+        r_max = self.max_rank
         for (layer, site), tensors in self.sites.items():
+            tensors.a[slot].zero_()
             for p, module in enumerate(SITES[site]):
-                cols = slice((p * n + slot) * r_max, (p * n + slot + 1) * r_max)
-                start, end = tensors.rows[p]
-                tensors.a[cols].zero_()
-                tensors.b[start:end, cols].zero_()
+                tensors.b[p][slot].zero_()
                 lora = None if adapter is None else adapter.modules.get((layer, module))
                 if lora is None:
                     continue
                 r = lora.a.shape[0]
-                first = cols.start
-                tensors.a[first : first + r].copy_(lora.a)
-                tensors.b[start:end, first : first + r].copy_(lora.b)
+                tensors.a[slot, p * r_max : p * r_max + r].copy_(lora.a)
+                tensors.b[p][slot, :r].copy_(lora.b.T)
 
-    def step(self, token_slots: torch.Tensor) -> LoraStep:
-        """The delta for one forward: `token_slots[t]` is token t's slot, -1 for the base."""
-        mask = (self._col_slot[None, :] == token_slots[:, None]).to(self.dtype)
-        return LoraStep(self, mask)
+    def step(self, batch: LoraBatch) -> LoraStep:
+        """The deltas of one forward whose adapter tokens `batch` groups."""
+        return LoraStep(self, batch, len(batch.active) == self.max_loras)
 
 
 @dataclass
 class LoraStep:
     bank: LoraBank
-    mask: torch.Tensor  # [T, slots * R]
-    _tiled: dict[int, torch.Tensor] = field(default_factory=dict)
+    batch: LoraBatch
+    every_slot: bool  # every slot is active: the stacked weights are used as they are
 
     def add(self, layer: int, site: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the projection of x) plus each token's own adapter delta."""
+        """`out` (the projection of x) plus each adapter token's own delta."""
         tensors = self.bank.sites.get((layer, site))
         if tensors is None:
             return out
-        parts = len(SITES[site])
-        mask = self._tiled.get(parts)
-        if mask is None:
-            mask = self._tiled[parts] = self.mask.repeat(1, parts)
-        shrunk = (x @ tensors.a.T).mul_(mask)
-        return torch.addmm(out, shrunk, tensors.b.T)
+        a, bs, lb = tensors.a, tensors.b, self.batch
+        if not self.every_slot:
+            a = a.index_select(0, lb.active_index)
+            bs = tuple(b.index_select(0, lb.active_index) for b in bs)
+        grouped = x.new_zeros(len(lb.active), lb.longest, x.shape[1])
+        grouped[lb.group, lb.position] = x.index_select(0, lb.rows)
+        h = torch.bmm(grouped, a.transpose(1, 2))
+        r = self.bank.max_rank
+        parts = [torch.bmm(h[:, :, p * r : (p + 1) * r], b) for p, b in enumerate(bs)]
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return out.index_add(0, lb.rows, delta[lb.group, lb.position])
 
 
 def lora_shapes(model: torch.nn.Module) -> dict[tuple[int, str], tuple[int, int]]:
@@ -168,14 +169,3 @@ def install_lora(
         bank.load(read_adapter(name, path, shapes, max_rank))
     model.lora = bank
     return bank
-
-
-def token_slots(
-    seq_slots: list[int], query_lens: list[int], device: torch.device
-) -> torch.Tensor | None:
-    """A batch's per-token slots from its sequences' (-1: base); None when all are the base, so
-    a batch without adapters runs the model's unchanged path."""
-    if all(s < 0 for s in seq_slots):
-        return None
-    per_seq = torch.tensor(seq_slots, dtype=torch.long)
-    return per_seq.repeat_interleave(torch.tensor(query_lens)).to(device)

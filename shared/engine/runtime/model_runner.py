@@ -20,7 +20,8 @@ from shared.model.cuda_graph_padding import DecodeRow
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel
-from shared.model.lora_bank import install_lora, token_slots
+from shared.model.lora_bank import install_lora
+from shared.model.lora_batch import lora_batch
 from shared.model.step_context import LayerHook
 
 
@@ -112,7 +113,7 @@ class ModelRunner:
         bank = self.model.lora
         assert bank is not None  # EngineInfo.validate admitted only adapters the bank holds
         slots = [-1 if n is None else bank.slots[n] for n in names]
-        return replace(forward, lora_slots=token_slots(slots, forward.query_lens, self.device))
+        return replace(forward, lora=lora_batch(slots, forward.query_lens, self.device))
 
     def _graph_step(
         self, scheduled: Sequence[ScheduledRequest], entries: Sequence[SeqEntry]
