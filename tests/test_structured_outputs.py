@@ -37,6 +37,16 @@ from tests.support.shared_cluster import SharedCluster
 ENGINE = EngineConfig(model="tiny", num_kv_blocks=512, max_batch_size=16)
 
 
+@pytest.fixture(params=["xgrammar", "llguidance"])
+def grammar_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The grammar library the node compiles with: llguidance is a default install's,
+    xgrammar the `structured` extra's."""
+    if request.param == "xgrammar":
+        pytest.importorskip("xgrammar")
+    monkeypatch.setenv("PDSERVE_GRAMMAR_BACKEND", request.param)
+    return request.param
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 170))
 
@@ -82,7 +92,7 @@ def check(schema: dict[str, Any], choice: dict[str, Any]) -> bool:
     return True
 
 
-def test_schema_corpus_pd_and_colocated() -> None:
+def test_schema_corpus_pd_and_colocated(grammar_backend: str) -> None:
     async def body() -> None:
         async with both("tiny", ENGINE) as clusters:
             texts = []
@@ -119,7 +129,7 @@ def test_schema_corpus_pd_and_colocated() -> None:
     run(body())
 
 
-def test_choice_regex_grammar_and_combinations() -> None:
+def test_choice_regex_grammar_and_combinations(grammar_backend: str) -> None:
     regex = r"[a-z]{2,4}-\d{2}"
     cases: list[tuple[dict[str, Any], Callable[[str], bool]]] = [
         (
@@ -195,7 +205,7 @@ async def streamed_and_cancelled(c: PdCluster) -> None:
     await c.assert_idle_and_conserved()
 
 
-def test_bad_input_is_400_naming_the_field() -> None:
+def test_bad_input_is_400_naming_the_field(grammar_backend: str) -> None:
     bad: list[tuple[dict[str, Any], str]] = [
         ({"response_format": fmt({"type": "wat"})}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format"),
@@ -207,6 +217,9 @@ def test_bad_input_is_400_naming_the_field() -> None:
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ]
+    if grammar_backend == "llguidance":  # a schema keyword it cannot enforce: named, not ignored
+        unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+        bad.append(({"response_format": fmt(unique)}, "response_format"))
 
     async def body() -> None:
         async with pd_cluster("tiny", num_prefill=1, decode_overrides={"http_port": 0}) as c:
@@ -214,6 +227,8 @@ def test_bad_input_is_400_naming_the_field() -> None:
                 a = await post(c, "/v1/completions", {"prompt": "x", "max_tokens": 4, **extra})
                 assert a.status_code == 400, (extra, a.text)
                 assert a.json()["error"]["param"] == param, a.text
+                if "uniqueItems" in str(extra):
+                    assert "uniqueItems" in a.json()["error"]["message"], a.text
             # gRPC: the same spec is INVALID_ARGUMENT before anything is queued
             params = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "(ab"))
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -227,7 +242,7 @@ def test_bad_input_is_400_naming_the_field() -> None:
     run(body())
 
 
-def test_first_token_the_grammar_rejects_is_refused() -> None:
+def test_first_token_the_grammar_rejects_is_refused(grammar_backend: str) -> None:
     from decode_node.grammar_check import check_first_tokens
     from shared.engine.core import EngineCore
     from shared.engine.roles.decode_role import DecodeSettings
@@ -247,7 +262,9 @@ class Pet(pydantic.BaseModel):
     legs: int = pydantic.Field(ge=0, le=4)
 
 
-def test_openai_sdk_parse_with_pydantic(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+def test_openai_sdk_parse_with_pydantic(
+    checkpoint: Callable[..., Path], tmp_path: Path, grammar_backend: str
+) -> None:
     model = chat_checkpoint(checkpoint("llama"), tmp_path / "chat")
 
     async def body() -> None:
@@ -269,7 +286,9 @@ def test_openai_sdk_parse_with_pydantic(checkpoint: Callable[..., Path], tmp_pat
     run(body())
 
 
-def test_smollm2_schema_corpus_pd_matches_colocated(smollm2_pd: SharedCluster) -> None:
+def test_smollm2_schema_corpus_pd_matches_colocated(
+    smollm2_pd: SharedCluster, grammar_backend: str
+) -> None:
     """The real model on every schema of the corpus, greedy and seeded-sampled: every output
     that stops validates, and P/D (the shared SmolLM2 cluster: 2 prefill nodes) answers exactly
     what colocated (prefilling in steps of the same size) answers."""
@@ -323,7 +342,7 @@ def test_smollm2_schema_corpus_pd_matches_colocated(smollm2_pd: SharedCluster) -
     smollm2_pd.run(asyncio.wait_for(body(), 170))
 
 
-def test_preempted_requests_resume_their_grammar() -> None:
+def test_preempted_requests_resume_their_grammar(grammar_backend: str) -> None:
     """A pool too small for 8 requests at once: some are preempted and recomputed, their
     matchers rebuilt from their output tokens; every output equals the request's alone."""
     from shared.engine.llm import LLM
@@ -371,7 +390,9 @@ def test_wire_round_trip_and_unknown_kind() -> None:
     assert e.value.field == "sampling.structured.kind"
 
 
-def test_compiled_grammars_are_a_byte_bounded_lru_and_slow_compiles_time_out() -> None:
+def test_compiled_grammars_are_a_byte_bounded_lru_and_slow_compiles_time_out(
+    grammar_backend: str,
+) -> None:
     from shared.engine.sampling.grammar_compiler import GrammarCompiler, GrammarError, compile_async
     from shared.model.tokenizer import ByteTokenizer
 
@@ -390,19 +411,28 @@ def test_compiled_grammars_are_a_byte_bounded_lru_and_slow_compiles_time_out() -
         asyncio.run(compile_async(ByteTokenizer(), 259, slow, timeout=1e-9))
 
 
-def test_without_xgrammar_a_constrained_request_is_a_400_saying_what_to_install(
+def test_without_xgrammar_structured_outputs_use_llguidance(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """xgrammar is the optional `structured` extra: without it the node still serves, and a
-    constrained request is refused before anything is queued, naming the package to install."""
+    """xgrammar is the optional `structured` extra: without it (a default install) the node
+    compiles with llguidance, a default dependency; forcing xgrammar then is a 400 naming the
+    package to install."""
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    monkeypatch.delenv("PDSERVE_GRAMMAR_BACKEND", raising=False)
 
     async def body() -> None:
         async with pd_cluster("tiny", num_prefill=1, decode_overrides={"http_port": 0}) as c:
             fmt_ = {"type": "json_object"}
-            a = await post(
-                c, "/v1/completions", {"prompt": "x", "max_tokens": 4, "response_format": fmt_}
-            )
+            req = {"prompt": "x", "max_tokens": 64, "temperature": 0.0, "response_format": fmt_}
+            a = await post(c, "/v1/completions", req)
+            assert a.status_code == 200, a.text
+            choice = a.json()["choices"][0]
+            if choice["finish_reason"] == "stop":
+                assert isinstance(json.loads(choice["text"]), dict), a.text
+            else:  # cut at max_tokens: still the start of an object
+                assert choice["text"].startswith("{"), a.text
+            monkeypatch.setenv("PDSERVE_GRAMMAR_BACKEND", "xgrammar")
+            a = await post(c, "/v1/completions", {**req, "response_format": fmt({"type": "x"})})
             assert a.status_code == 400, a.text
             assert a.json()["error"]["param"] == "response_format", a.text
             assert "pip install 'pdserve[structured]'" in a.json()["error"]["message"], a.text

@@ -1,11 +1,13 @@
 """Structured outputs' grammars: a request's StructuredOutput compiled against the model's
-vocabulary (xgrammar), held in a cache bounded in bytes per tokenizer (grammar_cache.py).
+vocabulary (xgrammar where the `structured` extra is installed, else llguidance:
+grammar_kinds.backend), held in a cache bounded in bytes per tokenizer (grammar_cache.py).
 
 The serving layers compile before a request is queued (`compile_async`), in worker processes
 killed at the request's deadline, at most COMPILE_WORKERS at once per node (grammar_worker.py),
 and hand the grammar to the engine on the request's StructuredOutput. The engine thread takes it
 from there (`GrammarCompiler.get`); only a request that never went through `compile_async` (the
-offline LLM API) is compiled on the thread that asks.
+offline LLM API) is compiled on the thread that asks. llguidance compiles in-process, on a
+thread, bounded by its own fuel limits (grammar_llguidance.py): no worker to kill.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -22,9 +25,16 @@ from shared.engine.sampling.grammar_cache import CACHE_BYTES, GrammarCache, Held
 from shared.engine.sampling.grammar_kinds import (
     GrammarBusy,
     GrammarError,
+    backend,
     compile_spec,
     field_of,
     xgrammar,
+)
+from shared.engine.sampling.grammar_llguidance import (
+    LlgGrammar,
+    LlgMatcher,
+    compile_llg,
+    llg_tokenizer,
 )
 from shared.engine.sampling.grammar_worker import WORKER_NICE, ZYGOTE, CompilePool
 from shared.engine.sampling.structured_output import StructuredOutput
@@ -107,11 +117,17 @@ class GrammarCompiler:
     reads)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = CACHE_BYTES):
-        self.info = tokenizer_info(tokenizer, vocab_size)
+        self.backend = backend()
         self.vocab_size = vocab_size
         self.cache = GrammarCache(cache_bytes)
         self.key = f"{os.getpid()}-{id(self)}"  # the workers' name for this vocabulary
-        self._compiler = xgrammar().GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        if self.backend == "llguidance":
+            self.llg = llg_tokenizer(tokenizer, vocab_size)
+        else:
+            self.info = tokenizer_info(tokenizer, vocab_size)
+            self._compiler = xgrammar().GrammarCompiler(
+                self.info, max_threads=1, cache_enabled=False
+            )
         self._vocab_json: str | None = None
         self._lock = threading.Lock()
         # the compiles running, by spec: a request with the same spec waits for that one
@@ -126,12 +142,12 @@ class GrammarCompiler:
                 self._vocab_json = self.info.serialize_json()
             return self._vocab_json
 
-    def get(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    def get(self, spec: StructuredOutput) -> xgr.CompiledGrammar | LlgGrammar:
         """The request's grammar: the one `compile_async` gave it, else the cache's, else
         compiled here (blocking; only for requests that skipped `compile_async`)."""
         held = spec.compiled or self.cache.get(spec)
         if held is None:
-            held = self.cache.put(spec, compile_spec(self._compiler, spec))
+            held = self.cache.put(spec, self._compile(spec))
         assert isinstance(held, HeldGrammar)
         return held.grammar
 
@@ -194,9 +210,16 @@ class GrammarCompiler:
         else:
             mine.set_result(result)  # type: ignore[arg-type]
 
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar | LlgGrammar:
+        if self.backend == "llguidance":
+            return compile_llg(self.llg, spec)
+        return compile_spec(self._compiler, spec)
+
     async def _compile_new(
         self, spec: StructuredOutput, timeout: float, deadline: float | None
     ) -> HeldGrammar:
+        if self.backend == "llguidance":
+            return await self._compile_here(spec, timeout, deadline)
         plain = StructuredOutput(spec.kind, spec.spec)  # what goes to the worker
         pool = compile_pool()
         result = await pool.compile(self.key, self.vocab_json(), plain, timeout, deadline)
@@ -209,6 +232,28 @@ class GrammarCompiler:
             grammar = await asyncio.get_running_loop().run_in_executor(
                 _background(), compile_spec, self._compiler, spec
             )
+        return self.cache.put(spec, grammar)
+
+    async def _compile_here(
+        self, spec: StructuredOutput, timeout: float, deadline: float | None
+    ) -> HeldGrammar:
+        """llguidance's compile on a low-priority thread: its fuel limits end it in milliseconds;
+        the request's time bound still answers first (the thread finishes soon after)."""
+        end = (
+            time.monotonic() + timeout
+            if deadline is None
+            else min(deadline, time.monotonic() + timeout)
+        )
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(_background(), compile_llg, self.llg, spec)
+        try:
+            grammar = await asyncio.wait_for(work, max(end - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise GrammarError(
+                field_of(spec),
+                f"the {spec.kind} did not compile within {timeout:.3g}s; simplify it",
+            ) from None
+        self._check_room(spec, grammar.memory_size_bytes)
         return self.cache.put(spec, grammar)
 
     def _check_room(self, spec: StructuredOutput, nbytes: int) -> None:
@@ -228,8 +273,16 @@ class GrammarCompiler:
 
     def allows(self, spec: StructuredOutput, tokens: Sequence[int]) -> bool:
         """Whether the grammar accepts these tokens as the start of an output."""
-        matcher = xgrammar().GrammarMatcher(self.get(spec))
+        matcher = self.matcher(spec)
         return all(matcher.accept_token(t) for t in tokens)
+
+    def matcher(self, spec: StructuredOutput) -> xgr.GrammarMatcher | LlgMatcher:
+        """A fresh parser state for `spec` (accept_token, fill_next_token_bitmask,
+        is_terminated)."""
+        grammar = self.get(spec)
+        if isinstance(grammar, LlgGrammar):
+            return LlgMatcher(grammar)
+        return xgrammar().GrammarMatcher(grammar)
 
 
 _state_lock = threading.Lock()
@@ -261,18 +314,19 @@ def _background() -> ThreadPoolExecutor:
         return _background_pool
 
 
-_compilers: dict[int, tuple[Tokenizer, GrammarCompiler]] = {}
+_compilers: dict[tuple[int, str], tuple[Tokenizer, GrammarCompiler]] = {}
 _compilers_lock = threading.Lock()
 
 
 def compiler_for(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
     """The one compiler of this tokenizer (built on first use; keeps the tokenizer alive, so
     its id is not reused)."""
+    key = (id(tokenizer), backend())
     with _compilers_lock:
-        entry = _compilers.get(id(tokenizer))
+        entry = _compilers.get(key)
         if entry is None or entry[1].vocab_size != vocab_size:
             entry = (tokenizer, GrammarCompiler(tokenizer, vocab_size))
-            _compilers[id(tokenizer)] = entry
+            _compilers[key] = entry
         return entry[1]
 
 
@@ -285,8 +339,10 @@ async def compile_async(
 ) -> None:
     """Compile `spec` for a request (see GrammarCompiler.compile_async) in at most `timeout`
     seconds of a worker's time and before `deadline` (monotonic seconds: the request's own)."""
-    if spec.compiled is None:
+    xgr_workers = backend() == "xgrammar"
+    if spec.compiled is None and xgr_workers:
         ZYGOTE.warm()  # no-op once up; else it starts while this node builds the vocabulary
     compiler = await asyncio.to_thread(compiler_for, tokenizer, vocab_size)
-    compile_pool().refill((compiler.key, compiler.vocab_json()))  # workers ahead, from now on
+    if xgr_workers:
+        compile_pool().refill((compiler.key, compiler.vocab_json()))  # workers ahead, from now on
     await compiler.compile_async(spec, timeout, deadline)

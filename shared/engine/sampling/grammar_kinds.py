@@ -5,6 +5,7 @@ refused. Light on purpose: the compile workers (grammar_worker.py) import it in 
 from __future__ import annotations
 
 import json
+import os
 import re
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -34,6 +35,27 @@ def field_of(spec: StructuredOutput) -> str:
     return f"sampling.structured ({spec.kind})"
 
 
+BACKEND_ENV = "PDSERVE_GRAMMAR_BACKEND"  # xgrammar | llguidance: forces one
+
+
+def backend() -> str:
+    """The grammar library this node compiles with: xgrammar where the `structured` extra is
+    installed (its masks are precomputed per grammar: faster steps for large grammars), else
+    llguidance, a default dependency; PDSERVE_GRAMMAR_BACKEND picks one."""
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if forced in ("xgrammar", "llguidance"):
+        return forced
+    if forced:
+        raise GrammarError(
+            "sampling.structured", f"{BACKEND_ENV}={forced!r}: use xgrammar or llguidance"
+        )
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return "llguidance"
+    return "xgrammar"
+
+
 def xgrammar() -> ModuleType:
     """xgrammar, imported on first use: it is the optional `structured` extra (it brings
     transformers and triton, which nothing else on a CPU node needs)."""
@@ -61,7 +83,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.C
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "choice":
-            return compiler.compile_regex(_choice_regex(spec.spec))
+            return compiler.compile_regex(choice_regex(spec.spec))
         return compiler.compile_grammar(spec.spec)
     except GrammarError:
         raise
@@ -79,7 +101,7 @@ def _reason(e: Exception) -> str:
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
-def _choice_regex(spec: str) -> str:
+def choice_regex(spec: str) -> str:
     try:
         choices = json.loads(spec)
     except json.JSONDecodeError as e:

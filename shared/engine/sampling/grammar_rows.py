@@ -16,6 +16,7 @@ import torch
 
 from shared.engine.requests.request import LlmRequest
 from shared.engine.sampling.grammar_compiler import compiler_for, xgrammar
+from shared.engine.sampling.grammar_llguidance import LlgMatcher, apply_bitmask
 from shared.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 class GrammarRows:
     def __init__(self, max_num_sequences: int, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
-        self.matchers: list[xgr.GrammarMatcher | None] = [None] * max_num_sequences
+        self.matchers: list[xgr.GrammarMatcher | LlgMatcher | None] = [None] * max_num_sequences
         self.bitmask: torch.Tensor | None = None  # int32 [seats, words], on first use
 
     def in_use(self) -> int:
@@ -37,7 +38,7 @@ class GrammarRows:
         if self.tokenizer is None:
             raise RuntimeError("structured outputs need the sampler to know the tokenizer")
         compiler = compiler_for(self.tokenizer, vocab_size)
-        matcher = xgrammar().GrammarMatcher(compiler.get(spec))
+        matcher = compiler.matcher(spec)
         for token in request.output_token_ids:
             # the serving layer checked a remote first token already (decode_node): a token
             # rejected here means state went wrong, not the client
@@ -46,7 +47,9 @@ class GrammarRows:
                     f"request {request.request_id}: output token {token} breaks its grammar"
                 )
         if self.bitmask is None:
-            self.bitmask = xgrammar().allocate_token_bitmask(len(self.matchers), vocab_size)
+            # int32 words, bit i of word w: token 32w + i (both libraries' layout)
+            words = (vocab_size + 31) // 32
+            self.bitmask = torch.full((len(self.matchers), words), -1, dtype=torch.int32)
         self.matchers[seat] = matcher
 
     def clear(self, seat: int) -> None:
@@ -77,10 +80,13 @@ class GrammarRows:
         # on CPU xgrammar's kernel: 4 ms for 32 rows of 49,152 where torch's bit ops take 42 (at
         # 8 rows 1.0 vs 1.5 ms), fp32 and bf16 alike; on CUDA torch's ops, free of its JIT-built
         # kernels
-        backend = "cpu" if out.device.type == "cpu" else "torch_native"
-        xgrammar().apply_token_bitmask_inplace(
-            block, mask, vocab_size=out.shape[-1], backend=backend
-        )
+        if isinstance(self.matchers[seats[0]], LlgMatcher):
+            apply_bitmask(block, mask)
+        else:
+            backend = "cpu" if out.device.type == "cpu" else "torch_native"
+            xgrammar().apply_token_bitmask_inplace(
+                block, mask, vocab_size=out.shape[-1], backend=backend
+            )
         out[idx] = block
         return out
 

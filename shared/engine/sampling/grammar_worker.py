@@ -297,7 +297,8 @@ class CompilePool:
         kill_at: float,
         allowed: float,
     ) -> None:
-        sending = _blocking(worker.conn.send, msg)
+        # a task, not a coroutine: awaited again below once its shield timed out
+        sending = asyncio.ensure_future(_blocking(worker.conn.send, msg))
         try:
             await asyncio.wait_for(asyncio.shield(sending), kill_at - time.monotonic())
         except TimeoutError:

@@ -1,0 +1,182 @@
+"""Structured outputs with llguidance: the grammar library of a default install (no extras).
+
+llguidance is a 3 MB Rust wheel with no dependencies; xgrammar (the `structured` extra) brings
+transformers and triton (~1 GB). Its compile is cheap (a grammar's lexer is built lazily, one
+token step at a time) and bounded by fuel: `LIMITS` caps the regex analysis, each mask step and
+the lexer states a matcher may build, so a compile here needs no worker process to be killed at
+a deadline: it runs in-process, on a thread, and ends within those limits (≤ 9 ms for each schema
+of tests/structured_corpus.py with SmolLM2's vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from shared.engine.sampling.grammar_kinds import GrammarError, choice_regex, field_of
+from shared.engine.sampling.structured_output import StructuredOutput
+from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+
+# per matcher: at most 20k lexer states (1-2 kB each: ≤ 40 MB), a step within ~15 ms of fuel
+LIMITS = llguidance.LLParserLimits(max_lexer_states=20_000, step_lexer_fuel=200_000)
+# one space after `:` and `,`, no other whitespace, as the xgrammar backend writes: a weak model
+# cannot spend its tokens on newlines, and the text is what json.dumps writes
+_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# a compiled grammar's bytes, estimated: its JSON text, the grammar built from it, and the lexer
+# states a matcher builds (bounded by LIMITS) grow with the grammar's size
+_BASE_BYTES = 256 * 1024
+_BYTES_PER_CHAR = 64
+
+
+class _ByteVocab:
+    """A ByteTokenizer as llguidance's TokenizerWrapper reads one: token i < 256 is byte i."""
+
+    def __init__(self, tokenizer: ByteTokenizer, vocab_size: int):
+        eos = sorted(tokenizer.eos_token_ids)
+        self.eos_token_id = eos[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = [bytes([i]) for i in range(256)] + [b""] * (vocab_size - 256)
+        self.special_token_ids = list(range(256, vocab_size))
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def llg_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """The node's tokenizer as llguidance sees it: tokenizer.json as the HF tokenizers library
+    serializes it (llguidance reads its byte-level or byte-fallback vocabulary and its special
+    tokens itself), widened to the model's vocabulary (padding rows: never allowed)."""
+    stops = sorted(tokenizer.eos_token_ids)
+    if isinstance(tokenizer, ByteTokenizer):
+        wrapper = llguidance.TokenizerWrapper(_ByteVocab(tokenizer, vocab_size))
+        return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=stops)
+    assert isinstance(tokenizer, HfTokenizer)
+    return llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=stops)
+
+
+class LlgGrammar:
+    """A validated grammar for one tokenizer; `memory_size_bytes` as the cache counts it."""
+
+    __slots__ = ("grammar", "memory_size_bytes", "tokenizer")
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str):
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+        self.memory_size_bytes = _BASE_BYTES + _BYTES_PER_CHAR * len(grammar)
+
+
+def _grammar_text(spec: StructuredOutput) -> str:
+    matcher = llguidance.LLMatcher
+    if spec.kind == "json_schema":
+        try:
+            return matcher.grammar_from_json_schema(spec.spec, overrides=_JSON)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise GrammarError(field_of(spec), f"invalid json_schema: {e}") from None
+    if spec.kind == "json_object":  # OpenAI's json_object is an object, not any JSON value
+        return matcher.grammar_from_json_schema('{"type": "object"}', overrides=_JSON)  # type: ignore[arg-type]
+    if spec.kind == "regex":
+        return matcher.grammar_from_regex(ascii_classes(spec.spec))
+    if spec.kind == "choice":
+        return matcher.grammar_from_regex(choice_regex(spec.spec))
+    return matcher.grammar_from_lark(gbnf_to_lark(spec.spec))
+
+
+# \d \w \s as xgrammar and JSON Schema's (ECMA-262) regexes read them: ASCII; llguidance's
+# (Rust's) are Unicode (\d would allow "߁", an N'Ko digit)
+_IN_CLASS = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r\\f\\v"}
+_OUTSIDE = {
+    **{k: f"[{v}]" for k, v in _IN_CLASS.items()},
+    **{k.upper(): f"[^{v}]" for k, v in _IN_CLASS.items()},
+}
+
+
+def ascii_classes(regex: str) -> str:
+    r"""`regex` with its \d \w \s (and \D \W \S outside brackets) spelled as ASCII sets."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            table = _IN_CLASS if in_class else _OUTSIDE
+            out.append(table.get(nxt, c + nxt))
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            if regex[i + 1 : i + 2] == "^":  # a leading ] is literal, after ^ too
+                out.append("[^")
+                i += 1
+                c = ""
+            if regex[i + 1 : i + 2] == "]":
+                out.append(c + "]")
+                i += 2
+                continue
+        elif c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def compile_llg(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> LlgGrammar:
+    """`spec` validated against `tokenizer`; GrammarError naming what llguidance refuses (an
+    unsupported schema keyword or format, a bad regex, a grammar over LIMITS)."""
+    try:
+        text = _grammar_text(spec)
+    except GrammarError:
+        raise
+    except Exception as e:  # gbnf_to_lark raises on a grammar it cannot read
+        raise GrammarError(field_of(spec), f"invalid {spec.kind}: {str(e)[:500]}") from None
+    error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=LIMITS)
+    if error:
+        reason = error.strip().splitlines()[0][:500]
+        raise GrammarError(field_of(spec), f"invalid {spec.kind}: {reason}")
+    return LlgGrammar(tokenizer, text)
+
+
+class LlgMatcher:
+    """One seat's parser state, with the calls grammar_rows makes of xgrammar's matcher."""
+
+    def __init__(self, grammar: LlgGrammar):
+        self._m = llguidance.LLMatcher(
+            grammar.tokenizer, grammar.grammar, log_level=0, limits=LIMITS
+        )
+
+    def accept_token(self, token: int) -> bool:
+        return not self._m.is_error() and self._m.consume_token(token)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        row = bitmask[index]
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def is_terminated(self) -> bool:
+        return self._m.is_stopped()
+
+
+def allows(grammar: LlgGrammar, tokens: Sequence[int]) -> bool:
+    matcher = LlgMatcher(grammar)
+    return all(matcher.accept_token(t) for t in tokens)
+
+
+def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
+    """Set to -inf, in place, each token of `logits` ([rows, vocab]) whose bit in `mask` ([rows,
+    words] int32 on CPU, bit i of word w: token 32w + i) is 0. On CPU numpy's unpackbits reads
+    the words' little-endian bytes in token order (no torch JIT kernel to build); on a GPU the
+    bits are unpacked there."""
+    vocab = logits.shape[-1]
+    if logits.device.type == "cpu":
+        import numpy as np
+
+        bits = np.unpackbits(mask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+        # negated in numpy: torch's CPU `~` on 1.5M bools costs more than the fill itself
+        forbidden = torch.from_numpy(bits[:, :vocab] == 0)
+    else:
+        words = mask.to(logits.device, non_blocking=True)
+        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+        forbidden = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0
+    logits.masked_fill_(forbidden, float("-inf"))
