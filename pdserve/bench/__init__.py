@@ -11,6 +11,7 @@ BENCHMARKS = {
     "peer": "pdserve.bench.peer",
     "tracing": "pdserve.bench.tracing",
     "structured": "pdserve.bench.structured",
+    "grammars": "pdserve.bench.grammars",
     "profile": "pdserve.bench.profile",
     "plan-check": "pdserve.bench.plan_check",
     "speculative": "pdserve.bench.speculative",
