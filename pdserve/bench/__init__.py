@@ -15,4 +15,5 @@ BENCHMARKS = {
     "profile": "pdserve.bench.profile",
     "plan-check": "pdserve.bench.plan_check",
     "speculative": "pdserve.bench.speculative",
+    "lora": "pdserve.bench.lora",
 }
