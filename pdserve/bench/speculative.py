@@ -97,10 +97,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--quick", action="store_true", help="tiny model, few tokens (CI smoke)")
     parser.add_argument("--batch", type=int, default=32, help="the larger batch measured")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--requests", type=int, default=8, help="requests at batch 1")
+    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     a = parser.parse_args(argv)
     model = "tiny" if a.quick else a.model
-    requests, chars, max_tokens = (4, 200, 16) if a.quick else (8, 600, 96)
+    requests, chars, max_tokens = (4, 200, 16) if a.quick else (a.requests, 600, a.max_tokens)
     batch = min(a.batch, 4) if a.quick else a.batch
     spec = SpeculativeConfig(num_speculative_tokens=a.k, prompt_lookup_max=4)
     base = EngineConfig(model=model, max_batch_size=max(batch, 1), max_num_tokens=8192)
