@@ -134,9 +134,16 @@ def compile_llg(tokenizer: llguidance.LLTokenizer, spec: StructuredOutput) -> Ll
         raise GrammarError(field_of(spec), f"invalid {spec.kind}: {str(e)[:500]}") from None
     error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=LIMITS)
     if error:
-        reason = error.strip().splitlines()[0][:500]
-        raise GrammarError(field_of(spec), f"invalid {spec.kind}: {reason}")
+        raise GrammarError(field_of(spec), f"invalid {spec.kind}: {_reason(error)}")
     return LlgGrammar(tokenizer, text)
+
+
+def _reason(error: str) -> str:
+    """llguidance's message in one line: its first, plus the regex parser's `error:` line (the
+    lines between draw a caret under the pattern)."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    detail = next((line for line in lines[1:] if line.startswith("error:")), "")
+    return " ".join(filter(None, [lines[0] if lines else "", detail]))[:500]
 
 
 class LlgMatcher:
@@ -176,7 +183,12 @@ def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
         # negated in numpy: torch's CPU `~` on 1.5M bools costs more than the fill itself
         forbidden = torch.from_numpy(bits[:, :vocab] == 0)
     else:
-        words = mask.to(logits.device, non_blocking=True)
-        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-        forbidden = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0
+        forbidden = forbidden_on_device(mask.to(logits.device, non_blocking=True), vocab)
     logits.masked_fill_(forbidden, float("-inf"))
+
+
+def forbidden_on_device(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] True where the token's bit is 0, unpacked with torch ops on the words'
+    device (no kernel to build)."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0
