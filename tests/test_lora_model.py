@@ -17,8 +17,8 @@ from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
 from shared.model.lora_adapter import AdapterError
-from shared.model.lora_bank import install_lora
 from shared.model.lora_batch import lora_batch
+from shared.model.lora_install import install_lora
 from tests.engine_helpers import random_prompts, single_torch_thread
 from tests.support.lora_files import AdapterSpec, peft_hooks, write_adapter
 

@@ -26,8 +26,8 @@ from pdserve.bench.support.util import environment, load_average, write_json
 from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
-from shared.model.lora_bank import install_lora
 from shared.model.lora_batch import lora_batch
+from shared.model.lora_install import install_lora
 
 CONTEXT, BLOCK = 64, 16
 

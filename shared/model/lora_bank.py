@@ -22,10 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model.lora_adapter import ATTENTION_MODULES, LoraAdapter, read_adapter
+from shared.model.lora_adapter import LoraAdapter
 from shared.model.lora_batch import LoraBatch
-from shared.model.mlp import GatedMLP
-from shared.model.self_attention import Attention
 
 # site -> the Hugging Face projections it fuses, in the order of the model's fused output rows
 SITES: dict[str, tuple[str, ...]] = {
@@ -142,30 +140,3 @@ class LoraStep:
         parts = [torch.bmm(h[:, :, p * r : (p + 1) * r], b) for p, b in enumerate(bs)]
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return out.index_add(0, lb.rows, delta[lb.group, lb.position])
-
-
-def lora_shapes(model: torch.nn.Module) -> dict[tuple[int, str], tuple[int, int]]:
-    """(layer, module) -> (out, in) of every projection of `model` that takes a LoRA delta."""
-    shapes: dict[tuple[int, str], tuple[int, int]] = {}
-    for i, layer in enumerate(model.model.layers):
-        if isinstance(layer.self_attn, Attention):
-            for name in ATTENTION_MODULES:
-                shapes[(i, name)] = tuple(getattr(layer.self_attn, name).weight.shape)
-        if isinstance(layer.mlp, GatedMLP):
-            for name in SITES["gate_up"] + SITES["down"]:
-                shapes[(i, name)] = tuple(getattr(layer.mlp, name).weight.shape)
-    return shapes
-
-
-def install_lora(
-    model: torch.nn.Module, modules: dict[str, str], max_loras: int, max_rank: int
-) -> LoraBank:
-    """Give `model` a bank of `max_loras` slots and load each `--lora-modules` NAME=PATH."""
-    if len(modules) > max_loras:
-        raise ValueError(f"{len(modules)} --lora-modules but --max-loras is {max_loras}")
-    shapes = lora_shapes(model)
-    bank = LoraBank(shapes, max_loras, max_rank, model.device, model.dtype)
-    for name, path in modules.items():
-        bank.load(read_adapter(name, path, shapes, max_rank))
-    model.lora = bank
-    return bank

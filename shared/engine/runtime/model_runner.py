@@ -20,8 +20,8 @@ from shared.model.cuda_graph_padding import DecodeRow
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel
-from shared.model.lora_bank import install_lora
 from shared.model.lora_batch import lora_batch
+from shared.model.lora_install import install_lora
 from shared.model.step_context import LayerHook
 
 
