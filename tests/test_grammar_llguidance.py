@@ -14,6 +14,7 @@ from shared.engine.sampling.grammar_llguidance import (
     allows,
     apply_bitmask,
     ascii_classes,
+    closed,
     compile_llg,
     forbidden_on_device,
     llg_tokenizer,
@@ -64,3 +65,26 @@ def test_bitmask_paths_agree() -> None:
         apply_bitmask(out, words)
         assert torch.equal(torch.isneginf(out), expected)
         assert torch.equal(out[~expected], logits.to(dtype)[~expected])
+
+
+def test_objects_with_properties_are_closed_as_xgrammar_strict_mode_reads_them() -> None:
+    item = {"type": "object", "properties": {"properties": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": item}},
+        "$defs": {"open": {"properties": {}, "additionalProperties": True}},
+        "anyOf": [{"properties": {"b": {}}}, {"type": "object"}],
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    inner = out["properties"]["a"]["items"]
+    assert inner["additionalProperties"] is False
+    assert inner["properties"] == {"properties": {"type": "string"}}  # a property's name only
+    assert out["$defs"]["open"]["additionalProperties"] is True  # said: kept
+    assert out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out["anyOf"][1]  # no properties listed: any object
+    tok = llg_tokenizer(ByteTokenizer(), 259)
+    pet = '{"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]}'
+    grammar = compile_llg(tok, StructuredOutput("json_schema", pet))
+    assert allows(grammar, list(b'{"kind": "cat"}'))
+    assert not allows(grammar, list(b'{"kind": "cat", "x'))

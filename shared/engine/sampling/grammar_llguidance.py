@@ -10,7 +10,9 @@ of tests/structured_corpus.py with SmolLM2's vocabulary).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 import llguidance
 import torch
@@ -68,11 +70,39 @@ class LlgGrammar:
         self.memory_size_bytes = _BASE_BYTES + _BYTES_PER_CHAR * len(grammar)
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with each object that lists `properties` and says nothing of others closed to
+    them (`additionalProperties: false`), as xgrammar's strict mode reads a schema: a model must
+    not spend its tokens on properties nobody asked for."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = closed(out[key])
+    others = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if "properties" in out and not any(k in out for k in others):
+        out["additionalProperties"] = False
+    return out
+
+
 def _grammar_text(spec: StructuredOutput) -> str:
     matcher = llguidance.LLMatcher
     if spec.kind == "json_schema":
         try:
-            return matcher.grammar_from_json_schema(spec.spec, overrides=_JSON)  # type: ignore[arg-type]
+            schema = closed(json.loads(spec.spec))
+            return matcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON)  # type: ignore[arg-type]
         except ValueError as e:
             raise GrammarError(field_of(spec), f"invalid json_schema: {e}") from None
     if spec.kind == "json_object":  # OpenAI's json_object is an object, not any JSON value
