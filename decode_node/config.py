@@ -106,7 +106,7 @@ class DecodeNodeConfig:
     # window-aware transfer: sliding-window layers are not sent the prompt blocks that fell out
     # of their window (shared/model/kv_window.py); needs prefill nodes that know the field
     window_aware_transfer: bool = False
-    # KV tiers below the pool (--kv-offload-*: pdserve/offload_args.py)
+    # KV tiers below the pool (--kv-offload-*: pdserve/cli/offload_args.py)
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str = ""
     kv_offload_disk_gb: float = 0.0

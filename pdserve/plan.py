@@ -222,7 +222,7 @@ def _versus(other: Option) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """`pdserve plan` and its flags (registered by pdserve/tool_args.py)."""
+    """`pdserve plan` and its flags (registered by pdserve/cli/tool_args.py)."""
     from pdserve.log_level import log_level_arg
 
     p = sub.add_parser("plan", help="prefill and decode nodes a workload needs (from a profile)")

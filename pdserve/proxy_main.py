@@ -10,8 +10,8 @@ import logging
 import signal
 import sys
 
+from pdserve.cli.proxy_args import add_arguments
 from pdserve.proxy import Proxy
-from pdserve.proxy_args import add_arguments
 from shared.serving import tracing
 
 log = logging.getLogger("pdserve.proxy")

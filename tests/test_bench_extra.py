@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import main
+from pdserve.cli.main import main
 
 
 def test_bench_without_transformers_names_the_extra(

@@ -33,6 +33,6 @@ def test_grammars_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_grammars_is_a_bench_subcommand() -> None:
-    from pdserve.cli import BENCHMARKS
+    from pdserve.cli.main import BENCHMARKS
 
     assert BENCHMARKS["grammars"] == "pdserve.bench.grammars"

@@ -28,8 +28,8 @@ def test_structured_quick(tmp_path: Path) -> None:
 
 
 def test_structured_is_a_bench_subcommand() -> None:
-    from pdserve.cli import BENCHMARKS
-    from pdserve.cli_args import build_parser
+    from pdserve.cli.main import BENCHMARKS
+    from pdserve.cli.parser import build_parser
 
     assert BENCHMARKS["structured"] == "pdserve.bench.structured"
     args = build_parser().parse_args(["bench", "structured", "--quick"])

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from decode_node.config import DecodeNodeConfig
-from pdserve.cli import build_parser
+from pdserve.cli.main import build_parser
 from pdserve.client import generate, generate_stream, get_model_info
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.config import EngineConfig

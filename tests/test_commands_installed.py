@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import BENCHMARKS, build_parser
+from pdserve.cli.main import BENCHMARKS, build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("pdserve")

@@ -134,7 +134,7 @@ def test_runner_refuses_a_pool_without_the_scratch_block() -> None:
 
 @pytest.mark.parametrize(("flag", "want"), [([], True), (["--no-cuda-graphs"], False)])
 def test_cli_flag_sets_the_config_and_cpu_ignores_it(flag: list[str], want: bool) -> None:
-    from pdserve.cli import _engine_config, build_parser
+    from pdserve.cli.main import _engine_config, build_parser
 
     args = build_parser().parse_args(["prefill", "--device", "cpu", *flag])
     config = _engine_config(args)

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from pdserve.cli_args import build_parser
+from pdserve.cli.parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli_args import build_parser
+from pdserve.cli.engine_args import engine_argv
+from pdserve.cli.parser import build_parser
 from pdserve.client import get_model_info
-from pdserve.engine_args import engine_argv
 
 QUESTION = "What is the capital of France?"
 SUMMARY = r"\[finish=\w+ prompt_tokens=\d+ completion_tokens=\d+ cached_tokens=\d+ ttft=[\d.]+ms\]"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from pdserve.cli import main
+from pdserve.cli.main import main
 from pdserve.export_hf import FILES, export_hf
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdserve.cli_args import build_parser
+from pdserve.cli.parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 
 from decode_node.config import DecodeNodeConfig
-from pdserve.cli import build_parser
+from pdserve.cli.main import build_parser
 from shared.engine.config import EngineConfig
 from shared.engine.connector.multi import MultiConnector
 from shared.model.loader import load_model

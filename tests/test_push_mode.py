@@ -8,8 +8,8 @@ import pytest
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.push_mode import is_local_address, pushes_layerwise
-from pdserve.cli import _push_mode
-from pdserve.cli_args import build_parser
+from pdserve.cli.main import _push_mode
+from pdserve.cli.parser import build_parser
 
 
 def _an_address_of_this_host() -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import roofline
+from pdserve.bench import dtype_agreement, roofline
 from pdserve.bench.roofline_models import attention_flops, linear_params, linear_shapes
 from shared.model import panel_gemm
 from shared.model.loader import tiny_config
@@ -77,7 +77,9 @@ def test_attention_flops_count_the_keys_each_query_sees() -> None:
 
 
 def test_agreement_finds_the_first_divergence() -> None:
-    got = roofline.agreement([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]])
+    got = dtype_agreement.agreement(
+        [[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]]
+    )
     assert got["share_identical"] == 1 / 3
     assert got["first_divergence"] == [None, 1, 0]
     assert got["mean_first_divergence"] == 0.5

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from pdserve.bench.support.otlp_sink import OtlpSink, SpanRecord
-from pdserve.cli_args import build_parser
+from pdserve.cli.engine_args import engine_argv
+from pdserve.cli.parser import build_parser
 from pdserve.cluster import NodeProcess, spawn, stop_all, wait_ready
-from pdserve.engine_args import engine_argv
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from shared.serving import tracing
 

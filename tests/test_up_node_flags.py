@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli_args import build_parser
-from pdserve.cluster_args import UP_SETS, node_argv, node_parsers, passed_on
+from pdserve.cli.cluster_args import UP_SETS, node_argv, node_parsers, passed_on
+from pdserve.cli.parser import build_parser
 from tests.up_process import flag, start_up
 
 _REQUIRED = {"prefill": [], "decode": ["--prefill", "127.0.0.1:1"]}

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from pdserve.bench.dtype_agreement import agreement, greedy_tokens
 from pdserve.bench.roofline_ceilings import bandwidth, matmul_ceiling
 from pdserve.bench.roofline_decode import (
     DECODE_CONTEXT,
@@ -47,7 +48,6 @@ from pdserve.bench.roofline_report import roofline_plot, step_profile, top_ops
 from pdserve.bench.support.util import environment, write_json
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore
-from shared.engine.llm import LLM
 from shared.engine.roles.decode_role import DecodeSettings
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model import attention_timing
@@ -55,16 +55,6 @@ from shared.model.attention_choice import Choice
 from shared.model.loader import LoadedModel
 
 PREFILL_TARGET, DECODE_TARGET, PREFILL_TARGET_MIN_TOKENS = 0.7, 0.7, 512
-AGREEMENT_PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "Explain why the sky is blue in one sentence.",
-    "List three prime numbers:",
-    "Once upon a time, in a small village,",
-    "Translate 'good morning' into Spanish:",
-    "The quick brown fox",
-]
 
 
 def _core(loaded: LoadedModel, dtype: str, batch: int, budget: int, blocks: int) -> EngineCore:
@@ -127,7 +117,7 @@ def measure_run(model: str, dtype: str, a: argparse.Namespace, bar: tqdm) -> dic
     torch.set_num_threads(a.threads[0])
     run["profile"] = profile_steps(loaded, name, max(lengths), 8, blocks)
     if a.agreement_tokens:
-        run["greedy"] = greedy_tokens(loaded, name, a)
+        run["greedy"] = greedy_tokens(loaded, name, a.agreement_prompts, a.agreement_tokens)
     del loaded
     gc.collect()
     return run
@@ -249,32 +239,6 @@ def profile_steps(
     return {
         "prefill": {"tokens": tokens, **prefill},
         "decode": {"batch": batch, "context": DECODE_CONTEXT, "top_ops": decode_ops},
-    }
-
-
-def greedy_tokens(loaded: LoadedModel, dtype: str, a: argparse.Namespace) -> list[list[int]]:
-    prompts = [loaded.tokenizer.encode(p) for p in AGREEMENT_PROMPTS[: a.agreement_prompts]]
-    config = EngineConfig(model=loaded.name, num_kv_blocks=512, device="cpu", dtype=dtype)
-    llm = LLM(config, loaded)
-    params = SamplingParams(max_tokens=a.agreement_tokens, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    llm.check_conservation()
-    return [o.token_ids for o in outputs]
-
-
-def agreement(fp32: list[list[int]], bf16: list[list[int]]) -> dict[str, Any]:
-    """Share of greedy outputs identical in bf16 and fp32; where each first differs."""
-    first = [
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        for a, b in zip(fp32, bf16, strict=True)
-    ]
-    diverged = [f for f in first if f is not None]
-    return {
-        "prompts": len(first),
-        "tokens_per_prompt": len(fp32[0]) if fp32 else 0,
-        "share_identical": first.count(None) / max(1, len(first)),
-        "first_divergence": first,
-        "mean_first_divergence": sum(diverged) / len(diverged) if diverged else None,
     }
 
 

@@ -1,6 +1,3 @@
-"""The pdserve command line: the parser by command group (`parser.py` and the `*_args.py`
-flag modules beside it) and the commands (`main.py`). `python -m pdserve.cli` runs it."""
-
-from pdserve.cli.main import main
-
-__all__ = ["main"]
+"""The pdserve command line: the commands (`main.py`) and their flags by group (`parser.py` and
+the `*_args.py` modules beside it). `python -m pdserve.cli` and the `pdserve` script run
+`main.main`; importing a flag module loads nothing else of the CLI."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 
-from pdserve import node_args
+from pdserve.cli import node_args
 
 # The node flags `up` sets itself, per node: the ports (the first decode node's, then counting
 # up; ephemeral elsewhere), the prefill targets (its own --prefill is a count) and the listening

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.cli.lora_args import lora_args, lora_module_text
+from pdserve.cli.offload_args import offload_args
 from pdserve.log_level import log_level_arg
-from pdserve.lora_args import lora_args, lora_module_text
-from pdserve.offload_args import offload_args
 from shared.serving import tracing
 
 

@@ -22,8 +22,8 @@ from typing import IO, TYPE_CHECKING, Any, TextIO, TypeVar
 from decode_node.config import DecodeNodeConfig
 from pdserve.bench import BENCHMARKS
 from pdserve.bound_ports import check_bound_ports, port_in_use_line, up_front_door, up_ports
-from pdserve.cli_args import build_parser
-from pdserve.cluster_args import node_argv
+from pdserve.cli.cluster_args import node_argv
+from pdserve.cli.parser import build_parser
 from prefill_node.config import PREFILL_MAX_NUM_TOKENS, PrefillNodeConfig
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 
 from decode_node.push_mode import PUSH_MODES
-from pdserve.engine_args import engine_args
-from pdserve.http_args import http_args
-from pdserve.tls_args import client_tls_args, server_tls_args
+from pdserve.cli.engine_args import engine_args
+from pdserve.cli.http_args import http_args
+from pdserve.cli.tls_args import client_tls_args, server_tls_args
 from shared.serving import limits
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve import cluster_args, node_args, tool_args
+from pdserve.cli import cluster_args, node_args, tool_args
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.cli.tls_args import client_tls_args
 from pdserve.log_level import log_level_arg
-from pdserve.tls_args import client_tls_args
 
 
 def add_export_hf(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +19,7 @@ def add_export_hf(sub: argparse._SubParsersAction) -> None:
 
 
 def add_proxy(sub: argparse._SubParsersAction) -> None:
-    from pdserve.proxy_args import add_arguments as add_proxy_arguments
+    from pdserve.cli.proxy_args import add_arguments as add_proxy_arguments
 
     add_proxy_arguments(sub.add_parser("proxy", help="gRPC proxy in front of the decode nodes"))
 

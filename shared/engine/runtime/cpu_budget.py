@@ -18,7 +18,7 @@ divided by the nodes that share those CPUs (`PDSERVE_CPU_SHARED_BY`, which `pdse
 and never below 1. A positive `OMP_NUM_THREADS` wins over all of it.
 
 Everything here reads files and takes the paths as parameters (tests point them at their own);
-nothing imports torch, so that `pdserve/cli.py` can use it before the OpenMP runtime loads.
+nothing imports torch, so that `pdserve/cli/main.py` can use it before the OpenMP runtime loads.
 """
 
 from __future__ import annotations

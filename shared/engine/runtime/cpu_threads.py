@@ -1,7 +1,7 @@
 """torch's and the C kernels' threads sized to the CPUs the process may use, and kept so while an
 operator moves it (shared/engine/runtime/cpu_budget.py says how the count is chosen).
 
-`apply`, once at a node's start (pdserve/cli.py), sets the count on the calling thread, which
+`apply`, once at a node's start (pdserve/cli/main.py), sets the count on the calling thread, which
 the engine thread then borrows (shared/engine/runtime/openmp.py), and logs it in one line. `follow`,
 called at every engine step on the engine thread, re-reads the budget at most once per
 FOLLOW_INTERVAL_S (a syscall and a file or two); when `taskset -p`, a cpuset or a cgroup quota

@@ -10,7 +10,7 @@ parallel region (1.6x slower batch-32 decode at 2 threads on a quiet machine,
 docs/performance.md); an operator who dedicates cores sets OMP_WAIT_POLICY or GOMP_SPINCOUNT
 (300000 is libgomp's own default), and either is kept.
 
-libgomp reads them once, when it loads, which is when torch is imported: pdserve/cli.py sets
+libgomp reads them once, when it loads, which is when torch is imported: pdserve/cli/main.py sets
 them before its first import of anything that imports torch.
 """
 
