@@ -218,10 +218,13 @@ def test_smollm2_tools_over_http_pd(smollm2_pd: SharedCluster) -> None:
 
 
 def test_langchain_structured_output_and_tools() -> None:
-    """LangChain's with_structured_output, as JSON schema and as a forced tool call (skipped
-    without langchain-openai, which pdserve does not depend on)."""
+    """LangChain's with_structured_output, as JSON schema and as a forced tool call, and
+    `bind_tools` with its default tool_choice and a tool turn on a node started without any tool
+    flag (the `test` extra installs langchain-openai; pdserve itself does not depend on it)."""
     pytest.importorskip("langchain_openai")
     import pydantic
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
     from shared.engine.config import EngineConfig
@@ -231,6 +234,11 @@ def test_langchain_structured_output_and_tools() -> None:
     class Pet(pydantic.BaseModel):
         kind: Literal["cat", "dog"]
         legs: int = pydantic.Field(ge=0, le=4)
+
+    @tool
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
 
     engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=256, max_batch_size=8)
 
@@ -248,6 +256,15 @@ def test_langchain_structured_output_and_tools() -> None:
             for method in ("json_schema", "function_calling"):
                 pet = await llm.with_structured_output(Pet, method=method).ainvoke("a pet")
                 assert isinstance(pet, Pet), (method, pet)
+            ask = HumanMessage("What is the weather in Paris?")
+            auto = await llm.bind_tools([weather]).ainvoke([ask])  # tool_choice "auto": no 400
+            assert auto.tool_calls or auto.content, auto
+            forced = await llm.bind_tools([weather], tool_choice="weather").ainvoke([ask])
+            (call,) = forced.tool_calls
+            assert call["name"] == "weather" and isinstance(call["args"].get("city"), str), call
+            turn = [ask, forced, ToolMessage("sunny", tool_call_id=call["id"])]
+            answer = await llm.bind_tools([weather]).ainvoke(turn)
+            assert isinstance(answer.content, str) and answer.content, answer
             await c.assert_idle_and_conserved()
 
     run(body())

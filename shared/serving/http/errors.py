@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.serving.grpc_server import GenerateError
@@ -41,10 +42,19 @@ _TYPES = {
 _FIELD_RE = re.compile(r"\bsampling\.(\w+)")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
 RETRY_AFTER_SECONDS = "1"
-SERVED_ROUTES = (
-    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, "
-    "GET /v1/responses/{id}, GET /v1/models, POST /tokenize, POST /detokenize"
-)
+# the API's own routes a 404 lists (health, metrics and docs routes are for operators)
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def served_routes(app: FastAPI) -> str:
+    """The API routes `app` serves, read from its router so that the list cannot go stale."""
+    served = [
+        f"{method} {route.path}"
+        for route in app.routes
+        if isinstance(route, APIRoute) and route.path.startswith(API_PREFIXES)
+        for method in sorted(route.methods - {"HEAD"})
+    ]
+    return ", ".join(served)
 
 
 class ApiError(Exception):
@@ -124,7 +134,7 @@ def _routing_error(request: Request, exc: StarletteHTTPException) -> ApiError:
         )
     if exc.status_code == 404 and exc.detail == "Not Found":
         message = f"Invalid URL ({route}): pdserve does not serve this route; it serves "
-        return ApiError(404, message + SERVED_ROUTES, code="unknown_url")
+        return ApiError(404, message + served_routes(request.app), code="unknown_url")
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow", "")
         message = f"Invalid method ({route}): this route takes {allowed or 'another method'}"
