@@ -16,4 +16,5 @@ BENCHMARKS = {
     "plan-check": "pdserve.bench.plan_check",
     "speculative": "pdserve.bench.speculative",
     "lora": "pdserve.bench.lora",
+    "offload": "pdserve.bench.offload",
 }
