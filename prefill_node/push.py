@@ -113,7 +113,7 @@ def _hold_layer(w: _Work, kv_pool: torch.Tensor, layer: int, block_bytes: int, l
     """The last chunk, layer by layer: queue the layers held so far once their payload reaches
     the sender's measured `min_message_bytes` (or at the last layer), together, so that they go
     as one message. Per-layer payloads that small would otherwise pay the fixed cost of a
-    message each (measured: docs/performance.md, "KV transfer")."""
+    message each (measured: docs/performance.md, "KV push: what a message costs")."""
     message = _layer_message(w.job, kv_pool, layer, w.upto - len(w.src), w.dst, w.src)
     if message is not None:
         w.held.append(message)

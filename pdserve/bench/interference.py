@@ -5,9 +5,10 @@ prefill chunks share the decode steps).
 
 One phase pair lasts a few seconds, so each p99 rests on the ~40 slowest of a few thousand
 gaps, and on a 2-core machine one descheduling of the decode node or the client moves it by
-20-40% (docs/performance.md, "Interference"). So the pair runs `--interference-rounds` times,
-alone and loaded alternating (a drift of the machine's load hits both alike), and the ratio is
-taken between the pooled gaps of all rounds; each round's own ratio is reported beside it.
+20-40% (docs/performance.md, "Decode ITL under long-prompt arrivals"). So the pair runs
+`--interference-rounds` times, alone and loaded alternating (a drift of the machine's load hits
+both alike), and the ratio is taken between the pooled gaps of all rounds; each round's own
+ratio is reported beside it.
 """
 
 from __future__ import annotations
