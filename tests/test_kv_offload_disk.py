@@ -74,6 +74,26 @@ def test_a_restarted_engine_reuses_the_disk_tier(tmp_path: Path, reference) -> N
     assert stats.disk_hit_blocks == 7 and stats.loaded_blocks == 7
 
 
+def test_a_stopped_engine_leaves_its_host_and_pool_blocks_on_disk(  # type: ignore[no-untyped-def]
+    tmp_path: Path, reference
+) -> None:
+    """One conversation, nothing evicted: its blocks are only in the pool (and host memory
+    holds none) until the engine stops, which writes them to disk for the next start."""
+    want, mib = reference
+    first = EngineCore(config(), role=DecodeSettings(offload=offload(tmp_path, mib)))
+    run_turns(first, [HISTORY[0]])
+    tier = tier_of(first)
+    assert tier.disk is not None and len(tier.disk) == 0 and tier.stats.offloaded_blocks == 0
+    assert first.shutdown()  # conservation holds through it
+    assert len(tier.disk) == 7 and tier.stats.persisted_blocks == 7
+    assert all(block_file(first, i).exists() for i in range(7))
+    core, got, cached = restart(tmp_path, mib)
+    assert got == want and cached == 56
+    assert tier_of(core).stats.disk_hit_blocks == 7
+    # the seven were already there: only the returning turn's new full block is written
+    assert core.shutdown() and tier_of(core).stats.persisted_blocks == 1
+
+
 @pytest.mark.parametrize(
     ("damage", "good_blocks"),
     [("corrupt", 3), ("truncate", 3), ("foreign", 3), ("truncate-header", 0)],

@@ -369,6 +369,7 @@ class EngineCore:
         back in its pool."""
         for request_id in list(self.requests):
             self.abort(request_id)
+        self.connector.shutdown()  # every block released, its bytes still valid
         try:
             self.check_conservation()
             conserved = True

@@ -55,6 +55,11 @@ class KvConnector(KvConnectorScheduler, Protocol):
         overwrite."""
         ...
 
+    def shutdown(self) -> None:
+        """The engine stops (every request already released, the pool's bytes still valid):
+        keep what should outlive this process, within the connector's own time limit."""
+        ...
+
 
 class NoKvConnector:
     """Nothing comes from or goes anywhere but this pool."""
@@ -84,4 +89,7 @@ class NoKvConnector:
         return None
 
     def wait_for_save(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass

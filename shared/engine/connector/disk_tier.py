@@ -17,6 +17,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,23 @@ class DiskTier:
                 return
             self._queued_bytes += len(payload)
         self._queue.put((key, payload))
+
+    def write_by(self, key: bytes, payload: bytes, deadline: float) -> bool:
+        """`write`, waiting for room in the queue instead of dropping, until `deadline`
+        (time.monotonic()); False: the deadline passed first."""
+        while True:
+            with self._lock:
+                room = self._queued_bytes + len(payload) <= MAX_QUEUED_BYTES
+            if room:
+                self.write(key, payload)
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self.flush(left)
+            except TimeoutError:
+                return False
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait (at most `timeout` seconds) until the queued writes are on disk."""

@@ -80,6 +80,10 @@ class HostTier:
                 return slot
         return None
 
+    def items(self) -> list[tuple[Key, int]]:
+        """(key, slot) of every block held, the least recently used first."""
+        return list(self._lru.items())
+
     def slot_of(self, key: Key) -> int:
         return self._lru[key]
 

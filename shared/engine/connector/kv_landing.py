@@ -61,3 +61,6 @@ class KvLandingConnector:
 
     def wait_for_save(self) -> None:
         pass
+
+    def shutdown(self) -> None:
+        pass

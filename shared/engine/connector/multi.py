@@ -95,3 +95,7 @@ class MultiConnector:
     def wait_for_save(self) -> None:
         for c in self.connectors:
             c.wait_for_save()
+
+    def shutdown(self) -> None:
+        for c in self.connectors:
+            c.shutdown()

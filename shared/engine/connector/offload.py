@@ -20,6 +20,7 @@ request was not admitted) and is let go.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.model.step_context import LayerHook
 
 BLOCK_DIM = 2  # the pool is [layer, plane, block, ...]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class OffloadStats:
     offloaded_bytes: int = 0
     offload_seconds: float = 0.0
     loaded_blocks: int = 0
+    persisted_blocks: int = 0  # written to disk at shutdown (host memory and the pool's cache)
     loaded_bytes: int = 0
     load_seconds: float = 0.0
     disk: DiskStats = field(default_factory=DiskStats)
@@ -220,6 +223,35 @@ class OffloadConnector:
 
     def wait_for_save(self) -> None:
         """Nothing: blocks are copied down when evicted, before anything overwrites them."""
+
+    def shutdown(self) -> None:
+        """Before the process ends: what host memory and the pool's prefix cache hold goes to
+        the disk tier (the least recently used first, so that the disk's own LRU keeps the most
+        recent), within `persist_s`, so that a restarted node finds it there."""
+        if self.disk is None or not self.disk.usable or self.host is None or self._pool is None:
+            return
+        deadline = time.monotonic() + self._config.persist_s
+        pool = [(tier_key(self._fingerprint, h), b) for b, h in self._kv.blocks.cached_blocks()]
+        in_pool = {key for key, _ in pool}
+        sources = [(k, self.host.slots[slot]) for k, slot in self.host.items() if k not in in_pool]
+        sources += [(key, self._pool.select(BLOCK_DIM, block)) for key, block in pool]
+        kept = 0
+        for key, block in sources:
+            if key in self.disk:
+                continue
+            payload = block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            if not self.disk.write_by(key, payload, deadline):
+                break
+            kept += 1
+        try:
+            self.disk.flush(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            log.warning(
+                "KV disk tier: %d blocks not written in %.0fs", kept, self._config.persist_s
+            )
+            return
+        self.stats.persisted_blocks += kept
+        log.info("KV disk tier: %d blocks kept for the next start", kept)
 
     @property
     def host_bytes(self) -> int:

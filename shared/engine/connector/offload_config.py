@@ -17,6 +17,9 @@ class OffloadConfig:
     disk_dir: str = ""
     disk_bytes: int = 0
     model_id: str = ""
+    # at shutdown, the time the disk tier gets to keep what host memory and the pool hold
+    # (a stop within a pod's termination grace; what is not written by then is recomputed)
+    persist_s: float = 10.0
 
     @classmethod
     def from_gb(cls, cpu_gb: float, disk_dir: str, disk_gb: float, model_id: str) -> OffloadConfig:

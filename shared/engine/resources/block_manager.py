@@ -105,6 +105,12 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._block_of)
 
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """Every published block and its hash, the least recently released first."""
+        order = [b for b in self._evictable if b in self._hash_of]
+        held = [b for b in self._hash_of if b not in self._evictable]
+        return [(b, self._hash_of[b]) for b in (*order, *held)]
+
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
