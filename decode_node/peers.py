@@ -29,6 +29,7 @@ class PrefillPeer(Replica):
     stub: prefill_pb2_grpc.PrefillStub = field(default=None)  # type: ignore[assignment]
     layout: generation_pb2.KvLayoutInfo | None = None
     num_kv_blocks: int = 0  # its pool, as it reports it (0: not reported)
+    num_offload_blocks: int = 0  # its offload tiers below the pool, as it reports them
     max_context: int = 0  # its max_model_len, as it reports it (0: not reported)
     layerwise: bool | None = None  # the push asked of it (decode_node/push_mode.py); None: not yet
 
@@ -49,6 +50,7 @@ class PrefillPeer(Replica):
         """Ask its model info: KV layout, pool and context."""
         info = await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
         self.num_kv_blocks, self.max_context = info.num_kv_blocks, info.max_context
+        self.num_offload_blocks = info.num_offload_blocks
         self.layout = info.kv_layout  # last: a layout means the limits beside it are known
         log.info(
             "prefill node %s: max_model_len %d, KV pool %d blocks of %d tokens",

@@ -184,7 +184,9 @@ class RemotePrefill:
         call = peer.stub.Prefill(request, timeout=budget, metadata=trace.metadata)
         landed = asyncio.ensure_future(self.receiver.wait(dest.transfer_id, kv_budget))
         trace.watch(landed)
-        self.index.set_capacity(peer.target, peer.num_kv_blocks)
+        # what the node holds: its pool, and the tiers below it that load a prefix back
+        held = peer.num_kv_blocks + peer.num_offload_blocks if peer.num_kv_blocks else 0
+        self.index.set_capacity(peer.target, held)
         peer.load += load
         started = time.monotonic()
         try:

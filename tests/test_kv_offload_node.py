@@ -83,7 +83,7 @@ def test_a_colocated_node_reloads_an_evicted_conversation() -> None:
     assert metrics['pdserve_kv_offload_written_bytes_total{tier="host"}'] > 0
 
 
-async def _pd(cpu_gb: float) -> tuple[list[list[int]], dict[str, float]]:
+async def _pd(cpu_gb: float) -> tuple[list[list[int]], dict[str, float], tuple[int, int]]:
     from pdserve.client import generate
     from tests.support.cluster import pd_cluster
 
@@ -97,16 +97,22 @@ async def _pd(cpu_gb: float) -> tuple[list[list[int]], dict[str, float]]:
             outputs.append(list(result.token_ids))
         await cluster.assert_idle_and_conserved()
         prefill_metrics = (await asyncio.to_thread(cluster.metrics))[0]
-    return outputs, prefill_metrics
+        remote = cluster.decodes[0].remote
+        (peer,) = remote.pool.replicas
+        # kv routing's picture of the prefill node: its pool and the tiers below it
+        routing = (peer.num_offload_blocks, remote.index.capacity_of(peer.target))
+    return outputs, prefill_metrics, routing
 
 
 def test_a_prefill_node_reloads_an_evicted_conversation() -> None:
     """P/D: the prefill node's prefix cache gains the tier (its push connector composed with
     it); the decode node's output is the same and the prefill node counts host hits."""
     with single_torch_thread():
-        want, off = asyncio.run(_pd(0.0))
-        got, on = asyncio.run(_pd(0.01))
+        want, off, (no_tier, pool_only) = asyncio.run(_pd(0.0))
+        got, on, (tier, held) = asyncio.run(_pd(0.01))
     assert got == want
+    assert no_tier == 0 and pool_only == ENGINE.num_kv_blocks
+    assert tier > 0 and held == ENGINE.num_kv_blocks + tier
     assert "pdserve_kv_offload_loaded_bytes_total" not in off
     assert on['pdserve_kv_offload_hit_blocks_total{tier="host"}'] > 0
     assert on["pdserve_kv_offload_loaded_bytes_total"] > 0

@@ -183,6 +183,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
             num_kv_blocks=self.kv_manager.blocks.num_blocks,
+            num_offload_blocks=self.connector.offload_blocks(),
             pool_size=self.pool_size,
             layout=self.layout,
             kv_pool=self.runner.kv_pool,

@@ -26,6 +26,7 @@ class EngineInfo:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    num_offload_blocks: int  # kept below the pool by its offload tiers (the connector's)
     layout: KvLayout
     # the pool's memory, for the transfer plane to register with UCX; never read or written
     # outside the engine thread except by the KV transfer into blocks the engine reserved

@@ -80,6 +80,7 @@ def model_info(info: EngineInfo, role: int) -> generation_pb2.ModelInfo:
         node_role=role,
         kv_layout=layout_info(info.layout),
         num_kv_blocks=info.num_kv_blocks,
+        num_offload_blocks=info.num_offload_blocks,
     )
 
 

@@ -91,6 +91,10 @@ class PrefixIndex:
             self._capacities[node] = blocks
             self._trim(node)
 
+    def capacity_of(self, node: str) -> int:
+        """Blocks remembered for `node` at most: what it reported holding, else the default."""
+        return self._capacities.get(node, self.capacity)
+
     def matched_blocks(self, node: str, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of the chain believed cached on `node` (a chain: a miss ends it)."""
         lru = self._nodes.get(node)
@@ -136,6 +140,6 @@ class PrefixIndex:
 
     def _trim(self, node: str) -> None:
         lru = self._nodes.get(node)
-        limit = self._capacities.get(node, self.capacity)
+        limit = self.capacity_of(node)
         while lru is not None and len(lru) > limit:
             lru.popitem(last=False)

@@ -55,6 +55,11 @@ class KvConnector(KvConnectorScheduler, Protocol):
         overwrite."""
         ...
 
+    def offload_blocks(self) -> int:
+        """Blocks of this engine's KV the connector keeps below the pool (offload tiers), once
+        the pool is registered: a prefix there is loaded back rather than recomputed."""
+        ...
+
     def shutdown(self) -> None:
         """The engine stops (every request already released, the pool's bytes still valid):
         keep what should outlive this process, within the connector's own time limit."""
@@ -90,6 +95,9 @@ class NoKvConnector:
 
     def wait_for_save(self) -> None:
         pass
+
+    def offload_blocks(self) -> int:
+        return 0
 
     def shutdown(self) -> None:
         pass

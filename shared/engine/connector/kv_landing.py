@@ -62,5 +62,8 @@ class KvLandingConnector:
     def wait_for_save(self) -> None:
         pass
 
+    def offload_blocks(self) -> int:
+        return 0
+
     def shutdown(self) -> None:
         pass

@@ -76,5 +76,8 @@ class KvPushConnector:
     def wait_for_save(self) -> None:
         """Nothing to wait for: sends read pinned blocks, which no later step can overwrite."""
 
+    def offload_blocks(self) -> int:
+        return 0
+
     def shutdown(self) -> None:
         """Nothing kept: a push not finished by now has failed, and its request was released."""

@@ -96,6 +96,9 @@ class MultiConnector:
         for c in self.connectors:
             c.wait_for_save()
 
+    def offload_blocks(self) -> int:
+        return sum(c.offload_blocks() for c in self.connectors)
+
     def shutdown(self) -> None:
         for c in self.connectors:
             c.shutdown()

@@ -224,6 +224,11 @@ class OffloadConnector:
     def wait_for_save(self) -> None:
         """Nothing: blocks are copied down when evicted, before anything overwrites them."""
 
+    def offload_blocks(self) -> int:
+        host = 0 if self.host is None else self.host.num_slots
+        disk = self.disk.capacity if self.disk is not None and self.disk.usable else 0
+        return host + disk
+
     def shutdown(self) -> None:
         """Before the process ends: what host memory and the pool's prefix cache hold goes to
         the disk tier (the least recently used first, so that the disk's own LRU keeps the most
