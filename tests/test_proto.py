@@ -111,6 +111,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "node_role": (6, _T.TYPE_ENUM, False),
         "kv_layout": (7, _T.TYPE_MESSAGE, False),
         "num_kv_blocks": (8, _T.TYPE_UINT32, False),
+        "num_offload_blocks": (9, _T.TYPE_UINT32, False),
     },
     "KvLayoutInfo": {
         "num_layers": (1, _T.TYPE_UINT32, False),
