@@ -18,6 +18,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.speculative import ngram
 from shared.engine.speculative.config import SpeculativeConfig
 from shared.engine.speculative.drafter import Drafter
+from shared.engine.speculative.proposer import NgramProposer
 from tests.sampling_reference import pd_generate
 from tests.support.cluster import pd_cluster
 
@@ -40,7 +41,10 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"method": "draft_model"}', "not supported"),
+        ('{"method": "eagle"}', "not supported"),
+        ('{"method": "draft_model"}', '"model" names the draft model'),
+        ('{"model": "tiny"}', "only of that method"),
+        ('{"method": "draft_model", "model": 3}', "model must be a string"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"num_speculative_tokens": "4"}', "must be an integer"),
@@ -188,7 +192,7 @@ def test_seeded_sampling_draws_the_same_tokens_and_logprobs() -> None:
 def test_drafting_stops_where_it_does_not_pay() -> None:
     """Above max_batch running requests nobody drafts; a request whose drafts keep failing
     rests for a while."""
-    drafter = Drafter(SPEC, max_batch=2)
+    drafter = Drafter(SPEC, NgramProposer(SPEC), max_batch=2)
     batch = [LlmRequest(f"q{i}", PROMPTS[0], SamplingParams(max_tokens=30)) for i in range(3)]
     for r in batch:
         r.state = LlmRequestState.GENERATION_IN_PROGRESS

@@ -44,9 +44,11 @@ def engine_args(p: argparse.ArgumentParser) -> list[argparse.Action]:
             "--speculative-config",
             default="",
             metavar="JSON",
-            help='speculative decoding of greedy requests, as vLLM spells it: {"method": '
-            '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-            '"prompt_lookup_min": 1} (decode and colocated nodes; a prefill node ignores it)',
+            help='speculative decoding, as vLLM spells it: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or '
+            '{"method": "draft_model", "model": SPEC, "num_speculative_tokens": 4} (a smaller '
+            "model with the same tokenizer; decode and colocated nodes, a prefill node "
+            "ignores it)",
         ),
         add("--no-prefix-caching", action="store_true"),
         add("--device", default="auto"),

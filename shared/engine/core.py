@@ -45,7 +45,10 @@ from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.engine.sampling.sampler import SampleOutput, Sampler
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from shared.engine.speculative.config import SpeculativeConfig
+from shared.engine.speculative.draft_model import check_same_tokenizer, draft_config
 from shared.engine.speculative.drafter import Drafter
+from shared.engine.speculative.proposer import Proposer, build_proposer
 from shared.kv.layout import KvLayout, dtype_name
 from shared.model.device import resolve_device, resolve_dtype
 from shared.model.loader import LoadedModel, load_model
@@ -90,7 +93,7 @@ class EngineCore:
         )
         self.runner = self._build_runner(num_blocks, settings.context_only)
         spec = None if settings.context_only else config.speculative  # it decodes nothing
-        self.drafter = None if spec is None else Drafter(spec)
+        self.drafter = None if spec is None else Drafter(spec, self._proposer(spec, settings))
         self._draft_logits: dict[str, torch.Tensor] = {}  # this step's, by request
         self.connector = settings.connector(self.kv_manager)
         self.connector.register_kv_pool(self.runner.kv_pool)
@@ -116,6 +119,17 @@ class EngineCore:
             Shutdown: lambda c: self.shutdown(),
             **self.role.handlers(),
         }
+
+    def _proposer(self, spec: SpeculativeConfig, settings: RoleSettings) -> Proposer:
+        """The method's proposer; a draft model runs in an engine of its own beside this one."""
+
+        def draft_engine() -> EngineCore:
+            config = draft_config(self.config, spec, self.pool_size.num_blocks)
+            draft = EngineCore(config, role=settings.drafting())
+            check_same_tokenizer(self.loaded, draft.loaded)
+            return draft
+
+        return build_proposer(spec, draft_engine)
 
     def _build_managers(self, num_blocks: int) -> None:
         """The two managers over the pool: blocks (KV) and seats."""

@@ -55,6 +55,9 @@ class DecodeSettings:
         slo = self.slo
         return lambda request, batch: slo.batch_too_slow(batch, request)
 
+    def drafting(self) -> DecodeSettings:
+        return DecodeSettings()
+
     def build(self, parts: EngineParts) -> DecodeRole:
         return DecodeRole(parts, self)
 

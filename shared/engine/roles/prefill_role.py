@@ -39,6 +39,9 @@ class PrefillSettings:
     def hold(self) -> None:
         return None  # no decode batch to protect
 
+    def drafting(self) -> PrefillSettings:
+        raise ValueError("a prefill node decodes nothing: it has no draft model to run")
+
     def build(self, parts: EngineParts) -> PrefillRole:
         return PrefillRole(parts)
 

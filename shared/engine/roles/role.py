@@ -84,4 +84,9 @@ class RoleSettings(Protocol):
         """The scheduler's rule for keeping a fresh prompt out of a non-empty batch, if any."""
         ...
 
+    def drafting(self) -> RoleSettings:
+        """The settings of an engine that drafts for this one (a speculative draft model): it
+        decodes what it is given, with no KV from outside and no tiers of its own."""
+        ...
+
     def build(self, parts: EngineParts) -> Role: ...

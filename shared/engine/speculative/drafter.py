@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.sampling.logprobs import TokenLogprobs
-from shared.engine.speculative import ngram
 from shared.engine.speculative.config import SpeculativeConfig
+from shared.engine.speculative.draft_model import MAX_DRAFT_BATCH
+from shared.engine.speculative.proposer import Proposer
 
-MAX_BATCH = 8  # drafting stops above this many running requests
+MAX_BATCH = MAX_DRAFT_BATCH  # drafting stops above this many running requests
 MIN_ACCEPTANCE = 0.25  # a request whose recent drafts were accepted less often rests
 REST_STEPS = 16  # how long it rests before drafting again
 
@@ -51,9 +52,10 @@ class _Record:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, max_batch: int = MAX_BATCH):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_batch: int = MAX_BATCH):
         config.validate()
         self.config = config
+        self.proposer = proposer
         self.max_batch = max_batch
         self.proposed = 0  # drafts proposed since start
         self.accepted = 0  # of them, accepted
@@ -64,11 +66,11 @@ class Drafter:
     def propose(self, running: list[LlmRequest]) -> None:
         """Drafts for the running requests that can take them (at most what their max_tokens
         leaves after this step's own token); none for the rest."""
-        c = self.config
         live = {r.request_id for r in running}
         for rid in [rid for rid in self._records if rid not in live]:
             del self._records[rid]
         small = len(running) <= self.max_batch
+        wanted: list[tuple[LlmRequest, int]] = []
         for request in running:
             request.draft_token_ids = []
             if not small or not draftable(request) or not self._awake(request.request_id):
@@ -76,13 +78,12 @@ class Drafter:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue
             room = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
-            k = min(c.num_speculative_tokens, room)
-            if k <= 0:
-                continue
-            tokens = request.all_token_ids
-            request.draft_token_ids = ngram.propose(
-                tokens, k, c.prompt_lookup_min, c.prompt_lookup_max
-            )
+            k = min(self.config.num_speculative_tokens, room)
+            if k > 0:
+                wanted.append((request, k))
+        if wanted:
+            for (request, _), drafts in zip(wanted, self.proposer.propose(wanted), strict=True):
+                request.draft_token_ids = drafts
 
     def _awake(self, request_id: str) -> bool:
         record = self._records.get(request_id)
