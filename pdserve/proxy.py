@@ -153,6 +153,8 @@ class Proxy:
                 backend_port=backend_http_port,
                 max_attempts=self.max_attempts,
                 http_targets=dict(zip(self.backends, backend_http, strict=False)),
+                max_resumes=self.max_resumes,
+                resumes=self.resumes,
             )
             self.http_server = await AsgiServer.start(self.http.app(), host, http_port)
         log.info(

@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-resumes",
         type=int,
         default=2,
-        help="times a Generate stream whose decode node failed mid-stream is continued on "
-        "another node (0: never; the client gets the error)",
+        help="times a Generate stream or an HTTP completion whose decode node failed "
+        "mid-stream (or, HTTP, before answering) is continued on another node (0: never; the "
+        "client gets the error)",
     )
     p.add_argument(
         "--routing",

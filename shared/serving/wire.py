@@ -117,21 +117,10 @@ def continue_answer(
     draws go on at their output index, max_tokens and min_tokens count what is left."""
     if not request.HasField("continuation"):
         return prompt, params
-    done = list(request.continuation.ids)
-    if params.n > 1:
-        raise WireError("continuation", "an answer with sampling.n > 1 cannot be continued")
-    if len(done) >= params.max_tokens:
-        raise WireError(
-            "continuation",
-            f"continuation has {len(done)} tokens: sampling.max_tokens {params.max_tokens} "
-            "leaves none to generate",
-        )
-    return prompt + done, replace(
-        params,
-        max_tokens=params.max_tokens - len(done),
-        min_tokens=max(0, params.min_tokens - len(done)),
-        output_index_offset=params.output_index_offset + len(done),
-    )
+    try:
+        return params.continued(prompt, list(request.continuation.ids))
+    except ValueError as e:
+        raise WireError("continuation", str(e)) from None
 
 
 def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:

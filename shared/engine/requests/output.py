@@ -52,11 +52,25 @@ class OutputProcessor:
         self._states: dict[str, OutputState] = {}
 
     def add(self, request: LlmRequest) -> None:
-        self._states[request.request_id] = OutputState(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
-            request.sampling_params.stop,
-            request.sampling_params.include_stop_str_in_output,
+        params = request.sampling_params
+        prompt = request.prompt_token_ids
+        done = min(params.continued_tokens, len(prompt))
+        split = len(prompt) - done
+        state = OutputState(
+            IncrementalDetokenizer(self.tokenizer, prompt[:split]),
+            params.stop,
+            params.include_stop_str_in_output,
         )
+        if done:
+            # the answer's first tokens were streamed by an earlier call, which decoded them one
+            # at a time from the same context and released all but its holdback: start where it
+            # stopped, so that what it held back (a partial character, a possible stop string)
+            # comes now, and nothing it sent comes twice
+            for token in prompt[split:]:
+                state.text += state.detokenizer.push([token])
+            state.emitted = max(0, len(state.text) - state.holdback)
+            state.checked = len(state.text)
+        self._states[request.request_id] = state
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -49,6 +49,10 @@ class SamplingParams:
     # first tokens were produced elsewhere (now at the end of its prompt) draws what the
     # uninterrupted request would have
     output_index_offset: int = 0
+    # how many of the prompt's last tokens are this answer's first tokens, already streamed by
+    # the call it continues: their text is not released again (only what that call held back:
+    # a partial character, a possible stop string's start), and a stop string may begin in it
+    continued_tokens: int = 0
     # priority and latency targets: admission's, not the sampler's (service_level.py)
     service: ServiceLevel = field(default_factory=ServiceLevel)
     # the LoRA adapter (a --lora-modules name) the model runs this request with; None: the base.
@@ -168,6 +172,28 @@ class SamplingParams:
                 raise ValueError(
                     f"sampling.{name} token id {bad} is out of range [0, {vocab_size})"
                 )
+
+    def continued(self, prompt: list[int], done: list[int]) -> tuple[list[int], SamplingParams]:
+        """The prompt and params of a request that continues an answer whose first tokens,
+        `done`, some earlier call already streamed: they follow the prompt, seeded draws go on
+        at their output index, max_tokens and min_tokens count what is left. ValueError: the
+        answer cannot be continued."""
+        if not done:
+            return prompt, self
+        if self.n > 1:
+            raise ValueError("an answer with n > 1 cannot be continued")
+        if len(done) >= self.max_tokens:
+            raise ValueError(
+                f"continuation has {len(done)} tokens: max_tokens {self.max_tokens} leaves none "
+                "to generate"
+            )
+        return prompt + done, replace(
+            self,
+            max_tokens=self.max_tokens - len(done),
+            min_tokens=max(0, self.min_tokens - len(done)),
+            output_index_offset=self.output_index_offset + len(done),
+            continued_tokens=self.continued_tokens + len(done),
+        )
 
     def with_resolved_seed(self) -> SamplingParams:
         """Fix the seed at admission so that every node draws from the same per-request stream."""

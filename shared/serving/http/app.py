@@ -49,7 +49,7 @@ from shared.serving.http.service import (
     usage_of,
 )
 from shared.serving.http.shutdown_answer import ShutdownAnswer
-from shared.serving.http.sse import SSE_HEADERS, ChunkWriter, sse_stream
+from shared.serving.http.sse import SSE_HEADERS, TOKEN_IDS_HEADER, ChunkWriter, sse_stream
 from shared.serving.http.structured import compile_structured
 from shared.serving.http.tokenization import (
     detokenize,
@@ -181,6 +181,7 @@ async def _answer(
         renderer,
         usage=body.include_usage,
         continuous=body.continuous_usage,
+        token_ids=request.headers.get(TOKEN_IDS_HEADER) == "1",
     )
     return StreamingResponse(
         sse_stream(first, pieces, writer), media_type="text/event-stream", headers=SSE_HEADERS

@@ -74,6 +74,9 @@ class _Sampling(BaseModel):
     priority: Annotated[StrictInt, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
     ttft_slo_ms: Annotated[StrictFloat, Field(gt=0, le=MAX_SLO_MS)] | None = None
     itl_slo_ms: Annotated[StrictFloat, Field(gt=0, le=MAX_SLO_MS)] | None = None
+    # pdserve's proxy (pdserve/http_resume.py): the output token ids a lost node already
+    # streamed of this answer; this node continues it (the gRPC API's `continuation`)
+    pdserve_continuation: list[TokenId] | None = None
     # known, not implemented: refused with a 400 naming them when set
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
     # structured outputs (shared/serving/http/structured.py): OpenAI's and vLLM's spellings

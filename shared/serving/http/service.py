@@ -110,6 +110,7 @@ class Piece:
     logprobs: list[TokenLogprobs] | None = None  # one per token of the delta, when asked
     # on a choice's first piece, when the engine computed them: one per prompt token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    token_ids: tuple[int, ...] = ()  # the delta's tokens, whose text `text` releases
 
 
 def load_chat_template(path: str, loaded: LoadedModel) -> ChatTemplate:
@@ -249,6 +250,7 @@ class OpenAIService:
             params = to_sampling_params(req, self.defaults, len(prompt), limit)
             adapter = self.adapter(req.model)
             params = replace(params, service=req.service_level, lora_adapter=adapter)
+            prompt, params = _continued(req, prompts, prompt, params)
             jobs.append(Job(i, prompt, self.backend.validate(prompt, params), text))
         return jobs
 
@@ -281,6 +283,7 @@ class OpenAIService:
                     completion_tokens=stats.tokens_by_index.get(delta.index, 0),
                     logprobs=delta.logprobs,
                     prompt_logprobs=prompt_logprobs if first else None,
+                    token_ids=tuple(delta.token_ids),
                 )
 
     def pieces(self, rid: str, jobs: list[Job], deadline: float | None) -> AsyncIterator[Piece]:
@@ -299,6 +302,30 @@ def usage_of(last: dict[int, Piece]) -> Usage:
     )
     usage.prompt_tokens_details.cached_tokens = sum(p.cached_tokens for p in prompts.values())
     return usage
+
+
+def _continued(
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: Sequence[tuple[list[int], str]],
+    prompt: list[int],
+    params: SamplingParams,
+) -> tuple[list[int], SamplingParams]:
+    """The prompt and params that continue the answer `req.pdserve_continuation` began (the
+    proxy's, pdserve/http_resume.py); unchanged without one."""
+    done = req.pdserve_continuation
+    if not done:
+        return prompt, params
+    # a grammar's or a batch's state is not carried over: only one plain answer continues
+    if len(prompts) > 1 or params.structured is not None:
+        raise ApiError(
+            400,
+            "pdserve_continuation continues one prompt's answer without a structured output",
+            param="pdserve_continuation",
+        )
+    try:
+        return params.continued(prompt, list(done))
+    except ValueError as e:
+        raise ApiError(400, f"pdserve_continuation: {e}", param="pdserve_continuation") from None
 
 
 def new_id(prefix: str) -> str:

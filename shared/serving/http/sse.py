@@ -18,6 +18,10 @@ from shared.serving.http.service import Piece, usage_of
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+# pdserve's proxy (pdserve/http_resume.py) sends this header to have each chunk's choice name
+# the token ids it covers, in this field, which the proxy removes before its client sees it
+TOKEN_IDS_HEADER = "x-pdserve-token-ids"
+TOKEN_IDS_FIELD = "pdserve_token_ids"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -33,8 +37,11 @@ class ChunkWriter:
         *,
         usage: bool,
         continuous: bool,
+        token_ids: bool = False,
     ) -> None:
         self.renderer = renderer
+        # pdserve's proxy asks (TOKEN_IDS_HEADER): each piece's chunk names its tokens
+        self.token_ids = token_ids
         self.chat = renderer.rendering.chat
         self.usage, self.continuous = usage, continuous
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
@@ -73,6 +80,8 @@ class ChunkWriter:
             }
             if shown.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = shown.prompt_logprobs
+        if self.token_ids:
+            choice[TOKEN_IDS_FIELD] = list(piece.token_ids)
         return out + self._chunk([choice])
 
     @staticmethod
