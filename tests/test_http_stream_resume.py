@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pdserve.cluster import spawn, stop_all, wait_ready
-from pdserve.http_resume import HttpLedger
+from pdserve.http_resume import HttpLedger, ledger_for
 from shared.engine.requests.output import OutputProcessor
 from shared.engine.requests.request import LlmRequest
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -110,6 +110,25 @@ def test_the_ledger_makes_one_stream_of_two_calls() -> None:
     assert (out["id"], out["created"]) == ("a", 7)
     assert out["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
     assert TOKEN_IDS_FIELD not in out["choices"][0] and chat.sent == [5, 6, 7]
+
+
+def test_only_one_plain_answer_is_resumable_and_its_deadline_travels() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    path = "/v1/chat/completions"
+
+    def ledger(body: dict[str, Any], timeout: str | None = None) -> HttpLedger | None:
+        return ledger_for("POST", path, json.dumps(body).encode(), timeout)
+
+    assert ledger(chat) is not None
+    for extra in [{"n": 2}, {"tools": [{"type": "function"}]}, {"guided_regex": "a+"}]:
+        assert ledger({**chat, **extra}) is None, extra
+    assert ledger({**chat, "response_format": {"type": "json_object"}}) is None
+    batch = {"model": "m", "prompt": ["a", "b"]}
+    assert ledger_for("POST", "/v1/completions", json.dumps(batch).encode(), None) is None
+    timed = ledger(chat, "30")
+    assert timed is not None
+    sent = dict(timed.headers([("x-request-timeout", "30"), ("accept", "*/*")]))
+    assert 29 < float(sent["x-request-timeout"]) <= 30 and sent[TOKEN_IDS_HEADER] == "1"
 
 
 # ---- through the front door, a node killed ---------------------------------------------------
