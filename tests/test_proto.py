@@ -112,6 +112,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "kv_layout": (7, _T.TYPE_MESSAGE, False),
         "num_kv_blocks": (8, _T.TYPE_UINT32, False),
         "num_offload_blocks": (9, _T.TYPE_UINT32, False),
+        "instance_id": (10, _T.TYPE_UINT64, False),
     },
     "KvLayoutInfo": {
         "num_layers": (1, _T.TYPE_UINT32, False),
@@ -129,6 +130,8 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "first_block_index": (5, _T.TYPE_UINT32, False),
         "layout_fingerprint": (6, _T.TYPE_STRING, False),
         "skipped_blocks": (7, _T.TYPE_UINT32, True),
+        "prefill_instance_id": (8, _T.TYPE_UINT64, False),
+        "decode_instance_id": (9, _T.TYPE_UINT64, False),
     },
     "PrefillRequest": {
         "request_id": (1, _T.TYPE_STRING, False),
@@ -158,6 +161,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "prompt_logprobs": (6, _T.TYPE_MESSAGE, True),
         "choice_first_token_ids": (7, _T.TYPE_UINT32, True),
         "choice_first_token_logprobs": (8, _T.TYPE_MESSAGE, True),
+        "instance_id": (9, _T.TYPE_UINT64, False),
     },
     "CancelPrefillRequest": {"request_id": (1, _T.TYPE_STRING, False)},
     "CancelPrefillResponse": {"found": (1, _T.TYPE_BOOL, False)},

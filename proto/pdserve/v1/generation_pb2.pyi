@@ -200,7 +200,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout", "num_kv_blocks", "num_offload_blocks")
+    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout", "num_kv_blocks", "num_offload_blocks", "instance_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class ModelInfo(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -219,7 +220,8 @@ class ModelInfo(_message.Message):
     kv_layout: KvLayoutInfo
     num_kv_blocks: int
     num_offload_blocks: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ...) -> None: ...
+    instance_id: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class KvLayoutInfo(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "fingerprint")

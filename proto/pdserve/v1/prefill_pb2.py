@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import generation_pb2 as proto_dot_pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a!proto/pdserve/v1/generation.proto\"\xb3\x01\n\rKvDestination\x12\x13\n\x0bucx_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11\x66irst_block_index\x18\x05 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x06 \x01(\t\x12\x16\n\x0eskipped_blocks\x18\x07 \x03(\r\"\xd4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\x12\x11\n\tlayerwise\x18\x06 \x01(\x08\x12\x15\n\rdeadline_unix\x18\x07 \x01(\x01\"\xe2\x01\n\rTransferStats\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x10\n\x08messages\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15transfer_tail_seconds\x18\x05 \x01(\x01\x12\x1d\n\x15\x66irst_layer_sent_unix\x18\x06 \x01(\x01\x12 \n\x18last_layer_computed_unix\x18\x07 \x01(\x01\x12\x1b\n\x13last_byte_sent_unix\x18\x08 \x01(\x01\"\xc8\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x36\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1e\n\x16\x63hoice_first_token_ids\x18\x07 \x03(\r\x12=\n\x1b\x63hoice_first_token_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x15\x43\x61ncelPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xeb\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a!proto/pdserve/v1/generation.proto\"\xec\x01\n\rKvDestination\x12\x13\n\x0bucx_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11\x66irst_block_index\x18\x05 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x06 \x01(\t\x12\x16\n\x0eskipped_blocks\x18\x07 \x03(\r\x12\x1b\n\x13prefill_instance_id\x18\x08 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\t \x01(\x04\"\xd4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\x12\x11\n\tlayerwise\x18\x06 \x01(\x08\x12\x15\n\rdeadline_unix\x18\x07 \x01(\x01\"\xe2\x01\n\rTransferStats\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x10\n\x08messages\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15transfer_tail_seconds\x18\x05 \x01(\x01\x12\x1d\n\x15\x66irst_layer_sent_unix\x18\x06 \x01(\x01\x12 \n\x18last_layer_computed_unix\x18\x07 \x01(\x01\x12\x1b\n\x13last_byte_sent_unix\x18\x08 \x01(\x01\"\xdd\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x36\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1e\n\x16\x63hoice_first_token_ids\x18\x07 \x03(\r\x12=\n\x1b\x63hoice_first_token_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0binstance_id\x18\t \x01(\x04\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x15\x43\x61ncelPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xeb\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve.v1.prefill_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVDESTINATION']._serialized_start=82
-  _globals['_KVDESTINATION']._serialized_end=261
-  _globals['_PREFILLREQUEST']._serialized_start=264
-  _globals['_PREFILLREQUEST']._serialized_end=476
-  _globals['_TRANSFERSTATS']._serialized_start=479
-  _globals['_TRANSFERSTATS']._serialized_end=705
-  _globals['_PREFILLRESPONSE']._serialized_start=708
-  _globals['_PREFILLRESPONSE']._serialized_end=1036
-  _globals['_CANCELPREFILLREQUEST']._serialized_start=1038
-  _globals['_CANCELPREFILLREQUEST']._serialized_end=1080
-  _globals['_CANCELPREFILLRESPONSE']._serialized_start=1082
-  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1120
-  _globals['_PREFILL']._serialized_start=1123
-  _globals['_PREFILL']._serialized_end=1358
+  _globals['_KVDESTINATION']._serialized_end=318
+  _globals['_PREFILLREQUEST']._serialized_start=321
+  _globals['_PREFILLREQUEST']._serialized_end=533
+  _globals['_TRANSFERSTATS']._serialized_start=536
+  _globals['_TRANSFERSTATS']._serialized_end=762
+  _globals['_PREFILLRESPONSE']._serialized_start=765
+  _globals['_PREFILLRESPONSE']._serialized_end=1114
+  _globals['_CANCELPREFILLREQUEST']._serialized_start=1116
+  _globals['_CANCELPREFILLREQUEST']._serialized_end=1158
+  _globals['_CANCELPREFILLRESPONSE']._serialized_start=1160
+  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1198
+  _globals['_PREFILL']._serialized_start=1201
+  _globals['_PREFILL']._serialized_end=1436
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("ucx_address", "transfer_id", "transfer_token", "block_ids", "first_block_index", "layout_fingerprint", "skipped_blocks")
+    __slots__ = ("ucx_address", "transfer_id", "transfer_token", "block_ids", "first_block_index", "layout_fingerprint", "skipped_blocks", "prefill_instance_id", "decode_instance_id")
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class KvDestination(_message.Message):
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     transfer_id: int
     transfer_token: bytes
@@ -23,7 +25,9 @@ class KvDestination(_message.Message):
     first_block_index: int
     layout_fingerprint: str
     skipped_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ucx_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., skipped_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill_instance_id: int
+    decode_instance_id: int
+    def __init__(self, ucx_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., skipped_blocks: _Optional[_Iterable[int]] = ..., prefill_instance_id: _Optional[int] = ..., decode_instance_id: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "destination", "layerwise", "deadline_unix")
@@ -64,7 +68,7 @@ class TransferStats(_message.Message):
     def __init__(self, bytes_sent: _Optional[int] = ..., messages: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_tail_seconds: _Optional[float] = ..., first_layer_sent_unix: _Optional[float] = ..., last_layer_computed_unix: _Optional[float] = ..., last_byte_sent_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "cached_tokens", "stats", "first_token_logprobs", "prompt_logprobs", "choice_first_token_ids", "choice_first_token_logprobs")
+    __slots__ = ("request_id", "first_token_id", "cached_tokens", "stats", "first_token_logprobs", "prompt_logprobs", "choice_first_token_ids", "choice_first_token_logprobs", "instance_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +77,7 @@ class PrefillResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     cached_tokens: int
@@ -81,7 +86,8 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     choice_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     choice_first_token_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., choice_first_token_ids: _Optional[_Iterable[int]] = ..., choice_first_token_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    instance_id: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., choice_first_token_ids: _Optional[_Iterable[int]] = ..., choice_first_token_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id",)
