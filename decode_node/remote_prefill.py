@@ -29,6 +29,7 @@ from shared.serving.limits import MAX_REQUEST_ID_CHARS
 from shared.serving.replica_pool import ReplicaPool
 from shared.serving.status import Status
 from shared.serving.wire import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
+from transfer.errors import TransferSenderRestarted
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferReset, TransferTimeout
 
@@ -67,6 +68,7 @@ class RemotePrefill:
         self.layout_info = layout
         self._tasks: set[asyncio.Future[None]] = set()
         self.index = PrefixIndex()  # what each prefill node likely holds (kv routing)
+        self._instances: dict[str, int] = {}  # the instance the index learnt each node as
         # PrefillResponse of recent requests (timestamps, bytes): the layer-wise evidence
         self.transfer_log: OrderedDict[str, prefill_pb2.PrefillResponse] = OrderedDict()
 
@@ -169,15 +171,24 @@ class RemotePrefill:
         except (TimeoutError, grpc.RpcError) as e:
             self._mark_unhealthy(peer, f"model info failed: {e}")
             raise PrefillFailed(f"{peer.target}: {e}") from None
-        skipped = self._skipped(len(prompt), grant)
-        dest = self.receiver.expect(stream.request_id, grant.blocks, skipped=skipped)
-        stream.transfer_id, stream.peer, stream.prefill_done = dest.transfer_id, peer, False
+        self._follow_instance(peer)
         budget = self.config.prefill_timeout
         if stream.deadline is not None:
             budget = min(budget, max(0.001, stream.deadline - time.monotonic()))
+        # the lease: the blocks are granted to this instance of the node for at most this long,
+        # from now, whatever it does (docs/deployment.md, "Instance ids and the KV lease")
+        kv_budget = min(budget, self.config.kv_transfer_timeout)
+        skipped = self._skipped(len(prompt), grant)
+        dest = self.receiver.expect(
+            stream.request_id,
+            grant.blocks,
+            skipped=skipped,
+            sender=peer.instance_id,
+            lease=kv_budget,
+        )
+        stream.transfer_id, stream.peer, stream.prefill_done = dest.transfer_id, peer, False
         request = self._prefill_request(stream, prompt, params, dest, grant.first_block)
         request.layerwise = self._layerwise(peer)
-        kv_budget = min(budget, self.config.kv_transfer_timeout)
         # when this node stops waiting for the KV: the prefill node gives the push up then too
         request.deadline_unix = time.time() + kv_budget
         trace = PrefillAttempt.start(self.config, stream, peer, request, load)
@@ -190,7 +201,7 @@ class RemotePrefill:
         peer.load += load
         started = time.monotonic()
         try:
-            response = await self._await_both(call, landed, stream, peer)
+            response = await self._await_both(call, landed, stream, peer, dest.sender_instance)
         except BaseException as e:
             trace.fail(e)
             raise
@@ -201,6 +212,12 @@ class RemotePrefill:
         trace.done(response)
         self._record(stream, response, started)
         return response
+
+    def _follow_instance(self, peer: PrefillPeer) -> None:
+        """A new instance of the node holds none of its predecessor's prefixes."""
+        if self._instances.get(peer.target, peer.instance_id) != peer.instance_id:
+            self.index.forget_node(peer.target)
+        self._instances[peer.target] = peer.instance_id
 
     def _skipped(self, prompt_len: int, grant: TransferGrant) -> tuple[int, ...]:
         """Per layer, the granted blocks the prefill node leaves out (empty: none); the engine
@@ -233,13 +250,19 @@ class RemotePrefill:
         landed: asyncio.Future[object],
         stream: Stream,
         peer: PrefillPeer,
+        granted: int,
     ) -> prefill_pb2.PrefillResponse:
+        """The Prefill answer once its KV has landed; a failure of either ends both (cleanly:
+        the transfer released, the prefill node told) as a PrefillFailed or GenerateError."""
         rpc = asyncio.ensure_future(call)
         try:
             await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_EXCEPTION)
             if landed.done() and landed.exception() is not None:
                 raise landed.exception()  # type: ignore[misc]
             response = await rpc
+            if response.instance_id not in (0, granted):  # another process answered
+                peer.forget()  # its model info is relearnt (and the change seen) next time
+                raise TransferSenderRestarted(f"answered by instance {response.instance_id:#x}")
             await landed
             return response
         except grpc.RpcError as e:
@@ -256,6 +279,9 @@ class RemotePrefill:
 
     def _rpc_failure(self, e: grpc.RpcError, stream: Stream, peer: PrefillPeer) -> Exception:
         code = e.code()
+        if code == grpc.StatusCode.ABORTED:  # the blocks were granted to its predecessor
+            peer.forget()  # relearnt on the next ask, which the new instance is not at fault for
+            return PrefillFailed(f"{peer.target}: {e.details()}", node_at_fault=False)
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             return GenerateError(Status[code.name], f"prefill node {peer.target}: {e.details()}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and stream.deadline_passed():
@@ -322,6 +348,8 @@ class RemotePrefill:
                 first_block_index=first_block,
                 layout_fingerprint=self.layout_info.fingerprint,
                 skipped_blocks=list(dest.skipped),
+                prefill_instance_id=dest.sender_instance,
+                decode_instance_id=dest.receiver_instance,
             ),
         )
 

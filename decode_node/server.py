@@ -224,7 +224,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context):
         colocated = generation_pb2.NODE_ROLE_COLOCATED
         role = colocated if self.config.colocated else generation_pb2.NODE_ROLE_DECODE
-        return model_info(self.info, role)
+        return model_info(self.info, role, self.receiver.instance_id)
 
     async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex

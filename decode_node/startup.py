@@ -13,7 +13,7 @@ from decode_node.peers import PrefillPeer, prefill_pool
 from shared.engine.info import EngineInfo
 from shared.engine.thread import EngineSnapshot
 from shared.model import attention_timing, native
-from shared.serving.grpc_server import NodeMetrics
+from shared.serving.grpc_server import NodeMetrics, new_instance_id
 from shared.serving.metrics import (
     prompt_tokens_counter,
     register_scrape_counter,
@@ -59,11 +59,18 @@ def build_parts(
         config.ucx_host,
         config.ucx_port,
         bind_host=config.kv_bind_host,
+        instance_id=new_instance_id(),
     )
+
+    def new_prefill_instance(peer: PrefillPeer, old: int) -> None:
+        why = f"prefill node {peer.target} restarted (instance {old:#x} is gone)"
+        receiver.sender_restarted(old, why)
+
     pool = prefill_pool(
         config.prefill_targets,
         config.health_check_interval,
         None if config.prefill_tls is None else config.prefill_tls.credentials(),
+        new_prefill_instance,
     )
     metrics = NodeMetrics(snapshot, rejected=lambda: receiver.rejected_total)
     register_decode_metrics(metrics, receiver, pool)
@@ -94,6 +101,26 @@ def register_decode_metrics(
         "1 while a prefill node is routed to, 0 while it is skipped as unhealthy",
         lambda: {(p.target,): float(p.healthy) for p in pool.replicas},
         labelnames=("peer",),
+    )
+    register_scrape_gauge(
+        registry,
+        "pdserve_prefill_peer_instance",
+        "1 for the process instance (ModelInfo.instance_id, hex) each prefill node answers as",
+        lambda: {(p.target, f"{p.instance_id:#x}"): 1.0 for p in pool.replicas if p.instance_id},
+        labelnames=("peer", "instance"),
+    )
+    register_scrape_counter(
+        registry,
+        "pdserve_prefill_peer_restarts_total",
+        "New process instances seen at prefill nodes' addresses: what was learnt from each old "
+        "one dropped, the transfers granted to it failed",
+        lambda: float(sum(p.restarts for p in pool.replicas)),
+    )
+    register_scrape_counter(
+        registry,
+        "pdserve_kv_transfers_sender_restarted_total",
+        "KV transfers failed because the prefill instance they were granted to was replaced",
+        lambda: float(receiver.senders_restarted),
     )
     register_scrape_gauge(
         registry,

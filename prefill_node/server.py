@@ -42,7 +42,7 @@ from shared.engine.thread import EngineThread
 from shared.model import attention_timing, native
 from shared.model.kv_window import skipped_problem
 from shared.model.loader import LoadedModel
-from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info
+from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info, new_instance_id
 from shared.serving.limits import PUSH_QUIESCE_S
 from shared.serving.metrics import prompt_tokens_counter
 from shared.serving.offload_metrics import register_offload_metrics
@@ -78,7 +78,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.core = EngineCore(config.engine, loaded, role=settings)
         self.info = self.core.info
         self.layout = self.info.layout
-        self.sender = KvSender(self.layout)
+        self.sender = KvSender(self.layout, instance_id=new_instance_id())
         self.thread: EngineThread | None = None
         self.metrics = NodeMetrics(lambda: self._snapshot())
         self.prompt_tokens = prompt_tokens_counter(self.metrics.registry)
@@ -146,7 +146,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
-        return model_info(self.info, generation_pb2.NODE_ROLE_PREFILL)
+        return model_info(self.info, generation_pb2.NODE_ROLE_PREFILL, self.sender.instance_id)
 
     async def CancelPrefill(self, request, context):
         found = self.jobs.cancel(request.request_id)
@@ -162,6 +162,10 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV layout mismatch: decode node has fingerprint {dest.layout_fingerprint}, "
                 f"this prefill node has {self.layout.fingerprint()} ({self.layout.describe()})",
+            )
+        if dest.prefill_instance_id not in (0, self.sender.instance_id):
+            await context.abort(  # the decode node knew this node's predecessor: it relearns
+                grpc.StatusCode.ABORTED, f"blocks granted to instance {dest.prefill_instance_id:#x}"
             )
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
@@ -236,6 +240,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             block_ids=tuple(d.block_ids),
             layout_fingerprint=d.layout_fingerprint,
             skipped=tuple(d.skipped_blocks),
+            sender_instance=d.prefill_instance_id,
+            receiver_instance=d.decode_instance_id,
         )
         loop = asyncio.get_running_loop()
         job = PrefillJob(
@@ -271,6 +277,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             first_token_id=first.token_ids[0],
             cached_tokens=req.cached_tokens,
             stats=stats,
+            instance_id=self.sender.instance_id,
         )
         if first.logprobs:
             response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))

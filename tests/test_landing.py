@@ -15,7 +15,8 @@ from shared.kv.layout import KvLayout
 from shared.kv.pool import allocate_kv_pool
 from transfer import protocol
 from transfer.errors import ProtocolError
-from transfer.landing import SEQ_WINDOW, Landing, Landings, LandingState, Progress
+from transfer.landing import SEQ_WINDOW, Landing, LandingState, Progress
+from transfer.landings import Landings
 
 LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype="bfloat16")
 FP = protocol.fingerprint_bytes(LAYOUT.fingerprint())

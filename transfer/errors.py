@@ -22,6 +22,13 @@ class TransferReset(TransferError):
     attempt has quiesced."""
 
 
+class TransferSenderRestarted(TransferReset):
+    """The prefill node the transfer's blocks were granted to came back as another process
+    instance (a restart on the same address): what the old instance was sending will never
+    come, and the new one drops no KV into blocks granted to the old one. Not the new
+    instance's fault: the retry may go to it."""
+
+
 class TransferCancelled(TransferError):
     """The transfer was cancelled by the caller (or the receiver closed)."""
 

@@ -11,7 +11,8 @@ back:
                token 16s | layout fingerprint 8s | layer u16 | n_layers u16 | n_blocks u32 |
                payload_bytes u64 | seq u32
     offset 64  n_blocks x u32 destination block ids (pool order of the payload's block axis)
-    ...        zero padding up to header_len = header_size(n_blocks)
+    then       u64 sender instance id, when flags has FLAG_INSTANCE
+    ...        zero padding up to header_len = header_size(n_blocks, instance)
 
 2. the payload, tag = `payload_tag(token, transfer_id, seq)`: exactly payload_bytes of raw KV,
    kv_pool[layer : layer + n_layers][:, :, block_ids] in the layout (n_layers, planes, n_blocks,
@@ -27,6 +28,13 @@ seq is used once, so each payload tag is too.
 
 Transfer ids are random 64-bit numbers the decode node never reuses, so header tags are unique
 per transfer, and the receiver's UCX worker carries nothing but KV messages.
+
+The instance id: each node process draws one at start (ModelInfo.instance_id). The decode node
+grants a transfer's blocks to one prefill instance (`TransferDestination.sender_instance`); that
+instance stamps its id in every header (FLAG_INSTANCE) and the receiver drops a header stamped
+with any other id, so nothing a restarted node's predecessor sent, nor a replay of it, lands in
+blocks granted to its successor. A destination naming no instance (0) gets unstamped headers,
+which is what a decode node that predates instance ids reads.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ if TYPE_CHECKING:  # the wire format itself needs no torch
 MAGIC = b"PDKV"
 VERSION = 2
 FLAG_LAST = 0x1  # the sender's final message of the whole transfer
+FLAG_INSTANCE = 0x2  # the sender's instance id (u64) follows the block ids
 TOKEN_BYTES = 16
 FINGERPRINT_BYTES = 8
 HEADER_ALIGN = 64
@@ -70,15 +79,20 @@ REJECT_DUPLICATE = "duplicate_block"  # (layer, block) already landed, or listed
 REJECT_BAD_LENGTH = "bad_length"  # message/payload size inconsistent with header or layout
 REJECT_RECV_ERROR = "recv_error"  # UCX failed the receive (peer died mid-message)
 REJECT_BAD_SEQ = "bad_seq"  # a message number used twice, or too far ahead
+REJECT_STALE_INSTANCE = "stale_instance"  # stamped by another instance than the one granted
 MAX_SEQ = (1 << 32) - 1
-# Rejections of a message that does not carry the transfer's token: noise (forged, misrouted,
-# garbage), dropped without failing the transfer. Every other rejection blames its sender.
-NOISE_REASONS = frozenset({REJECT_BAD_HEADER, REJECT_UNKNOWN_TRANSFER, REJECT_BAD_TOKEN})
+# Rejections of a message that does not carry the transfer's token, or comes from another
+# instance than the one its blocks were granted to: noise (forged, misrouted, replayed, a dead
+# predecessor's), dropped without failing the transfer. Every other rejection blames its sender.
+NOISE_REASONS = frozenset(
+    {REJECT_BAD_HEADER, REJECT_UNKNOWN_TRANSFER, REJECT_BAD_TOKEN, REJECT_STALE_INSTANCE}
+)
 
 
-def header_size(n_blocks: int) -> int:
-    """Bytes of the header (fixed part, block ids, padding) for a message of `n_blocks`."""
-    raw = FIXED_HEADER_BYTES + 4 * n_blocks
+def header_size(n_blocks: int, instance: bool = False) -> int:
+    """Bytes of the header (fixed part, block ids, instance id if stamped, padding) for a
+    message of `n_blocks`."""
+    raw = FIXED_HEADER_BYTES + 4 * n_blocks + (8 if instance else 0)
     return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
 
 
@@ -159,11 +173,16 @@ class TransferDestination:
     # out of its sliding window before the decode node's first query (shared/engine/
     # kv_window.py); empty: every layer sends every block
     skipped: tuple[int, ...] = ()
+    # the prefill instance these blocks are granted to (it stamps every header; 0: none named)
+    sender_instance: int = 0
+    # the decode node's instance: a sender's endpoint cached for another one is stale
+    receiver_instance: int = 0
 
     def __post_init__(self) -> None:
         split_address(self.address)
-        if not 0 <= self.transfer_id <= MAX_U64:
-            raise ValueError(f"transfer_id {self.transfer_id} is not a 64-bit unsigned value")
+        for name in ("transfer_id", "sender_instance", "receiver_instance"):
+            if not 0 <= getattr(self, name) <= MAX_U64:
+                raise ValueError(f"{name} {getattr(self, name)} is not a 64-bit unsigned value")
         if len(self.token) != TOKEN_BYTES:
             raise ValueError(f"token must be {TOKEN_BYTES} bytes, got {len(self.token)}")
         # gRPC hands over repeated fields as lists; keep the dataclass hashable and immutable
@@ -186,6 +205,7 @@ class HeaderPrefix:
     last: bool
     header_len: int
     seq: int
+    stamped: bool = False  # FLAG_INSTANCE: the sender's instance id follows the block ids
 
 
 def encode_header(
@@ -198,21 +218,25 @@ def encode_header(
     last: bool = False,
     seq: int = 0,
     n_layers: int = 1,
+    instance_id: int = 0,
 ) -> bytes:
-    """The header bytes (length header_size(len(block_ids))) of one KV message."""
+    """The header bytes (length header_size(len(block_ids), stamped)) of one KV message;
+    stamped with `instance_id` unless it is 0."""
     if not 0 <= seq <= MAX_SEQ:
         raise ValueError(f"seq {seq} is not a 32-bit unsigned value")
     if not (0 <= layer <= MAX_LAYERS and 1 <= n_layers <= MAX_LAYERS):
         raise ValueError(f"layers {layer}+{n_layers} do not fit the header's u16 fields")
+    if not 0 <= instance_id <= MAX_U64:
+        raise ValueError(f"instance id {instance_id} is not a 64-bit unsigned value")
     n = len(block_ids)
-    size = header_size(n)
+    size = header_size(n, instance_id != 0)
     out = bytearray(size)
     _FIXED.pack_into(
         out,
         0,
         MAGIC,
         VERSION,
-        FLAG_LAST if last else 0,
+        (FLAG_LAST if last else 0) | (FLAG_INSTANCE if instance_id else 0),
         size,
         transfer_id,
         token,
@@ -224,6 +248,8 @@ def encode_header(
         seq,
     )
     struct.pack_into(f"<{n}I", out, FIXED_HEADER_BYTES, *block_ids)
+    if instance_id:
+        struct.pack_into("<Q", out, FIXED_HEADER_BYTES + 4 * n, instance_id)
     return bytes(out)
 
 
@@ -238,7 +264,7 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
         raise ProtocolError(REJECT_BAD_HEADER, f"bad magic {magic!r}")
     if version != VERSION:
         raise ProtocolError(REJECT_BAD_HEADER, f"unsupported version {version}")
-    if header_len != header_size(n):
+    if header_len != header_size(n, bool(flags & FLAG_INSTANCE)):
         raise ProtocolError(REJECT_BAD_HEADER, f"header_len {header_len} for {n} blocks")
     return HeaderPrefix(
         transfer_id=transfer_id,
@@ -251,6 +277,7 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
         last=bool(flags & FLAG_LAST),
         header_len=header_len,
         seq=seq,
+        stamped=bool(flags & FLAG_INSTANCE),
     )
 
 
@@ -262,6 +289,17 @@ def decode_block_ids(buf: bytes | memoryview, prefix: HeaderPrefix) -> tuple[int
     return struct.unpack_from(f"<{prefix.n_blocks}I", buf, FIXED_HEADER_BYTES)
 
 
+def decode_instance(buf: bytes | memoryview, prefix: HeaderPrefix) -> int:
+    """The sender's instance id stamped in the header (0: not stamped)."""
+    if not prefix.stamped:
+        return 0
+    at = FIXED_HEADER_BYTES + 4 * prefix.n_blocks
+    if len(buf) < at + 8:
+        raise ProtocolError(REJECT_BAD_HEADER, f"header needs {at + 8} bytes, have {len(buf)}")
+    (instance_id,) = struct.unpack_from("<Q", buf, at)
+    return instance_id
+
+
 def validate_header(
     head: bytes,
     *,
@@ -270,15 +308,22 @@ def validate_header(
     layout: KvLayout,
     fingerprint: bytes,
     max_blocks: int,
+    instance_id: int = 0,
 ) -> tuple[HeaderPrefix, tuple[int, ...]]:
-    """Check one whole header message against the transfer its tag names, and return it decoded
-    with its block ids. Pure: no I/O, no transfer state (claims and seqs are the landing's).
-    Raises ProtocolError; a reason in NOISE_REASONS means the message lacks the token."""
+    """Check one whole header message against the transfer its tag names (granted to sender
+    instance `instance_id`, 0: none named), and return it decoded with its block ids. Pure: no
+    I/O, no transfer state (claims and seqs are the landing's). Raises ProtocolError; a reason
+    in NOISE_REASONS means the message lacks the token or comes from another instance."""
     prefix = decode_prefix(head)
     if prefix.transfer_id != transfer_id:
         raise ProtocolError(REJECT_UNKNOWN_TRANSFER, "header/tag mismatch")
     if not hmac.compare_digest(prefix.token, token):
         raise ProtocolError(REJECT_BAD_TOKEN)
+    stamped = decode_instance(head, prefix)
+    if stamped != instance_id:
+        raise ProtocolError(
+            REJECT_STALE_INSTANCE, f"sent by instance {stamped:#x}, granted to {instance_id:#x}"
+        )
     if prefix.layout_fingerprint != fingerprint:
         raise ProtocolError(REJECT_LAYOUT)
     if not (prefix.n_layers >= 1 and prefix.layer + prefix.n_layers <= layout.num_layers):

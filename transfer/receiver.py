@@ -32,6 +32,7 @@ from transfer.errors import (
     TransferCancelled,
     TransferError,
     TransferReset,
+    TransferSenderRestarted,
     TransferTimeout,
     retrieve_exception,
 )
@@ -39,27 +40,23 @@ from transfer.landing import (
     SEQ_WINDOW,
     Announced,
     Landing,
-    Landings,
     LandingState,
     Progress,
     TransferStats,
     check_reservation,
 )
+from transfer.landings import Landings
 from transfer.listener import CLOSE_TIMEOUT_S, KvListener
 from transfer.pool_writer import PoolWriter
 from transfer.protocol import TransferDestination
+from transfer.receiver_counts import ReceiverCounts
 from transfer.ucp import Probe
 from transfer.worker import UcxWorker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SEQ_WINDOW", "KvReceiver", "TransferStats"]
 
-_TOMBSTONE_TTL_S = 600.0  # late messages for a finished transfer are reported as "late" this long
-_TOMBSTONE_MAX = 100_000
-
-
-class KvReceiver:
+class KvReceiver(ReceiverCounts):
     """Decode-side endpoint of the KV push; lives on the decode node's event loop."""
 
     def __init__(
@@ -69,10 +66,12 @@ class KvReceiver:
         host: str = "127.0.0.1",
         port: int = 0,
         bind_host: str | None = None,
+        instance_id: int = 0,
     ) -> None:
         """`host`: the address peers connect to (advertised in every TransferDestination);
         `bind_host`: the address the UCX listener binds to (default: `host`; "0.0.0.0" or "::"
-        for every interface)."""
+        for every interface); `instance_id`: this node process's (ModelInfo.instance_id)."""
+        self.instance_id = instance_id
         self._writer = PoolWriter(kv_pool, layout)
         self._pool = kv_pool
         self._layout = layout
@@ -82,14 +81,9 @@ class KvReceiver:
         self._port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._net: KvListener | None = None
-        self._landings = Landings(_TOMBSTONE_TTL_S, _TOMBSTONE_MAX)
+        self._landings = Landings()  # late messages are told from noise for 10 minutes
+        ReceiverCounts.__init__(self)
         self._sink = np.zeros(1, dtype=np.uint8)  # truncating receives of dropped messages
-        self.rejected_total = 0
-        self.bytes_received_total = 0
-        self.rejected_by_reason: dict[str, int] = {}
-        self.completed_total = 0
-        self.failed_total = 0
-        self.endpoint_resets = 0  # fences broken by force-closing endpoints
         self._writing = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -138,21 +132,38 @@ class KvReceiver:
         block_ids: Sequence[int],
         on_layer: Callable[[int], None] | None = None,
         skipped: Sequence[int] = (),
+        sender: int = 0,
+        lease: float | None = None,
     ) -> TransferDestination:
-        """Register a transfer: every layer must deliver every one of `block_ids` exactly once
-        but the first `skipped[layer]` (empty: none), which it must not. `on_layer(layer)` is
-        called once per layer, in layer order, when all of that layer's blocks have landed.
-        The deadline starts with `wait`."""
+        """Register a transfer granted to sender instance `sender` (0: none named): every
+        layer must deliver every one of `block_ids` exactly once but the first
+        `skipped[layer]` (empty: none), which it must not. `on_layer(layer)` is called once per
+        layer, in layer order, when all of that layer's blocks have landed. `lease`: seconds
+        from now after which the transfer fails (TransferTimeout) whatever its sender does or
+        whether anyone waits; else the deadline starts with `wait`."""
         if self._worker is None:
             raise RuntimeError("KvReceiver not started")
         ids = tuple(int(b) for b in block_ids)
         check_reservation(ids, self._pool.shape[2])
         layers, now = self._layout.num_layers, time.monotonic()
         skip = tuple(int(n) for n in skipped)
-        t = self._landings.open(request_id, ids, layers, on_layer, self._loop, now, skip)
-        return protocol.TransferDestination(
-            self.address, t.transfer_id, t.token, ids, self._layout.fingerprint(), skip
+        t = self._landings.open(request_id, ids, layers, on_layer, self._loop, now, skip, sender)
+        if lease is not None:
+            t.arm_deadline(self._loop, lease, self._on_deadline)
+        fingerprint = self._layout.fingerprint()
+        address, tid, token = self.address, t.transfer_id, t.token
+        return TransferDestination(
+            address, tid, token, ids, fingerprint, skip, sender, self.instance_id
         )
+
+    def sender_restarted(self, instance: int, why: str) -> int:
+        """Fail every live transfer granted to sender instance `instance` (its process is gone:
+        a new instance answers on its address) with TransferSenderRestarted; returns how many."""
+        doomed = self._landings.granted_to(instance) if instance else []
+        for t in doomed:
+            self._fail(t, TransferSenderRestarted(f"transfer {t.transfer_id:#x}: {why}"))
+        self.senders_restarted += len(doomed)
+        return len(doomed)
 
     async def wait(self, transfer_id: int, timeout: float) -> TransferStats:
         """Return when every layer of every block has landed. Raises TransferTimeout when
@@ -220,34 +231,6 @@ class KvReceiver:
         for t in list(self._landings.live.values()):
             self._fail(t, TransferReset(f"transfer {t.transfer_id:#x}: {why}"))
 
-    @property
-    def listener_restarts(self) -> int:
-        """Restarts of the KV listener after its receive queue stuck (transfer.queue_check)."""
-        return 0 if self._net is None else self._net.restarts
-
-    @property
-    def live_transfers(self) -> int:
-        return len(self._landings.live)
-
-    @property
-    def fenced_transfers(self) -> int:
-        """Failed transfers whose blocks a posted payload receive may still write."""
-        return len(self._landings.fenced)
-
-    @property
-    def writes_in_flight(self) -> int:
-        """Payload receives posted into the pool (or staging) and not completed."""
-        return self._writing
-
-    def describe(self) -> str:  # one line for logs: what this receiver holds now
-        endpoints = 0 if self._net is None else self._net.num_endpoints
-        return (
-            f"{self.live_transfers} live, {self.fenced_transfers} fenced, {self._writing} "
-            f"writes posted, {endpoints} endpoints, {self.endpoint_resets} resets, "
-            f"{self.listener_restarts} listener restarts, "
-            f"rejected {self.rejected_by_reason or 'none'}"
-        )
-
     # ---- UCX side -----------------------------------------------------------------------------
     def _drain_unexpected(self) -> None:
         worker = self._worker
@@ -299,6 +282,7 @@ class KvReceiver:
                 layout=self._layout,
                 fingerprint=self._fingerprint,
                 max_blocks=len(t.block_ids),
+                instance_id=t.instance,
             )
             announced = t.check_claims(prefix, ids)
         except ProtocolError as e:
@@ -393,8 +377,3 @@ class KvReceiver:
 
     def _on_deadline(self, t: Landing, timeout: float) -> None:
         self._fail(t, TransferTimeout(t.timeout_message(timeout)))
-
-    # ---- helpers ------------------------------------------------------------------------------
-    def _count_reject(self, reason: str) -> None:
-        self.rejected_total += 1
-        self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1

@@ -10,9 +10,11 @@ buffer; the pack's CUDA event is waited for before UCX reads it. Each message ha
 and payload tag (`transfer.protocol`).
 
 Endpoints: one per decode node address, connected on first use, cached, and discarded after any
-error (the next send reconnects). A dead decode node fails pending and later sends with
-TransferError within milliseconds when its process is gone (the kernel resets the connection);
-a host that vanishes silently is caught by the send `timeout`.
+error (the next send reconnects) or when a destination names another decode node instance at
+that address (a restarted decode node: the old endpoint leads to a dead process). A dead decode
+node fails pending and later sends with TransferError within milliseconds when its process is
+gone (the kernel resets the connection); a host that vanishes silently is caught by the send
+`timeout`.
 
 All methods but `pack` run on one event loop.
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,9 +32,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shared.kv.layout import KvLayout
 from transfer import protocol
-from transfer.errors import TransferError, TransferTimeout, retrieve_exception
+from transfer.errors import TransferError, retrieve_exception
 from transfer.protocol import TransferDestination
 from transfer.send_cost import SendCost
+from transfer.send_op import PeerEndpoint, Send
 from transfer.span_cache import SpanCache
 from transfer.worker import UCXError, UcxWorker
 
@@ -45,13 +47,6 @@ _CLOSE_TIMEOUT_S = 2.0
 
 # payload tensor from `pack` -> the CUDA event recorded after its copy
 _ready_events: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-@dataclass(eq=False)
-class _Peer:
-    address: str
-    endpoint: object
-    broken: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,87 +62,6 @@ class KvMessage:
     payload: torch.Tensor | None = None
     n_layers: int = 1
     last: bool = False  # the final message of the whole transfer
-
-
-@dataclass(eq=False)
-class _Send:
-    """One posted message (header + payload) of a transfer: completion, errors, deadline."""
-
-    push: KvPush
-    worker: UcxWorker
-    seq: int
-    header: np.ndarray
-    iov: np.ndarray | None  # None: `source` is a packed contiguous payload
-    source: torch.Tensor
-    nbytes: int
-    limit: float
-    result: asyncio.Future[int]
-    pending: int = 0
-    peer: _Peer | None = None
-    timer: asyncio.TimerHandle | None = None
-    posted_at: float = 0.0
-
-    @property
-    def _what(self) -> str:
-        dest = self.push.dest
-        return f"KV send to {dest.address} (transfer {dest.transfer_id:#x})"
-
-    def start(self) -> None:
-        if self.result.done():
-            return  # the caller gave up while a CUDA pack was finishing
-        push, worker, dest = self.push, self.worker, self.push.dest
-        try:
-            self.peer = peer = push.sender._peer(worker, dest.address)
-            ep = peer.endpoint
-            tag = protocol.payload_tag(dest.token, dest.transfer_id, self.seq)
-            ops = [worker.send(ep, self.header, protocol.message_tag(dest.transfer_id))]
-            if self.iov is None:
-                ops.append(worker.send(ep, self.source, tag))
-            else:
-                ops.append(worker.send_iov(ep, self.iov, self.source, tag))
-        except TransferError as e:
-            self.result.set_exception(e)
-            return
-        self.pending = len(ops)
-        self.posted_at = time.monotonic()
-        push.reading.update(ops)
-        for op in ops:
-            op.add_done_callback(push.reading.discard)
-            op.add_done_callback(self._on_done)
-        if not self.result.done():
-            self.timer = asyncio.get_running_loop().call_later(self.limit, self._on_timeout)
-
-    def _on_done(self, op: asyncio.Future) -> None:
-        error = op.exception()  # UCX futures are never cancelled
-        if self.result.done():
-            return
-        if error is not None:
-            self._fail(TransferError(f"{self._what} failed: {error}"), error)
-            return
-        self.pending -= 1
-        if self.pending == 0:
-            if self.timer is not None:
-                self.timer.cancel()
-            sender = self.push.sender
-            wire = self.nbytes + len(self.header)
-            sender.bytes_sent_total += wire
-            sender.messages_total += 1
-            sender.cost.observe(wire, self.posted_at, time.monotonic())
-            self.result.set_result(self.nbytes)
-
-    def _on_timeout(self) -> None:
-        if not self.result.done():
-            self._fail(TransferTimeout(f"{self._what} not taken within {self.limit:.3g}s"), None)
-
-    def _fail(self, error: TransferError, cause: BaseException | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        sender = self.push.sender
-        sender.errors_total += 1
-        if self.peer is not None:
-            sender._discard(self.peer)
-        error.__cause__ = cause
-        self.result.set_exception(error)
 
 
 @dataclass(frozen=True)
@@ -193,8 +107,11 @@ class KvPush:
             last=message.last,
             seq=seq,
             n_layers=message.n_layers,
+            # stamped only when the decode node granted the blocks to an instance: one that
+            # names none may predate instance ids and would not read a stamped header
+            instance_id=self.sender.instance_id if self.dest.sender_instance else 0,
         )
-        send = _Send(
+        send = Send(
             self,
             worker,
             seq,
@@ -283,18 +200,24 @@ class KvPush:
 class KvSender:
     """Prefill-side endpoint of the KV push; lives on the prefill node's event loop."""
 
-    def __init__(self, layout: KvLayout, send_timeout: float = DEFAULT_SEND_TIMEOUT_S) -> None:
+    def __init__(
+        self, layout: KvLayout, send_timeout: float = DEFAULT_SEND_TIMEOUT_S, instance_id: int = 0
+    ) -> None:
+        """`instance_id`: this node process's (ModelInfo.instance_id), stamped in the headers
+        of pushes into blocks granted to it."""
         self.layout = layout
+        self.instance_id = instance_id
         self.fingerprint_bytes = protocol.fingerprint_bytes(layout.fingerprint())
         self.send_timeout = send_timeout
         self._worker: UcxWorker | None = None
         self._closed = False
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerEndpoint] = {}
         self._span_cache: SpanCache | None = None
         self.cost = SendCost()  # fitted from this sender's completed messages
         self.bytes_sent_total = 0
         self.messages_total = 0
         self.errors_total = 0
+        self.endpoints_dropped = 0  # cached for a decode node instance that was replaced
 
     @staticmethod
     def pack(kv_pool: torch.Tensor, layer: int, src_block_ids: Sequence[int]) -> torch.Tensor:
@@ -315,7 +238,12 @@ class KvSender:
 
     def open(self, dest: TransferDestination, kv_pool: torch.Tensor | None = None) -> KvPush:
         """A push into `dest`, reading `src` blocks from `kv_pool`. Raises TransferError if the
-        decode node's KV layout is not this one."""
+        decode node's KV layout is not this one, or it granted the blocks to another instance."""
+        if dest.sender_instance not in (0, self.instance_id):
+            raise TransferError(
+                f"transfer {dest.transfer_id:#x} is granted to instance {dest.sender_instance:#x}"
+                f", not this one ({self.instance_id:#x})"
+            )
         if dest.layout_fingerprint != self.layout.fingerprint():
             raise TransferError(
                 f"KV layout mismatch: decode node {dest.layout_fingerprint}, this node "
@@ -363,10 +291,13 @@ class KvSender:
             self._worker = UcxWorker()
         return self._worker
 
-    def _peer(self, worker: UcxWorker, address: str) -> _Peer:
+    def peer_endpoint(self, worker: UcxWorker, address: str, instance: int = 0) -> PeerEndpoint:
         peer = self._peers.get(address)
-        if peer is not None and peer.broken:
-            self._discard(peer)
+        if peer is not None and (peer.broken or (instance and peer.instance != instance)):
+            if not peer.broken:
+                log.info("decode node %s is a new instance: its old endpoint dropped", address)
+                self.endpoints_dropped += 1
+            self.discard(peer)
             peer = None
         if peer is None:
             host, port = protocol.split_address(address)
@@ -375,12 +306,12 @@ class KvSender:
             except UCXError as e:
                 self.errors_total += 1
                 raise TransferError(f"cannot connect to decode node {address}: {e}") from e
-            peer = _Peer(address, endpoint)
+            peer = PeerEndpoint(address, endpoint, instance)
             endpoint.set_close_callback(_mark_broken, (peer,))
             self._peers[address] = peer
         return peer
 
-    def _discard(self, peer: _Peer) -> None:
+    def discard(self, peer: PeerEndpoint) -> None:
         """Forget a failed endpoint; its close runs in the background."""
         if self._peers.get(peer.address) is not peer:
             return  # already discarded
@@ -390,6 +321,6 @@ class KvSender:
             self._worker.close_endpoint(peer.endpoint).add_done_callback(retrieve_exception)
 
 
-def _mark_broken(peer: _Peer) -> None:
+def _mark_broken(peer: PeerEndpoint) -> None:
     # UCX endpoint error callback (inside progress): flag only, the next send replaces it.
     peer.broken = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -70,7 +71,15 @@ def describe_layout_info(info: generation_pb2.KvLayoutInfo) -> str:
     )
 
 
-def model_info(info: EngineInfo, role: int) -> generation_pb2.ModelInfo:
+def new_instance_id() -> int:
+    """A node process's instance id (ModelInfo.instance_id): random, nonzero, 64 bits, drawn
+    once at start, so that a node restarted on the same address is told from its predecessor."""
+    while not (instance_id := secrets.randbits(64)):
+        pass
+    return instance_id
+
+
+def model_info(info: EngineInfo, role: int, instance_id: int = 0) -> generation_pb2.ModelInfo:
     return generation_pb2.ModelInfo(
         name=info.loaded.name,
         architecture=info.architecture,
@@ -81,6 +90,7 @@ def model_info(info: EngineInfo, role: int) -> generation_pb2.ModelInfo:
         kv_layout=layout_info(info.layout),
         num_kv_blocks=info.num_kv_blocks,
         num_offload_blocks=info.num_offload_blocks,
+        instance_id=instance_id,
     )
 
 

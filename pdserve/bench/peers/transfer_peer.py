@@ -61,6 +61,8 @@ def dest_to_json(dest: Any) -> dict[str, Any]:
         "token": dest.token.hex(),
         "block_ids": list(dest.block_ids),
         "layout_fingerprint": dest.layout_fingerprint,
+        "sender_instance": dest.sender_instance,
+        "receiver_instance": dest.receiver_instance,
     }
 
 
@@ -165,7 +167,7 @@ class Sender(_Role, SenderBaselines):
         self.pushes: dict[int, Any] = {}  # transfer id -> KvPush: seqs go on across commands
 
     async def cmd_setup(
-        self, layout: dict[str, Any], num_blocks: int, fill: str = "pattern"
+        self, layout: dict[str, Any], num_blocks: int, fill: str = "pattern", instance_id: int = 0
     ) -> None:
         from transfer.ucx import KvSender
 
@@ -176,11 +178,14 @@ class Sender(_Role, SenderBaselines):
         else:
             self.pool = allocate_kv_pool(self.layout, num_blocks, "cpu")
             fill_pattern(self.pool)
-        if self.kv is not None and self.kv.layout != self.layout:
+        if self.kv is not None and (self.kv.layout, self.kv.instance_id) != (
+            self.layout,
+            instance_id,
+        ):
             await self.kv.close()
             self.kv = None
         if self.kv is None:
-            self.kv = KvSender(self.layout)
+            self.kv = KvSender(self.layout, instance_id=instance_id)
 
     async def cmd_free(self) -> None:
         self.free_baselines()
