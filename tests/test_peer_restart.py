@@ -18,7 +18,16 @@ from pdserve.cluster import NodeProcess
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.serving.limits import KV_FENCE_TIMEOUT_S
 from tests.engine_helpers import random_prompts
-from tests.test_faults import VOCAB, Nodes, check_fresh_batch, metrics, nodes, reference, target
+from tests.test_faults import (
+    VOCAB,
+    Nodes,
+    check_fresh_batch,
+    metrics,
+    nodes,
+    reference,
+    target,
+    until_busy,
+)
 from tests.test_faults import wait_released as wait_released
 from tests.test_prefill_stall import until_pushing
 
@@ -94,7 +103,7 @@ def test_a_peer_stopped_after_the_reservation_frees_its_blocks_within_the_lease(
 
     async def body() -> float:
         call = asyncio.ensure_future(generate(target(d), prompt, max_tokens=2, timeout=60))
-        await until_pushing(a)
+        await until_busy(a)  # computing its chunks: the decode node's blocks are granted to it
         a.proc.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         try:
