@@ -70,15 +70,17 @@ def _add_node_flags(up: argparse.ArgumentParser) -> None:
 
 def _as_given(action: argparse.Action) -> argparse.Action:
     """`up`'s copy of a node flag. A value of a type of the flag's own (NAME=PATH, ...) is
-    checked as the node would, and kept as typed: `up` passes it on, it need not read it, and
-    str() of what such a type returns need not be what it reads back."""
+    checked as the node would, and kept as typed (or as the type normalises the text): `up`
+    passes it on, it need not read it, and str() of what such a type returns need not be what
+    it reads back."""
     mine = copy.copy(action)
     convert = action.type
     if callable(convert) and convert not in (int, float, str):
 
         def checked(text: str) -> str:
-            convert(text)  # its error, as the node would give it
-            return text
+            value = convert(text)  # its error, as the node would give it
+            # a normalised spelling (str.lower: --log-level INFO) is what the choices know
+            return value if isinstance(value, str) else text
 
         checked.__name__ = getattr(convert, "__name__", "value")
         mine.type = checked
