@@ -3,11 +3,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support.clusters import SHARED, SHARED_CLUSTERS, shared
 from tests.support.shared_cluster import SharedCluster
+
+if TYPE_CHECKING:
+    from tests.up_process import Up
 
 # UCX must be configured before ucxx is imported anywhere in the test process
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -73,4 +77,16 @@ def pytest_sessionfinish() -> None:
 @pytest.fixture
 def smollm2_pd() -> SharedCluster:
     """tests/support/clusters.py's SmolLM2 P/D cluster, shared with the other tests using it."""
-    return shared("smollm2_pd")
+    cluster = shared("smollm2_pd")
+    assert isinstance(cluster, SharedCluster)
+    return cluster
+
+
+@pytest.fixture
+def smollm2_up2() -> Up:
+    """tests/support/clusters.py's `pdserve up --model smollm2 --decode 2`, shared likewise."""
+    from tests.support.shared_up import SharedUp
+
+    cluster = shared("smollm2_up2")
+    assert isinstance(cluster, SharedUp)
+    return cluster.up

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -23,7 +22,7 @@ from pdserve.cluster import spawn, stop_all, wait_ready
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.sampling.sampling_params import SamplingParams
 from tests.net_probe import listening_sockets
-from tests.up_process import Up, metrics, start_up
+from tests.up_process import Up, metrics
 
 PROMPTS = [
     "The history of the bicycle begins",
@@ -41,20 +40,17 @@ SAMPLINGS = [
     {"temperature": 0.8, "top_p": 0.95, "top_k": 40},
 ]
 
+BACK = " is back (restart"  # what `up` says of a node it restarted
+
 
 def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, seed=1000 + i, **SAMPLINGS[i % 2])
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    cluster = start_up(
-        tmp_path_factory.mktemp("up"), "--model", "smollm2", "--decode", "2", timeout=300
-    )
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+@pytest.fixture
+def up(smollm2_up2: Up) -> Up:
+    """`pdserve up --model smollm2 --decode 2`, shared by the gRPC and HTTP resume tests."""
+    return smollm2_up2
 
 
 def _node_http(up: Up) -> list[str]:
@@ -105,6 +101,7 @@ def test_up_prints_the_front_door_first_and_the_nodes_after(up: Up) -> None:
 
 
 def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) -> None:
+    backs = up.log.read_text().count(BACK)  # restarts so far: others' too
     reference = asyncio.run(_undisturbed(up.grpc))
     for node in up.decodes:  # the front door answers what each node answers
         assert asyncio.run(generate(node, PROMPTS[0], _params(0))).token_ids == reference[0][0]
@@ -119,7 +116,7 @@ def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) 
         return await asyncio.gather(*tasks), await asyncio.gather(*http)
 
     results, http_outcomes = asyncio.run(body())
-    # the HTTP streams beside them are resumed too (tests/test_http_stream_resume.py)
+    # the HTTP streams beside them are resumed too (tests/test_stream_resume_http.py)
     assert set(http_outcomes) == {"complete"}, http_outcomes
     for (tokens, prompt_tokens, completion), (want, want_prompt) in zip(
         results, reference, strict=True
@@ -128,7 +125,7 @@ def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) 
         assert (prompt_tokens, completion) == (want_prompt, MAX_TOKENS)
     after = metrics(up.http)
     assert after.get('pdserve_proxy_resumes_total{outcome="completed"}', 0.0) > before, after
-    up.wait_log("is back (restart 1)", timeout=180)
+    up.wait_log(BACK, count=backs + 1, timeout=180)
     _assert_conserved(up)
 
 
@@ -198,6 +195,7 @@ def test_the_continuation_field_is_checked_and_continues_the_answer(up: Up) -> N
 
 def test_no_resume_left_ends_the_stream_unavailable(up: Up) -> None:
     """A proxy with --max-resumes 0 passes the lost node's error on: a clean UNAVAILABLE."""
+    backs = up.log.read_text().count(BACK)  # restarts so far: others' too
     args = ["--backend", ",".join(up.decodes), "--port", "0", "--metrics-port", "0"]
     args += ["--max-resumes", "0"]
     proxy = spawn("proxy", [*args, "--health-interval", "1"], echo=False)
@@ -219,7 +217,7 @@ def test_no_resume_left_ends_the_stream_unavailable(up: Up) -> None:
         for e in errors:
             assert isinstance(e, grpc.aio.AioRpcError), e
             assert e.code() == grpc.StatusCode.UNAVAILABLE, e
-        up.wait_log("is back (restart 2)", timeout=180)
+        up.wait_log(BACK, count=backs + 1, timeout=180)
     finally:
         stop_all([proxy], grace=5)
 
@@ -227,6 +225,7 @@ def test_no_resume_left_ends_the_stream_unavailable(up: Up) -> None:
 def test_a_deadline_that_passes_during_a_resume_is_deadline_exceeded(up: Up) -> None:
     """Streams too long for their deadline: the killed node's are resumed, and the deadline,
     carried to the survivor, still ends every stream DEADLINE_EXCEEDED; nothing stays held."""
+    backs = up.log.read_text().count(BACK)  # restarts so far: others' too
     resumed_before = up.log.read_text().count("resuming on another node")
     long = SamplingParams(max_tokens=600, ignore_eos=True, temperature=0.8, seed=5)
 
@@ -251,5 +250,5 @@ def test_a_deadline_that_passes_during_a_resume_is_deadline_exceeded(up: Up) -> 
     codes = asyncio.run(body())
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * len(PROMPTS), codes
     assert up.log.read_text().count("resuming on another node") > resumed_before
-    up.wait_log("is back (restart 3)", timeout=180)
+    up.wait_log(BACK, count=backs + 1, timeout=180)
     _assert_conserved(up)

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -25,8 +24,8 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.gguf_builtin import SMOLLM2_SPEC
 from shared.model.loader import load_tokenizer_and_template
 from shared.serving.http.sse import TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
-from tests.test_stream_resume import _assert_conserved, _busiest, _node_http
-from tests.up_process import Up, metrics, start_up
+from tests.test_stream_resume import BACK, _assert_conserved, _busiest, _node_http
+from tests.up_process import Up, metrics
 
 MAX_TOKENS = 40
 PROMPTS = ["The history of the bicycle begins", "Three facts about the moon:"]
@@ -134,15 +133,10 @@ def test_only_one_plain_answer_is_resumable_and_its_deadline_travels() -> None:
 # ---- through the front door, a node killed ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    cluster = start_up(
-        tmp_path_factory.mktemp("up"), "--model", "smollm2", "--decode", "2", timeout=300
-    )
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+@pytest.fixture
+def up(smollm2_up2: Up) -> Up:
+    """`pdserve up --model smollm2 --decode 2`, shared by the gRPC and HTTP resume tests."""
+    return smollm2_up2
 
 
 class Answer:
@@ -214,6 +208,7 @@ def _requests(up: Up) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) -> None:
+    backs = up.log.read_text().count(BACK)  # restarts so far: others' too
     requests = _requests(up)
     reference = [asyncio.run(_stream(up.http, path, body))[0] for path, body in requests]
     assert all(a.finish == ["stop"] for a in reference[1::2]), [a.finish for a in reference]
@@ -241,7 +236,7 @@ def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) 
     assert got.status_code == 200, got.text
     assert _whole(got.json()) == _whole(want)
     assert metrics(up.http).get(RESUMED, 0.0) > before, "no stream was resumed"
-    up.wait_log("is back (restart 1)", timeout=180)
+    up.wait_log(BACK, count=backs + 1, timeout=180)
     _assert_conserved(up)
 
 
@@ -283,6 +278,7 @@ def test_clients_without_the_private_header_get_todays_chunks(up: Up) -> None:
 def test_no_resume_left_ends_the_stream_with_an_error_event(up: Up) -> None:
     """A proxy with --max-resumes 0: the stream on the killed node ends with a 503 error event
     and [DONE]; the others complete."""
+    backs = up.log.read_text().count(BACK)  # restarts so far: others' too
     nodes = _node_http(up)
     args = ["--backend", ",".join(up.decodes), "--port", "0", "--metrics-port", "0"]
     args += [
@@ -310,7 +306,7 @@ def test_no_resume_left_ends_the_stream_with_an_error_event(up: Up) -> None:
         errors = [e for a in answers for e in a.errors]
         assert errors, "no stream was on the killed node"
         assert all("failed mid-stream" in e["message"] for e in errors), errors
-        up.wait_log("is back (restart 2)", timeout=180)
+        up.wait_log(BACK, count=backs + 1, timeout=180)
         _assert_conserved(up)
     finally:
         stop_all([proxy], grace=5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tests.support.shared_cluster import SharedCluster, SharedClusters
+from tests.support.shared_cluster import Shared, SharedCluster, SharedClusters
 
 # the prefill nodes' step budget: a prompt longer than this prefills in several steps
 SMOLLM2_PD_CHUNK = 64
@@ -32,10 +32,21 @@ def smollm2_pd() -> SharedCluster:
     )
 
 
-SHARED_CLUSTERS: dict[str, Callable[[], SharedCluster]] = {"smollm2_pd": smollm2_pd}
+def smollm2_up2() -> Shared:
+    """`pdserve up --model smollm2 --decode 2` (one prefill node, the front door before two
+    decode nodes): the streams that survive their node, over gRPC and over HTTP."""
+    from tests.support.shared_up import SharedUp
+
+    return SharedUp("--model", "smollm2", "--decode", "2")
+
+
+SHARED_CLUSTERS: dict[str, Callable[[], Shared]] = {
+    "smollm2_pd": smollm2_pd,
+    "smollm2_up2": smollm2_up2,
+}
 SHARED = SharedClusters()
 
 
-def shared(name: str) -> SharedCluster:
+def shared(name: str) -> Shared:
     """A shared cluster's fixture: tests/conftest.py releases it after each test using it."""
     return SHARED.acquire(name, SHARED_CLUSTERS[name])

@@ -12,7 +12,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tests.support.cluster import PdCluster
@@ -68,18 +68,26 @@ class SharedCluster:
             self.runner.close()
 
 
+class Shared(Protocol):
+    """What a shared cluster offers the fixture: a check between tests, and a stop."""
+
+    def assert_idle_and_conserved(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class SharedClusters:
     """Clusters by name, each started by the first test that asks for it and stopped after the
     last one to run (`expect` counts them once collection is done; `release` after each)."""
 
     def __init__(self) -> None:
         self.users: dict[str, int] = {}
-        self.started: dict[str, SharedCluster] = {}
+        self.started: dict[str, Shared] = {}
 
     def expect(self, name: str, users: int) -> None:
         self.users[name] = users
 
-    def acquire(self, name: str, start: Callable[[], SharedCluster]) -> SharedCluster:
+    def acquire(self, name: str, start: Callable[[], Shared]) -> Shared:
         if name not in self.started:
             self.started[name] = start()
         return self.started[name]
