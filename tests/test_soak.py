@@ -2,7 +2,8 @@
 
 Every request ends either with exactly the colocated engine's tokens or with a clear status;
 afterwards every node holds nothing and the decode node exits 0 (conservation held).
-Length: PDSERVE_SOAK_SECONDS (default 20, at most 180).
+Length: PDSERVE_SOAK_SECONDS (default 10, at most 180): the prefill node is killed at 30% of it
+and started again at 50%, so traffic runs before, during and after the restart.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from shared.engine.llm import LLM
 from shared.engine.sampling.sampling_params import SamplingParams
 from tests.test_faults import Nodes, metrics, target, wait_released
 
-SECONDS = min(180.0, float(os.environ.get("PDSERVE_SOAK_SECONDS", "20")))
+SECONDS = min(180.0, float(os.environ.get("PDSERVE_SOAK_SECONDS", "10")))
 CLEAR_STATUSES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
