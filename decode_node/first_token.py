@@ -67,7 +67,7 @@ async def release_first(
     """Hand the landed request to the engine; return the first deltas to stream now: the early
     one (the engine's copy is awaited later, by `engine_took_first`), or, for n > 1, the
     engine's own once it has taken them."""
-    check_first_tokens(thread.info, params, first)
+    check_first_tokens(thread.info, prompt, params, first)
     rid = stream.request_id
     completing = thread.submit(KvLanded(rid, *first))
     early = early_first_delta(thread.info, rid, prompt, params, first)

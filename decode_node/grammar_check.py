@@ -33,14 +33,17 @@ async def with_grammar(
     return prompt, params
 
 
-def check_first_tokens(info: EngineInfo, params: SamplingParams, first: FirstTokens) -> None:
+def check_first_tokens(
+    info: EngineInfo, prompt: list[int], params: SamplingParams, first: FirstTokens
+) -> None:
     spec = params.structured
     if spec is None:
         return
     compiler = compiler_for(info.tokenizer, info.vocab_size)
+    earlier = params.continued_part(prompt)  # a continued answer's grammar resumes after it
     token, _, _, choices = first
     for t in (token, *(c for c, _ in choices)):
-        if not compiler.allows(spec, [t]):
+        if not compiler.allows(spec, [*earlier, t]):
             raise GenerateError(
                 Status.INTERNAL,
                 f"the prefill node's first token {t} is not allowed by the request's "

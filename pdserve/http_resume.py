@@ -1,7 +1,7 @@
 """What the proxy keeps of one HTTP completion so that another decode node can finish it.
 
 The HTTP twin of pdserve/stream_resume.py. A streamed POST /v1/completions or
-/v1/chat/completions (one answer: n = 1, one prompt, no structured output, no tools) is sent
+/v1/chat/completions (one answer: n = 1, one prompt, no tools) is sent
 with TOKEN_IDS_HEADER, so that each chunk names the tokens it covers; the proxy keeps them and
 removes the field. When the node is lost mid-stream (its connection reset or closed before
 `data: [DONE]`) another node is asked for the rest: the same body with `pdserve_continuation`
@@ -34,17 +34,10 @@ CHAT_PATH = "/v1/chat/completions"
 CONTINUATION_FIELD = "pdserve_continuation"  # shared/serving/http/schemas.py
 TIMEOUT_HEADER = "x-request-timeout"
 SEP = b"\n\n"
-# request fields whose state on the node a continuation would not carry (a grammar, a tool
-# parser): a request setting any of them is not resumed
-_STATEFUL = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "tools",
-    "functions",
-)
+# request fields whose state on the node a continuation would not carry (a tool parser reads
+# the whole answer): a request setting any of them is not resumed. A grammar's state is: the
+# node advances it over the continued tokens (shared/engine/sampling/grammar_rows.py)
+_STATEFUL = ("tools", "functions")
 _ROLE = {"role": "assistant", "content": ""}  # chat's first chunk: the node's, once per answer
 
 
@@ -66,8 +59,6 @@ def _one_plain_answer(request: dict[str, Any], chat: bool) -> bool:
     if request.get("n") not in (None, 1) or request.get("best_of") not in (None, 1):
         return False
     if any(request.get(name) not in (None, [], {}) for name in _STATEFUL):
-        return False
-    if request.get("response_format") not in (None, {"type": "text"}):
         return False
     prompt = request.get("prompt")
     # a batch of prompts is several answers

@@ -9,9 +9,10 @@ whole answer) produces exactly what the dead one would have. The client sees one
 same request id throughout, every token once, one final message whose usage counts the prompt
 as sent and the whole answer.
 
-Not resumed (the error goes to the client as it came): n > 1 (the completions interleave) and
-structured outputs (the grammar's state is not carried over). What a resume does not preserve
-is listed in docs/deployment.md ("Streams that survive their node").
+Not resumed (the error goes to the client as it came): n > 1 (the completions interleave). A
+structured output goes on where it was: the node continuing it advances the grammar over the
+tokens sent first. What a resume does not preserve is listed in docs/deployment.md ("Streams
+that survive their node").
 """
 
 from __future__ import annotations
@@ -42,12 +43,7 @@ class GenerateLedger:
         """Whether another node can finish this answer exactly."""
         sampling = self.request.sampling
         left = sampling.max_tokens - len(self.own) - len(self.sent)
-        return (
-            not self.finished
-            and sampling.n <= 1
-            and not sampling.HasField("structured")
-            and left >= 1
-        )
+        return not self.finished and sampling.n <= 1 and left >= 1
 
     def record(self, data: bytes) -> bytes:
         """Note a response the client is about to get; returns it as the client should see it

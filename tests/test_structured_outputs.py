@@ -250,11 +250,11 @@ def test_first_token_the_grammar_rejects_is_refused(grammar_backend: str) -> Non
 
     core = EngineCore(ENGINE, role=DecodeSettings())
     params = SamplingParams(structured=StructuredOutput("choice", '["yes"]'))
-    check_first_tokens(core.info, params, (ord("y"), None, None, []))
+    check_first_tokens(core.info, [], params, (ord("y"), None, None, []))
     with pytest.raises(GenerateError, match="not allowed"):
-        check_first_tokens(core.info, params, (ord("n"), None, None, []))
+        check_first_tokens(core.info, [], params, (ord("n"), None, None, []))
     with pytest.raises(GenerateError, match="not allowed"):  # another completion's, n > 1
-        check_first_tokens(core.info, params, (ord("y"), None, None, [(ord("x"), None)]))
+        check_first_tokens(core.info, [], params, (ord("y"), None, None, [(ord("x"), None)]))
 
 
 class Pet(pydantic.BaseModel):
@@ -366,6 +366,32 @@ def test_preempted_requests_resume_their_grammar(grammar_backend: str) -> None:
     for o in got:
         assert o.finish_reason.value == "stop" and re.fullmatch(regex, o.text), o.text
     small.check_conservation()
+
+
+def test_a_continued_answer_resumes_its_grammar(grammar_backend: str) -> None:
+    """A structured answer cut at any point and continued (as a stream resumed on another node
+    is: the tokens sent follow the prompt) goes on under the same grammar, exactly: the
+    continuation's tokens are the rest of the whole answer's, seeded and greedy, and its first
+    token passes the decode node's check."""
+    from decode_node.grammar_check import check_first_tokens
+    from shared.engine.llm import LLM
+
+    llm = LLM(ENGINE)
+    schema = StructuredOutput("json_schema", json.dumps(Pet.model_json_schema()))
+    prompt = [65, 66, 67, 68]
+    for params in (
+        SamplingParams(max_tokens=60, structured=schema),
+        SamplingParams(max_tokens=60, temperature=0.9, seed=3, structured=schema),
+    ):
+        (whole,) = llm.generate([prompt], [params])
+        assert whole.finish_reason.value == "stop", whole.text
+        json.loads(whole.text)
+        for cut in (1, len(whole.token_ids) // 2, len(whole.token_ids) - 1):
+            more, rest = params.continued(prompt, whole.token_ids[:cut])
+            (tail,) = llm.generate([more], [rest])
+            assert tail.token_ids == whole.token_ids[cut:], (cut, whole.text, tail.text)
+            check_first_tokens(llm.core.info, more, rest, (tail.token_ids[0], None, None, []))
+    llm.check_conservation()
 
 
 def test_wire_round_trip_and_unknown_kind() -> None:

@@ -39,7 +39,9 @@ class GrammarRows:
             raise RuntimeError("structured outputs need the sampler to know the tokenizer")
         compiler = compiler_for(self.tokenizer, vocab_size)
         matcher = compiler.matcher(spec)
-        for token in request.output_token_ids:
+        # a continued answer's grammar resumes after what the earlier call streamed
+        earlier = request.sampling_params.continued_part(request.prompt_token_ids)
+        for token in [*earlier, *request.output_token_ids]:
             # the serving layer checked a remote first token already (decode_node): a token
             # rejected here means state went wrong, not the client
             if not matcher.accept_token(token):

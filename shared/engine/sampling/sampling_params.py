@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from shared.engine.sampling.structured_output import StructuredOutput
@@ -194,6 +195,11 @@ class SamplingParams:
             output_index_offset=self.output_index_offset + len(done),
             continued_tokens=self.continued_tokens + len(done),
         )
+
+    def continued_part(self, prompt: Sequence[int]) -> list[int]:
+        """The answer's tokens an earlier call streamed, at the end of this request's prompt
+        (`continued`): a grammar has already read them."""
+        return list(prompt[len(prompt) - self.continued_tokens :]) if self.continued_tokens else []
 
     def with_resolved_seed(self) -> SamplingParams:
         """Fix the seed at admission so that every node draws from the same per-request stream."""
