@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,13 +137,16 @@ def check_tests(python: str) -> tuple[list[str], list[str]]:
     if missing:
         return [f"test file missing: {f}" for f in missing], []
     problems: list[str] = []
-    everywhere = collect_cuda_tests(python, ["tests"])
+    # the two collections are independent processes: side by side, the slower one's time
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(collect_cuda_tests, python, ["tests"])
+        listed = pool.submit(collect_cuda_tests, python, list(CUDA_TEST_FILES))
+        everywhere, selected = whole.result(), listed.result()
     files = {node.split("::", 1)[0] for node in everywhere}
     problems += [
         f"cuda tests outside the check's list: {f}" for f in sorted(files - set(CUDA_TEST_FILES))
     ]
     problems += [f"no cuda-marked test in {f}" for f in CUDA_TEST_FILES if f not in files]
-    selected = collect_cuda_tests(python, list(CUDA_TEST_FILES))
     if sorted(selected) != sorted(n for n in everywhere if n.split("::")[0] in CUDA_TEST_FILES):
         problems.append("collecting the listed files selects other tests than the whole tree")
     return problems, [f"{len(selected)} cuda tests in {len(CUDA_TEST_FILES)} files"]
@@ -161,8 +165,10 @@ def dry_run(args: argparse.Namespace) -> int:
         checks["tests"] = lambda: check_tests(sys.executable)
         checks["bench"] = lambda: check_bench(sys.executable)
     failed = False
-    for name, check in checks.items():
-        problems, notes = check()
+    with ThreadPoolExecutor(len(checks)) as pool:  # independent: run side by side
+        results = {name: pool.submit(check) for name, check in checks.items()}
+    for name, result in results.items():
+        problems, notes = result.result()
         for note in notes:
             print(f"dry-run {name}: {note}")
         for problem in problems:
