@@ -64,6 +64,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "structured": (19, _T.TYPE_MESSAGE, False),
         "output_index_offset": (20, _T.TYPE_UINT32, False),
         "lora_adapter": (21, _T.TYPE_STRING, False),
+        "continued_tokens": (22, _T.TYPE_UINT32, False),
     },
     "StructuredOutput": {
         "kind": (1, _T.TYPE_ENUM, False),

@@ -44,6 +44,20 @@ def _completion(prompt: str, stop: list[str], seed: int) -> dict[str, Any]:
     return {"model": "smollm2", "prompt": prompt, **fields, **_common()}
 
 
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+def _json_chat(prompt: str) -> dict[str, Any]:
+    """Greedy under a JSON schema, ending where the grammar does."""
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    return {**_chat(prompt), "max_tokens": 80, "ignore_eos": False, "response_format": schema}
+
+
 def _common() -> dict[str, Any]:
     usage = {"include_usage": True}
     return {"max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, "stream_options": usage}
@@ -119,9 +133,11 @@ def test_only_one_plain_answer_is_resumable_and_its_deadline_travels() -> None:
         return ledger_for("POST", path, json.dumps(body).encode(), timeout)
 
     assert ledger(chat) is not None
-    for extra in [{"n": 2}, {"tools": [{"type": "function"}]}, {"guided_regex": "a+"}]:
+    for extra in [{"n": 2}, {"tools": [{"type": "function"}]}, {"functions": [{"name": "f"}]}]:
         assert ledger({**chat, **extra}) is None, extra
-    assert ledger({**chat, "response_format": {"type": "json_object"}}) is None
+    # a grammar's state is rebuilt from the tokens sent: structured answers resume too
+    for extra in [{"guided_regex": "a+"}, {"response_format": {"type": "json_object"}}]:
+        assert ledger({**chat, **extra}) is not None, extra
     batch = {"model": "m", "prompt": ["a", "b"]}
     assert ledger_for("POST", "/v1/completions", json.dumps(batch).encode(), None) is None
     timed = ledger(chat, "30")
@@ -197,13 +213,15 @@ def _stop_string(text: str) -> str:
 
 
 def _requests(up: Up) -> list[tuple[str, dict[str, Any]]]:
-    """Two greedy chats and two seeded completions, each with a stop string that ends it."""
+    """Two greedy chats and two seeded completions, each with a stop string that ends it, and a
+    chat under a JSON schema."""
     out: list[tuple[str, dict[str, Any]]] = []
     for i, prompt in enumerate(PROMPTS):
         out.append(("/v1/chat/completions", _chat(prompt)))
         plain = _completion(prompt, [], 100 + i)
         text = asyncio.run(_stream(up.http, "/v1/completions", plain))[0].text
         out.append(("/v1/completions", _completion(prompt, [_stop_string(text)], 100 + i)))
+    out.append(("/v1/chat/completions", _json_chat("Name a large city and its population.")))
     return out
 
 
@@ -212,6 +230,7 @@ def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) 
     requests = _requests(up)
     reference = [asyncio.run(_stream(up.http, path, body))[0] for path, body in requests]
     assert all(a.finish == ["stop"] for a in reference[1::2]), [a.finish for a in reference]
+    assert reference[-1].finish == ["stop"] and json.loads(reference[-1].text), reference[-1].text
     whole = {**_completion(PROMPTS[0], [], 7), "stream": False, "stream_options": None}
     want = httpx.post(up.http + "/v1/completions", json=whole, timeout=120).json()
     before = metrics(up.http).get(RESUMED, 0.0)

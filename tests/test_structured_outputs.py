@@ -394,6 +394,28 @@ def test_a_continued_answer_resumes_its_grammar(grammar_backend: str) -> None:
     llm.check_conservation()
 
 
+def test_across_the_split_a_continued_structured_answer_goes_on_exactly() -> None:
+    """P/D: the prefill node draws the continuation's first token under the grammar after the
+    tokens sent (SamplingParams.continued_tokens travels on the wire), the decode node's check
+    passes it, and the answer goes on as it would have."""
+    from tests.sampling_reference import pd_generate
+
+    schema = StructuredOutput("json_schema", json.dumps(Pet.model_json_schema()))
+    params = SamplingParams(max_tokens=60, temperature=0.9, seed=4, structured=schema)
+    prompt = [70, 71, 72]
+
+    async def body() -> None:
+        async with pd_cluster("tiny", prefill_engine=ENGINE, decode_engine=ENGINE) as c:
+            (whole,) = await pd_generate(c.targets[0], prompt, params)
+            cut = len(whole.token_ids) // 2
+            more, rest = params.continued(prompt, whole.token_ids[:cut])
+            (tail,) = await pd_generate(c.targets[0], more, rest)
+            assert tail.token_ids == whole.token_ids[cut:]
+            await c.assert_idle_and_conserved()
+
+    run(body())
+
+
 def test_wire_round_trip_and_unknown_kind() -> None:
     from proto.pdserve.v1 import generation_pb2
     from shared.serving.wire import (

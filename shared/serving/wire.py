@@ -78,6 +78,7 @@ def sampling_from_proto(
         include_stop_str_in_output=s.include_stop_str_in_output,
         structured=structured_from_proto(s.structured) if s.HasField("structured") else None,
         output_index_offset=s.output_index_offset,
+        continued_tokens=s.continued_tokens,
         lora_adapter=s.lora_adapter or None,
     )
 
@@ -143,6 +144,7 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         n=params.n,
         include_stop_str_in_output=params.include_stop_str_in_output,
         output_index_offset=params.output_index_offset,
+        continued_tokens=params.continued_tokens,
         lora_adapter=params.lora_adapter or "",
     )
     if params.seed is not None:  # unset: the server draws one

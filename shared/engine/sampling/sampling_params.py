@@ -199,7 +199,9 @@ class SamplingParams:
     def continued_part(self, prompt: Sequence[int]) -> list[int]:
         """The answer's tokens an earlier call streamed, at the end of this request's prompt
         (`continued`): a grammar has already read them."""
-        return list(prompt[len(prompt) - self.continued_tokens :]) if self.continued_tokens else []
+        if not self.continued_tokens:
+            return []
+        return list(prompt[max(0, len(prompt) - self.continued_tokens) :])
 
     def with_resolved_seed(self) -> SamplingParams:
         """Fix the seed at admission so that every node draws from the same per-request stream."""

@@ -315,11 +315,12 @@ def _continued(
     done = req.pdserve_continuation
     if not done:
         return prompt, params
-    # a grammar's or a batch's state is not carried over: only one plain answer continues
-    if len(prompts) > 1 or params.structured is not None:
+    # a batch's answers interleave: only one prompt's answer continues (a grammar's state is
+    # rebuilt from the tokens: shared/engine/sampling/grammar_rows.py)
+    if len(prompts) > 1:
         raise ApiError(
             400,
-            "pdserve_continuation continues one prompt's answer without a structured output",
+            "pdserve_continuation continues one prompt's answer",
             param="pdserve_continuation",
         )
     try:
