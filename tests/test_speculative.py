@@ -5,6 +5,7 @@ every block and seat back after; drafts are really accepted (a step yields sever
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 
@@ -223,3 +224,62 @@ def test_the_benchmark_reports_both_paths_and_their_ratio(tmp_path) -> None:
         assert row["plain"]["tokens_per_step"] == 1.0  # one token per request per step
         assert 1.0 <= row["ngram"]["tokens_per_step"] <= 5.0  # k = 4: at most 5
     assert (tmp_path / "speculative.json").exists()
+
+
+def chi_squared_p(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-squared test of homogeneity over the tokens drawn (categories with fewer
+    than 5 expected draws pooled), its p-value by the Wilson-Hilferty approximation."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    cells, pooled = [], [0, 0]
+    for token in set(ca) | set(cb):
+        total = ca[token] + cb[token]
+        if min(total * na, total * nb) / (na + nb) < 5:
+            pooled[0] += ca[token]
+            pooled[1] += cb[token]
+        else:
+            cells.append((ca[token], cb[token]))
+    if sum(pooled):
+        cells.append((pooled[0], pooled[1]))
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    k = len(cells) - 1
+    if k < 1:
+        return 1.0
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation() -> None:
+    """Temperature 1 (top_k 4, so that drafts are sometimes drawn): 400 answers with drafting and
+    400 without, on disjoint seeds; at each output position the tokens drawn are distributed
+    alike (chi-squared, rejected only at p < 1e-4 per position), and drafts were accepted."""
+    n, length = 400, 6
+    spec = engine(SPEC)
+
+    def draws(core: EngineCore, seeds: range) -> list[list[int]]:
+        work = [
+            (PROMPTS[0], SamplingParams(max_tokens=length, temperature=1.0, top_k=4, seed=s))
+            for s in seeds
+        ]
+        out = tokens(run(core, work))
+        return [out[f"r{i}"] for i in range(len(work))]
+
+    with_drafts = draws(spec, range(n))
+    plain = draws(engine(None), range(n, 2 * n))
+    assert spec.drafter is not None and spec.drafter.accepted > 0
+    for position in range(1, length):
+        p = chi_squared_p([t[position] for t in with_drafts], [t[position] for t in plain])
+        assert p > 1e-4, (position, p)
+
+
+def test_the_chi_squared_test_tells_different_distributions_apart() -> None:
+    same = chi_squared_p([1, 2, 3, 4] * 100, [4, 3, 2, 1] * 100)
+    different = chi_squared_p([1] * 300 + [2] * 100, [1] * 100 + [2] * 300)
+    assert same > 0.5 and different < 1e-6
