@@ -263,10 +263,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for model, lengths, note in plans:
         if note:
             notes.append(note)
-        specs = [*bench_nodes.pd_specs(model.spec, whole_too=True)]
         # on the decode nodes' core: a short prompt is prefilled there on both paths, so the
-        # local rows compare the same engine on the same core
-        specs.append(bench_nodes.colocated_spec(model.spec, cpus=bench_nodes.core(1)))
+        # local rows compare the same engine on the same core. Listed first, it starts beside
+        # the prefill node (core 0), before the decode nodes that wait for the prefill's port.
+        specs = [bench_nodes.colocated_spec(model.spec, cpus=bench_nodes.core(1))]
+        specs += bench_nodes.pd_specs(model.spec, whole_too=True)
         with bench_nodes.running(specs, a.out / "logs" / f"ttft_{model.name}") as nodes:
             idle[model.name] = nodes.idle_cpu(1.0 if a.quick else 3.0)
             got = asyncio.run(measure(nodes, model, lengths, reps, bar))
