@@ -275,6 +275,35 @@ def make_model_dir(root: Path) -> Path:
     return root / MODEL_NAME
 
 
+def colocated_container(model_root: Path, want: str) -> None:
+    """`docker run IMAGE colocated ...` as an operator runs one node that serves alone: the
+    image's HEALTHCHECK reports it healthy, its HTTP API answers the colocated engine's greedy
+    chat, and `docker stop` ends it with exit code 0."""
+    port = free_port()
+    name = f"pdservetest-colocated-{os.getpid()}"
+    model = ["--model", f"/models/{MODEL_NAME}", "--http-port", "8000"]
+    volume = f"{model_root}:/models:ro"
+    run = ["docker", "run", "-d", "--name", name, "-v", volume, "-p", f"127.0.0.1:{port}:8000"]
+    # the reference's dtype (the suite pins `auto` to float32), as the compose file passes it
+    dtype = ["-e", f"PDSERVE_AUTO_DTYPE={os.environ.get('PDSERVE_AUTO_DTYPE', '')}"]
+    sh([*run, *dtype, IMAGE, "colocated", *model], timeout=120)
+
+    def state(fmt: str) -> str:
+        return sh(["docker", "inspect", "-f", fmt, name], timeout=30).stdout.strip()
+
+    try:
+        wait_for("colocated container healthy", lambda: state(HEALTH) == "healthy", 240)
+        reply = chat_over_http(port)
+        assert reply["choices"][0]["message"]["content"] == want, reply  # type: ignore[index]
+        sh(["docker", "stop", "--time", "30", name], timeout=90)
+        assert state("{{.State.ExitCode}}") == "0", sh(["docker", "logs", name], timeout=30)
+    finally:
+        sh(["docker", "rm", "-f", name], timeout=60, check=False)
+
+
+HEALTH = "{{.State.Health.Status}}"
+
+
 class Stack:
     """One compose project: its containers by service, their ports and metrics."""
 
@@ -507,4 +536,6 @@ def test_two_tier_compose_stack_offline(
             stack.run("down", "-v", "--remove-orphans", "--timeout", "30", timeout=300)
     left = stack.leftovers()
     assert left == {"containers": [], "networks": [], "volumes": []}, f"left behind: {left}"
+    with phases("colocated container: healthy, answers, stops clean"):
+        colocated_container(model_root, chat_want.text)
     phases.report()
