@@ -140,10 +140,20 @@ def test_senders_killed_mid_push_never_stall_another_senders_push() -> None:
     async def main() -> None:
         receiver = KvReceiver(allocate_kv_pool(BIG, 24, "cpu"), BIG)
         await receiver.start()
-        bystander = await Peer.spawn("sender", BIG, 4)
+        # every sender started up front, side by side (a start is ~2 s, mostly imports); a
+        # victim connects to the receiver only when told to push
+        spawned = await asyncio.gather(
+            Peer.spawn("sender", BIG, 4),
+            *(Peer.spawn("sender", BIG, 16) for _ in range(5)),
+            return_exceptions=True,
+        )
+        peers = [p for p in spawned if isinstance(p, Peer)]
         try:
-            for _ in range(5):
-                victim = await Peer.spawn("sender", BIG, 16)
+            for p in spawned:
+                if isinstance(p, BaseException):
+                    raise p
+            bystander, *victims = peers
+            for victim in victims:
                 dest = receiver.expect("victim", list(range(16)))
                 doomed = asyncio.ensure_future(receiver.wait(dest.transfer_id, 60))
                 target, every = dest_to_json(dest), list(range(16))
@@ -159,7 +169,8 @@ def test_senders_killed_mid_push_never_stall_another_senders_push() -> None:
                 doomed.cancel()
             assert_clean(receiver)
         finally:
-            await bystander.stop()
+            for peer in peers:  # the bystander, and any victim a failure left alive
+                await peer.stop()
             await receiver.close()
 
     asyncio.run(main())
