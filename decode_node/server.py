@@ -50,7 +50,7 @@ from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.events import Admitted
 from shared.engine.info import EngineInfo
 from shared.engine.requests.output import TokenDelta
-from shared.engine.resources.block_manager import BlockHash, compute_block_hashes, lora_seed
+from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.transfer_admission import AdmissionClosed, TransferGrant
 from shared.engine.thread import EngineThread
@@ -291,7 +291,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         local: none, they come from the engine's steps)."""
         assert self.thread is not None
         # hashed once, here: the local-prefill check, the prefix cache and the router reuse them
-        seed = lora_seed(params.lora_adapter)  # an adapter's KV is its own
+        seed = self.info.kv_seed(params.lora_adapter)  # an adapter's KV is its own
         hashes = compute_block_hashes(prompt, self.info.block_size, seed)
         if await self._start(stream, prompt, params, hashes, force=self._fallback_now()):
             return []

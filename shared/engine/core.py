@@ -138,6 +138,7 @@ class EngineCore:
             self.config.block_size,
             self.max_num_sequences,
             self.config.enable_prefix_caching,
+            lambda adapter: self.info.kv_seed(adapter),
         )
         self.seq_slot_manager = SeqSlotManager(self.max_num_sequences)
         validate_seq_slot_pool_covers_admission(self.max_num_sequences, self.kv_manager)

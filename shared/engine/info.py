@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.requests.request_limits import RequestLimits
+from shared.engine.resources.block_manager import BlockHash, lora_seed
 from shared.engine.runtime.kv_budget import PoolSize
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.layout import KvLayout
@@ -47,6 +48,11 @@ class EngineInfo:
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field; nothing is allocated before this passes."""
         self.limits.check(prompt_token_ids, params)
+
+    def kv_seed(self, adapter: str | None) -> BlockHash:
+        """Where the prefix hashes of a request of `adapter` start: its name and files."""
+        found = self.lora_adapters.get(adapter) if adapter is not None else None
+        return lora_seed(adapter, b"" if found is None else found.fingerprint)
 
     @property
     def lora_adapters(self) -> dict[str, LoraAdapter]:

@@ -8,6 +8,7 @@ Numerics follow peft's `LoraLayer`: a targeted projection computes `W x + s * B 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -50,6 +51,9 @@ class LoraAdapter:
     rank: int  # the largest rank of any module
     base_model: str | None  # `base_model_name_or_path`, informational
     modules: dict[tuple[int, str], LoraModule]  # (layer, module name) -> its A and B
+    # a digest of its config and weights files: the KV it makes is keyed by it, so an adapter
+    # reloaded under the same name with other weights never reads the old one's cached KV
+    fingerprint: bytes = b""
 
     @property
     def target_modules(self) -> list[str]:
@@ -66,7 +70,8 @@ def read_adapter(
     weights_file = root / WEIGHTS_FILE
     if not weights_file.is_file():
         raise AdapterError(f"{weights_file}: missing (a PEFT adapter saves its weights there)")
-    tensors = load_file(str(weights_file))
+    data = weights_file.read_bytes()
+    tensors = load(data)
     pairs = _pair_tensors(weights_file, tensors, shapes)
     modules = {
         key: _module(weights_file, config, key, a, b, shapes[key], max_rank)
@@ -80,7 +85,15 @@ def read_adapter(
         rank=max(m.a.shape[0] for m in modules.values()),
         base_model=config.get("base_model_name_or_path"),
         modules=modules,
+        fingerprint=_fingerprint((root / CONFIG_FILE).read_bytes(), data),
     )
+
+
+def _fingerprint(config: bytes, weights: bytes) -> bytes:
+    digest = hashlib.sha256(config)
+    digest.update(b"\0")
+    digest.update(weights)
+    return digest.digest()[:16]
 
 
 def _read_config(root: Path) -> dict[str, Any]:

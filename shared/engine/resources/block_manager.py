@@ -34,12 +34,13 @@ def compute_block_hashes(
     return extend_block_hashes([], token_ids, block_size, seed)
 
 
-def lora_seed(adapter: str | None) -> BlockHash:
-    """The hash chain's start for a request run with LoRA `adapter`: its KV differs from the
-    base model's and every other adapter's, so no block is shared across them."""
+def lora_seed(adapter: str | None, fingerprint: bytes = b"") -> BlockHash:
+    """The hash chain's start for a request run with LoRA `adapter` (whose files digest to
+    `fingerprint`): its KV differs from the base model's and every other adapter's, and from
+    another adapter's once loaded under the same name, so no block is shared across them."""
     if adapter is None:
         return b""
-    return hashlib.sha256(b"lora\0" + adapter.encode()).digest()[:16]
+    return hashlib.sha256(b"lora\0" + adapter.encode() + b"\0" + fingerprint).digest()[:16]
 
 
 def extend_block_hashes(

@@ -10,7 +10,7 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from shared.cdiv import cdiv
 from shared.engine.requests.request import LlmRequest, LlmRequestState
@@ -194,8 +194,12 @@ class KVCacheManager(BaseResourceManager):
         block_size: int,
         max_num_sequences: int,
         enable_prefix_caching: bool = True,
+        kv_seed: Callable[[str | None], BlockHash] = lora_seed,
     ):
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # where a request's hash chain starts: what its KV depends on beyond the tokens (the
+        # LoRA adapter it runs, and that adapter's files)
+        self.kv_seed = kv_seed
         self.block_size = block_size
         self.max_num_sequences = max_num_sequences
         self.block_tables: dict[str, list[int]] = {}
@@ -312,7 +316,7 @@ class KVCacheManager(BaseResourceManager):
         if len(hashes) < min(full, len(known)):
             hashes.extend(known[len(hashes) : full])
         if len(hashes) < full:
-            seed = lora_seed(request.sampling_params.lora_adapter)
+            seed = self.kv_seed(request.sampling_params.lora_adapter)
             extend_block_hashes(hashes, request.all_token_ids[:num_tokens], self.block_size, seed)
         return hashes
 
