@@ -56,6 +56,8 @@ class DecodeNodeConfig:
     # many MiB and entries in memory, least recently used evicted first (0: keep none)
     responses_store_mb: int = 64
     responses_store_entries: int = 10_000
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (shared/serving/http/lora_routes.py)
+    allow_runtime_lora: bool = False
     # HTTP connections (shared/serving/connection_limits.py): a request's headers and body must
     # arrive within these seconds, an idle keep-alive connection closes after its timeout, and
     # past max_connections open connections a request gets 503
@@ -160,6 +162,7 @@ class DecodeNodeConfig:
             responses_store_bytes=self.responses_store_mb * 1024 * 1024,
             responses_store_entries=self.responses_store_entries,
             connection=self.http_connection,
+            runtime_lora=self.allow_runtime_lora,
         )
 
     @property

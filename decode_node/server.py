@@ -32,7 +32,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from decode_node import prefill_limits
+from decode_node import lora_admin, prefill_limits
 from decode_node.config import DecodeNodeConfig
 from decode_node.first_token import engine_took_first, release_first
 from decode_node.grammar_check import with_grammar
@@ -373,6 +373,14 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         except (WireError, RequestRejected) as e:
             raise self.outcomes.refused(GenerateError(Status.INVALID_ARGUMENT, str(e))) from None
         return params.with_resolved_seed()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        assert self.thread is not None
+        await lora_admin.load_lora(self.thread, self.info, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        assert self.thread is not None
+        await lora_admin.unload_lora(self.thread, name)
 
     @property
     def health(self) -> tuple[bool, str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from shared.engine.resources.block_manager import BlockHash
 from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.engine.sampling.sampling_params import SamplingParams
+from shared.model.lora_adapter import LoraAdapter
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,20 @@ class Abort:
 @dataclass(frozen=True)
 class WarmUp:
     """Run the start-up forwards on the idle engine (shared/engine/runtime/warmup.py)."""
+
+
+@dataclass(frozen=True)
+class LoadLora:
+    """Put an adapter (read and checked off the engine thread) in a free slot, between steps."""
+
+    adapter: LoraAdapter
+
+
+@dataclass(frozen=True)
+class UnloadLora:
+    """Free an adapter's slot; refused while a request of it is live."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,8 @@ Command = (
     AddRequest
     | Abort
     | WarmUp
+    | LoadLora
+    | UnloadLora
     | Shutdown
     | ContextPushed
     | PlacePrompt

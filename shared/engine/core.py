@@ -25,6 +25,7 @@ from shared.engine.commands import Abort, AddRequest, Shutdown, WarmUp
 from shared.engine.config import EngineConfig
 from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.info import EngineInfo
+from shared.engine.lora_updates import LoraUpdates
 from shared.engine.requests.output import OutputProcessor, RequestOutput, TokenDelta
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.requests.request_limits import RequestLimits
@@ -117,6 +118,7 @@ class EngineCore:
             Abort: lambda c: self.abort(c.request_id),
             WarmUp: lambda c: warm_up(self.parts, self.max_model_len),
             Shutdown: lambda c: self.shutdown(),
+            **LoraUpdates(self.loaded.model.lora, lambda: self.requests.values()).handlers(),
             **self.role.handlers(),
         }
 

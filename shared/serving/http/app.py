@@ -27,6 +27,7 @@ from shared.serving import tracing
 from shared.serving.http.disconnect import ClientGone, until_disconnect
 from shared.serving.http.errors import install_error_handlers
 from shared.serving.http.guard import ApiGuard
+from shared.serving.http.lora_routes import install_lora_routes
 from shared.serving.http.refusals import outcomes_of
 from shared.serving.http.render import Renderer, Rendering, merge_logprobs
 from shared.serving.http.response_store import ResponseStore
@@ -103,6 +104,8 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
 
     store = ResponseStore(config.responses_store_bytes, config.responses_store_entries)
     install_responses(app, service, store)
+    if config.runtime_lora:
+        install_lora_routes(app, backend, service.model_name)
 
     _install_tokenizer_routes(app, service)
     return app

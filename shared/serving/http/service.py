@@ -63,6 +63,13 @@ class Backend(Protocol):
 
     def validate(self, prompt: list[int], params: SamplingParams) -> SamplingParams: ...
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read the PEFT adapter at `path` (on the node) and serve it as `name`; LoraUpdateError
+        says why not."""
+        ...
+
+    async def unload_lora(self, name: str) -> None: ...
+
     @property
     def health(self) -> tuple[bool, str]:
         """Whether the node can serve every request now, and why (the /health body)."""
@@ -83,6 +90,7 @@ class HttpApiConfig:
     request_timeout: float | None = None  # seconds; None: no server-side deadline
     # per connection: header and body read deadlines, keep-alive, the connection cap
     connection: ConnectionLimits = field(default_factory=ConnectionLimits)
+    runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 @dataclass(frozen=True)

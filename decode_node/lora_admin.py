@@ -1,0 +1,33 @@
+"""A decode or colocated node's runtime LoRA updates (the HTTP API's load and unload routes):
+the adapter's files are read and checked against the base model on a worker thread (they are
+I/O, and a large adapter takes a while), then the engine puts it in a slot between two steps
+(shared/engine/lora_updates.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.engine.commands import LoadLora, UnloadLora
+from shared.engine.info import EngineInfo
+from shared.engine.lora_updates import LoraUpdateError
+from shared.engine.thread import EngineThread
+from shared.model.lora_adapter import AdapterError, read_adapter
+from shared.model.lora_install import lora_shapes
+
+
+async def load_lora(thread: EngineThread, info: EngineInfo, name: str, path: str) -> None:
+    bank = info.loaded.model.lora
+    if bank is None:
+        raise LoraUpdateError(
+            400, "this node has no LoRA adapter slots: start it with --max-loras N"
+        )
+    shapes = lora_shapes(info.loaded.model)
+    try:
+        adapter = await asyncio.to_thread(read_adapter, name, path, shapes, bank.max_rank)
+    except AdapterError as e:
+        raise LoraUpdateError(400, str(e)) from None
+    await thread.call(LoadLora(adapter))
+
+
+async def unload_lora(thread: EngineThread, name: str) -> None:
+    await thread.call(UnloadLora(name))
