@@ -14,9 +14,11 @@ from pdserve.client import generate
 from pdserve.cluster import NodeProcess, spawn, stop_all, wait_ready
 
 INTERVAL_S = 1.0
-# Away long enough that gRPC's default exponential redial (1 s growing 1.6x) would next dial
-# 6-17 s after the node is back.
-AWAY_S = 18.0
+# gRPC's default exponential redial (1 s growing 1.6x, +-20% jitter) dials about 16 s and
+# 26 s after the kill. Away 15.5 s plus its start (2-4 s), the node is back just after the
+# first of those, so without reconnect_options it would be used ~8 s after it is ready (measured
+# 7.3 s and 7.9 s; 5.4 s with 18 s away, which lands later in the same gap).
+AWAY_S = 15.5
 SLACK_S = 3.0  # a loaded two-core machine: scheduling, the first prefill's own time
 
 
