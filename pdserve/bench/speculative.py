@@ -74,13 +74,22 @@ def itl_p50(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict
 
 
 def measure(
-    engines: dict[str, EngineCore], prompts: list[list[int]], batch: int, max_tokens: int
+    engines: dict[str, EngineCore],
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: int,
+    repeats: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Both engines over the same prompts, `batch` at a time, alternating per group."""
+    """Both engines over the same prompts, `batch` at a time, alternating per group and
+    swapping which goes first each time (a burst of other work on a shared machine then falls
+    on either), each group `repeats` times; medians over the groups."""
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    for group in tqdm(groups, desc=f"batch {batch}", unit="group"):
-        for name, core in engines.items():
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)] * repeats
+    for core in engines.values():  # untimed: a batch's first run pays first-touch page faults
+        itl_p50(core, groups[0], max_tokens)
+    for n, group in enumerate(tqdm(groups, desc=f"batch {batch}", unit="group")):
+        order = list(engines.items())
+        for name, core in order if n % 2 == 0 else reversed(order):
             samples[name].append(itl_p50(core, group, max_tokens))
     return {
         name: {
@@ -99,11 +108,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--requests", type=int, default=8, help="requests at batch 1")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument(
+        "--repeats", type=int, default=4, help="runs of the larger batch, engines alternating"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     a = parser.parse_args(argv)
     model = "tiny" if a.quick else a.model
     requests, chars, max_tokens = (4, 200, 16) if a.quick else (a.requests, 600, a.max_tokens)
     batch = min(a.batch, 4) if a.quick else a.batch
+    repeats = 2 if a.quick else a.repeats
     spec = SpeculativeConfig(num_speculative_tokens=a.k, prompt_lookup_max=4)
     base = EngineConfig(model=model, max_batch_size=max(batch, 1), max_num_tokens=8192)
     engines = {
@@ -114,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     rows = []
     for size in (1, batch):
         subset = prompts[: requests if size == 1 else batch]
-        got = measure(engines, subset, size, max_tokens)
+        got = measure(engines, subset, size, max_tokens, 1 if size == 1 else repeats)
         ratio = got["ngram"]["itl_p50_s"] / got["plain"]["itl_p50_s"]
         rows.append({"batch": size, **got, "itl_ratio": ratio})
         tqdm.write(
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "model": model,
         "speculative": {"num_speculative_tokens": a.k, "prompt_lookup_max": 4},
         "max_tokens": max_tokens,
+        "repeats": repeats,
         "environment": {**environment(), "load_average": load_average(), "cpus": os.cpu_count()},
         "rows": rows,
     }
