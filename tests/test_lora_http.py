@@ -20,13 +20,22 @@ from tests.test_lora_engine import MAX_TOKENS, setup  # noqa: F401  (the fixture
 
 
 @contextlib.asynccontextmanager
-async def node_with(base, paths: dict[str, str]) -> AsyncIterator[object]:
+async def node_with(
+    base, paths: dict[str, str], max_loras: int = 0, **node: object
+) -> AsyncIterator[object]:
+    """A colocated node serving `paths` (NAME -> PATH) in `max_loras` slots (0: as many)."""
     from decode_node.server import DecodeNode
 
     engine = EngineConfig(
-        model=str(base), num_kv_blocks=256, lora_modules=tuple(paths.items()), max_lora_rank=8
+        model=str(base),
+        num_kv_blocks=256,
+        lora_modules=tuple(paths.items()),
+        max_loras=max_loras,
+        max_lora_rank=8,
     )
-    cfg = DecodeNodeConfig(engine=engine, colocated=True, port=0, metrics_port=0, http_port=0)
+    cfg = DecodeNodeConfig(
+        engine=engine, colocated=True, port=0, metrics_port=0, http_port=0, **node
+    )
     node = DecodeNode(cfg, load_model(str(base)))
     await node.start()
     try:

@@ -8,45 +8,18 @@ loaded again under an old name never reads the old one's cached KV; the routes s
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 
-from decode_node.config import DecodeNodeConfig
 from pdserve.bench.support.checkpoints import cached_checkpoint, load_hf_model
 from pdserve.client import generate
-from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams
-from shared.model.loader import load_model
 from tests.support.lora_files import AdapterSpec, write_adapter
 from tests.test_lora_engine import MAX_TOKENS, setup  # noqa: F401  (the fixture)
 from tests.test_lora_http import node_with
 
 KEY = {"Authorization": "Bearer k"}
-
-
-@contextlib.asynccontextmanager
-async def runtime_node(base: Path) -> AsyncIterator[object]:
-    from decode_node.server import DecodeNode
-
-    engine = EngineConfig(model=str(base), num_kv_blocks=256, max_loras=2, max_lora_rank=8)
-    cfg = DecodeNodeConfig(
-        engine=engine,
-        colocated=True,
-        port=0,
-        metrics_port=0,
-        http_port=0,
-        allow_runtime_lora=True,
-        api_key="k",
-    )
-    node = DecodeNode(cfg, load_model(str(base)))
-    await node.start()
-    try:
-        yield node
-    finally:
-        assert await node.stop(grace=1.0), "seats or blocks leaked"
 
 
 async def _tokens(node: object, name: str, prompt: list[int]) -> list[int]:
@@ -66,7 +39,7 @@ def test_adapters_load_serve_and_unload_at_run_time(setup, tmp_path: Path) -> No
     long = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # full blocks cached
 
     async def body() -> None:
-        async with runtime_node(base) as node:
+        async with node_with(base, {}, 2, allow_runtime_lora=True, api_key="k") as node:
             url = f"http://127.0.0.1:{node.http_port}"
             async with httpx.AsyncClient(base_url=url, timeout=120, headers=KEY) as http:
 
