@@ -84,7 +84,10 @@ class ShadowModel:
     """Forward only. Returns `[num_seqs, vocab]` logits whose argmax is the machine's choice for
     that row, and records in `shadow[slot]` the token prefix whose K/V that slot now holds."""
 
-    lora_names: frozenset[str] = frozenset()  # no adapters (shared/model/causal_lm.py)
+    lora = None  # no adapter slots (shared/model/causal_lm.py)
+
+    def lora_names(self) -> frozenset[str]:
+        return frozenset()
 
     def __init__(self) -> None:
         self.shadow: dict[int, tuple[int, ...]] = {}

@@ -44,8 +44,9 @@ def test_a_resumed_stream_keeps_its_id_and_counts_the_whole_answer() -> None:
 
 def test_what_is_not_resumed() -> None:
     assert not GenerateLedger(_request(max_tokens=8, n=2)).resumable
+    # a grammar's state is rebuilt from the tokens sent (continued_tokens): structured resumes
     structured = {"kind": generation_pb2.STRUCTURED_KIND_JSON_OBJECT}
-    assert not GenerateLedger(_request(max_tokens=8, structured=structured)).resumable
+    assert GenerateLedger(_request(max_tokens=8, structured=structured)).resumable
     full = GenerateLedger(_request(max_tokens=2))
     full.record(_response([1, 2]))
     assert not full.resumable  # nothing left to generate

@@ -68,6 +68,12 @@ def lend() -> int:
         return _configured
 
 
+def engines_running() -> int:
+    """Engines that borrowed threads and have not given them back."""
+    with _lock:
+        return _engines
+
+
 def give_back() -> None:
     """On the thread stopping an engine: the last one out restores that thread's count."""
     global _engines
