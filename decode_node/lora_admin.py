@@ -9,18 +9,14 @@ import asyncio
 
 from shared.engine.commands import LoadLora, UnloadLora
 from shared.engine.info import EngineInfo
-from shared.engine.lora_updates import LoraUpdateError
+from shared.engine.lora_updates import LoraUpdateError, slots_of
 from shared.engine.thread import EngineThread
 from shared.model.lora_adapter import AdapterError, read_adapter
 from shared.model.lora_install import lora_shapes
 
 
 async def load_lora(thread: EngineThread, info: EngineInfo, name: str, path: str) -> None:
-    bank = info.loaded.model.lora
-    if bank is None:
-        raise LoraUpdateError(
-            400, "this node has no LoRA adapter slots: start it with --max-loras N"
-        )
+    bank = slots_of(info.loaded.model.lora)  # before reading anything
     shapes = lora_shapes(info.loaded.model)
     try:
         adapter = await asyncio.to_thread(read_adapter, name, path, shapes, bank.max_rank)

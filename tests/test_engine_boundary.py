@@ -43,7 +43,7 @@ NODE_API: dict[str, set[str]] = {
     "shared.engine.resources.block_manager": {"BlockHash", "compute_block_hashes", "lora_seed"},
     # the offload tiers' settings, and the counters a node's /metrics reads
     "shared.engine.connector.offload_config": {"OffloadConfig"},
-    "shared.engine.lora_updates": {"LoraUpdateError"},  # why a runtime adapter update failed
+    "shared.engine.lora_updates": {"LoraUpdateError", "slots_of"},  # runtime adapter updates
     "shared.engine.connector.offload": {"OffloadStats"},
     "shared.engine.sampling.grammar_compiler": {"GrammarError", "compile_async", "compiler_for"},
 }

@@ -26,6 +26,15 @@ class LoraUpdateError(Exception):
         self.status = status
 
 
+def slots_of(bank: LoraBank | None) -> LoraBank:
+    """The model's adapter slots; LoraUpdateError where it has none."""
+    if bank is None:
+        raise LoraUpdateError(
+            400, "this node has no LoRA adapter slots: start it with --max-loras N"
+        )
+    return bank
+
+
 class LoraUpdates:
     def __init__(self, bank: LoraBank | None, live: Callable[[], Iterable[LlmRequest]]):
         self.bank = bank
@@ -34,21 +43,14 @@ class LoraUpdates:
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         return {LoadLora: self.load, UnloadLora: self.unload}
 
-    def _slots(self) -> LoraBank:
-        if self.bank is None:
-            raise LoraUpdateError(
-                400, "this node has no LoRA adapter slots: start it with --max-loras N"
-            )
-        return self.bank
-
     def load(self, command: LoadLora) -> None:
         try:
-            self._slots().load(command.adapter)
+            slots_of(self.bank).load(command.adapter)
         except ValueError as e:  # the name is taken, or every slot is
             raise LoraUpdateError(400, str(e)) from None
 
     def unload(self, command: UnloadLora) -> None:
-        bank = self._slots()
+        bank = slots_of(self.bank)
         if command.name not in bank.slots:
             loaded = sorted(bank.slots)
             raise LoraUpdateError(

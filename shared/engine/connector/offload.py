@@ -64,6 +64,11 @@ class _Claim:
     slots: list[int]
 
 
+def block_bytes(block: torch.Tensor) -> bytes:
+    """One block's bytes as the disk tier stores them (a copy: the block may change after)."""
+    return block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
 def tier_key(fingerprint: bytes, block_hash: BlockHash) -> Key:
     return hashlib.sha256(fingerprint + block_hash).digest()
 
@@ -116,7 +121,7 @@ class OffloadConnector:
 
     def _to_disk(self, key: Key, block: torch.Tensor) -> None:
         if self.disk is not None and key not in self.disk:
-            self.disk.write(key, block.view(torch.uint8).numpy().tobytes())
+            self.disk.write(key, block_bytes(block))
 
     def _on_evict(self, evicted: Sequence[tuple[int, BlockHash]]) -> None:
         """Pool blocks leaving the prefix cache, not yet overwritten: copy them down."""
@@ -244,8 +249,7 @@ class OffloadConnector:
         for key, block in sources:
             if key in self.disk:
                 continue
-            payload = block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-            if not self.disk.write_by(key, payload, deadline):
+            if not self.disk.write_by(key, block_bytes(block), deadline):
                 break
             kept += 1
         try:
