@@ -51,7 +51,10 @@ class EngineInfo:
 
     def kv_seed(self, adapter: str | None) -> BlockHash:
         """Where the prefix hashes of a request of `adapter` start: its name and files."""
-        found = self.lora_adapters.get(adapter) if adapter is not None else None
+        if adapter is None:
+            return b""
+        bank = self.loaded.model.lora  # read in place: this runs as requests' blocks fill
+        found = None if bank is None else bank.adapters.get(adapter)
         return lora_seed(adapter, b"" if found is None else found.fingerprint)
 
     @property
