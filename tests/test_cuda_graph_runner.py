@@ -134,10 +134,11 @@ def test_runner_refuses_a_pool_without_the_scratch_block() -> None:
 
 @pytest.mark.parametrize(("flag", "want"), [([], True), (["--no-cuda-graphs"], False)])
 def test_cli_flag_sets_the_config_and_cpu_ignores_it(flag: list[str], want: bool) -> None:
-    from pdserve.cli.main import _engine_config, build_parser
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.node_command import engine_config
 
     args = build_parser().parse_args(["prefill", "--device", "cpu", *flag])
-    config = _engine_config(args)
+    config = engine_config(args)
     assert config.cuda_graphs is want
     engine = EngineCore(replace(config, num_kv_blocks=NUM_BLOCKS), role=DecodeSettings())
     assert engine.decode_runner is None  # CPU: the eager path, the pool without a scratch block

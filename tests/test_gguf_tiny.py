@@ -136,7 +136,7 @@ def test_run_prompt_applies_the_chat_template_with_one_bos(
     gguf_file: Callable[[str, Q], Path],
 ) -> None:
     from pdserve.bench.support.checkpoints import BOS_TOKEN, special_ids
-    from pdserve.cli.main import run_prompt
+    from pdserve.cli.up_command import run_prompt
 
     # the file adds BOS when encoding, and its template writes bos_token itself
     file = gguf_file("llama", Q.F32)

@@ -97,7 +97,7 @@ def referenced_modules(path: Path) -> set[str]:
             found.add(module)
             found.update(f"{module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            found.add(node.value)
+            found.add(node.value.split(":")[0])  # "module:function", as an entry point names it
     return {".".join(name.split(".")[:i]) for name in found for i in range(1, name.count(".") + 2)}
 
 

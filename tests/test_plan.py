@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from pdserve import planner_sim
-from pdserve.plan import add_arguments, make_plan, run
+from pdserve.cli.plan_args import add_arguments
+from pdserve.plan import make_plan, run
 from pdserve.planner_model import Targets, Workload, decode_batch
 from pdserve.planner_profile import PROFILE_SCHEMA, PROFILE_VERSION, Profile, ProfileError
 

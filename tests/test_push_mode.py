@@ -8,7 +8,7 @@ import pytest
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.push_mode import is_local_address, pushes_layerwise
-from pdserve.cli.main import _push_mode
+from pdserve.cli.node_command import push_mode
 from pdserve.cli.parser import build_parser
 
 
@@ -55,11 +55,11 @@ def test_config_and_flags() -> None:
     DecodeNodeConfig(prefill_targets=("h:1",), push="whole").validate()
     parse = build_parser().parse_args
     base = ["decode", "--model", "tiny", "--prefill", "h:1"]
-    assert _push_mode(parse(base)) == "auto"
-    assert _push_mode(parse([*base, "--push", "layerwise"])) == "layerwise"
-    assert _push_mode(parse([*base, "--whole-request-push"])) == "whole"  # the older flag
-    assert _push_mode(parse([*base, "--whole-request-push", "--push", "whole"])) == "whole"
+    assert push_mode(parse(base)) == "auto"
+    assert push_mode(parse([*base, "--push", "layerwise"])) == "layerwise"
+    assert push_mode(parse([*base, "--whole-request-push"])) == "whole"  # the older flag
+    assert push_mode(parse([*base, "--whole-request-push", "--push", "whole"])) == "whole"
     with pytest.raises(SystemExit, match="contradicts"):
-        _push_mode(parse([*base, "--whole-request-push", "--push", "layerwise"]))
+        push_mode(parse([*base, "--whole-request-push", "--push", "layerwise"]))
     with pytest.raises(SystemExit):
         parse([*base, "--push", "eager"])

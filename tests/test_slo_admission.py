@@ -120,6 +120,14 @@ async def _warm(c: PdCluster) -> None:
     """One request through, so that the prefill rate has a sample (until then nothing is
     refused: there is no basis for a prediction)."""
     await generate(c.targets[0], PROMPT, max_tokens=2, timeout=60)
+    # the rate's sample is taken when the first token reaches the node's event loop, which may
+    # come after the client has its whole (two-token) answer
+    rate = c.decodes[0].core.role.admission.slo.rate
+    for _ in range(1000):
+        if rate.tokens_per_s is not None:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no prefill rate measured 10 s after a request was served")
 
 
 def _grpc_request(rid: str, ttft_slo_ms: int) -> generation_pb2.GenerateRequest:

@@ -25,9 +25,9 @@ def add_proxy(sub: argparse._SubParsersAction) -> None:
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:
-    from pdserve import plan  # its flags live with it, like the proxy's
+    from pdserve.cli.plan_args import add_parser
 
-    plan.add_parser(sub)
+    add_parser(sub)
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:

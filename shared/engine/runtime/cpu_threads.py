@@ -1,13 +1,13 @@
 """torch's and the C kernels' threads sized to the CPUs the process may use, and kept so while an
 operator moves it (shared/engine/runtime/cpu_budget.py says how the count is chosen).
 
-`apply`, once at a node's start (pdserve/cli/main.py), sets the count on the calling thread, which
-the engine thread then borrows (shared/engine/runtime/openmp.py), and logs it in one line. `follow`,
-called at every engine step on the engine thread, re-reads the budget at most once per
+`apply`, once at a node's start (pdserve/cli/node_command.py), sets the count on the calling thread,
+which the engine thread then borrows (shared/engine/runtime/openmp.py), and logs it in one line.
+`follow`, called at every engine step on the engine thread, re-reads the budget at most once per
 FOLLOW_INTERVAL_S (a syscall and a file or two); when `taskset -p`, a cpuset or a cgroup quota
 changed it, the thread resizes its own team and the change is logged once. The C kernels take
-torch's count on every call (the callers of shared/model/native.py pass
-`torch.get_num_threads()`), so one `torch.set_num_threads` sizes both.
+torch's count on every call (the callers of shared/model/native.py pass `torch.get_num_threads()`),
+so one `torch.set_num_threads` sizes both.
 
 `taskset -p PID` without `-a` moves only the main thread. When the main thread's mask changes,
 the engine thread takes it too and releases its pool: libgomp's workers keep the mask they were
