@@ -71,8 +71,11 @@ def _busiest(up: Up, proxy_metrics: str) -> int:
 
 
 async def _undisturbed(target: str) -> list[tuple[list[int], int]]:
-    """Each prompt's tokens and prompt tokens, one stream at a time, nothing killed."""
-    results = [await generate(target, p, _params(i)) for i, p in enumerate(PROMPTS)]
+    """Each prompt's tokens and prompt tokens, nothing killed (all at once: each is what it
+    would be alone, and the kill test's own streams run side by side too)."""
+    results = await asyncio.gather(
+        *(generate(target, p, _params(i)) for i, p in enumerate(PROMPTS))
+    )
     return [(r.token_ids, r.usage.prompt_tokens) for r in results]
 
 
@@ -103,8 +106,12 @@ def test_up_prints_the_front_door_first_and_the_nodes_after(up: Up) -> None:
 def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) -> None:
     backs = up.log.read_text().count(BACK)  # restarts so far: others' too
     reference = asyncio.run(_undisturbed(up.grpc))
-    for node in up.decodes:  # the front door answers what each node answers
-        assert asyncio.run(generate(node, PROMPTS[0], _params(0))).token_ids == reference[0][0]
+
+    async def each_node() -> list[list[int]]:  # the front door answers what each node answers
+        answers = await asyncio.gather(*(generate(n, PROMPTS[0], _params(0)) for n in up.decodes))
+        return [list(a.token_ids) for a in answers]
+
+    assert asyncio.run(each_node()) == [reference[0][0]] * len(up.decodes)
     before = metrics(up.http).get('pdserve_proxy_resumes_total{outcome="completed"}', 0.0)
 
     async def body() -> tuple[list[tuple[list[int], int, int]], list[str]]:

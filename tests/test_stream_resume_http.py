@@ -215,20 +215,27 @@ def _stop_string(text: str) -> str:
 def _requests(up: Up) -> list[tuple[str, dict[str, Any]]]:
     """Two greedy chats and two seeded completions, each with a stop string that ends it, and a
     chat under a JSON schema."""
+    plain = [("/v1/completions", _completion(p, [], 100 + i)) for i, p in enumerate(PROMPTS)]
+    texts = [a.text for a in asyncio.run(_streams(up.http, plain))]
     out: list[tuple[str, dict[str, Any]]] = []
-    for i, prompt in enumerate(PROMPTS):
+    for i, (prompt, text) in enumerate(zip(PROMPTS, texts, strict=True)):
         out.append(("/v1/chat/completions", _chat(prompt)))
-        plain = _completion(prompt, [], 100 + i)
-        text = asyncio.run(_stream(up.http, "/v1/completions", plain))[0].text
         out.append(("/v1/completions", _completion(prompt, [_stop_string(text)], 100 + i)))
     out.append(("/v1/chat/completions", _json_chat("Name a large city and its population.")))
     return out
 
 
+async def _streams(url: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Answer]:
+    """Undisturbed answers, all at once (each is what it would be alone: the kill test's own
+    streams run side by side too)."""
+    answers = await asyncio.gather(*(_stream(url, path, body) for path, body in requests))
+    return [a for a, _ in answers]
+
+
 def test_a_stream_whose_decode_node_is_killed_completes_on_the_survivor(up: Up) -> None:
     backs = up.log.read_text().count(BACK)  # restarts so far: others' too
     requests = _requests(up)
-    reference = [asyncio.run(_stream(up.http, path, body))[0] for path, body in requests]
+    reference = asyncio.run(_streams(up.http, requests))
     assert all(a.finish == ["stop"] for a in reference[1::2]), [a.finish for a in reference]
     assert reference[-1].finish == ["stop"] and json.loads(reference[-1].text), reference[-1].text
     whole = {**_completion(PROMPTS[0], [], 7), "stream": False, "stream_options": None}
