@@ -16,7 +16,14 @@ from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.service_level import ServiceLevel
-from shared.engine.scheduling.slo import PrefillRate, SloMiss, SloPolicy, StepTimes
+from shared.engine.scheduling.slo import (
+    ERROR_MAX_AGE_S,
+    Ewma,
+    PrefillRate,
+    SloMiss,
+    SloPolicy,
+    StepTimes,
+)
 from tests.engine_helpers import random_prompts, single_torch_thread
 from tests.support.cluster import PdCluster, pd_cluster
 
@@ -53,23 +60,36 @@ def test_prefill_rate_counts_busy_time_only() -> None:
     assert 100 < rate.tokens_per_s < 200
 
 
+def test_prefill_rate_is_not_fooled_by_first_tokens_that_arrive_together() -> None:
+    """Three 100-token prompts whose first tokens reach the event loop within a millisecond of
+    each other after 1 busy second: 300 tokens/s, not the ~100,000 a rate per completion would
+    average to."""
+    rate = PrefillRate()
+    for rid in "abc":
+        rate.started(rid, 100, now=0.0)
+    for i, rid in enumerate("abc"):
+        rate.finished(rid, now=1.0 + i * 0.0005)
+    assert rate.tokens_per_s == pytest.approx(300, rel=0.01)
+
+
 def test_ttft_check_refuses_with_a_retry_hint_or_records_the_prediction() -> None:
     slo = SloPolicy(ttft_slo_ms=1000)
     loose = ServiceLevel(ttft_slo_ms=60_000)
     assert slo.check_ttft("a", 10_000, 0, ServiceLevel()) is None  # no rate yet: no basis
-    slo.rate.ewma.update(1000.0)  # tokens/s
+    slo.rate.sample(1000, 1.0)  # 1000 tokens/s
     assert slo.check_ttft("b", 500, 0, ServiceLevel()) == pytest.approx(0.5)
     with pytest.raises(SloMiss) as err:
         slo.check_ttft("c", 500, 3000, ServiceLevel())  # 3.5 s against the node's 1 s
     assert err.value.retry_after_s == 3
     assert "3000 prompt tokens ahead" in str(err.value)
-    assert slo.check_ttft("d", 500, 3000, loose) == pytest.approx(3.5)  # its own target
     errors: list[float] = []
     slo.on_error = errors.append
-    slo.first_token("d", ttft=3.0, now=5.0)
-    assert errors == [pytest.approx(0.5)]
+    for rid in ("d", "d2", "d3"):
+        assert slo.check_ttft(rid, 500, 3000, loose, now=4.0) == pytest.approx(3.5)  # its own
+        slo.first_token(rid, ttft=3.0, now=5.0)
+    assert errors == [pytest.approx(0.5)] * 3
     # what the model missed (it took 0.5 s less) is learnt: later predictions shift by it
-    assert slo.check_ttft("f", 1000, 0, loose) == pytest.approx(0.5)
+    assert slo.check_ttft("f", 500, 3000, loose, now=6.0) == pytest.approx(3.0)
     with pytest.raises(SloMiss) as err:
         slo.check_ttft("e", 10**6, 0, loose)
     assert err.value.retry_after_s == 60  # clamped
@@ -79,14 +99,61 @@ def test_predictions_add_the_p90_of_past_errors_not_their_mean() -> None:
     """Admitted at the target's edge, a request must meet it at p90: with 2 of 20 past requests
     0.4 s later than modelled, a mean (+0.04 s) would admit a 0.7 s prediction against 1 s."""
     slo = SloPolicy(ttft_slo_ms=1000)
-    slo.rate.ewma.update(1000.0)  # tokens/s
+    slo.rate.sample(1000, 1.0)  # 1000 tokens/s
     for i in range(20):
-        slo.check_ttft(f"r{i}", 100, 0, ServiceLevel())  # modelled 0.1 s
-        slo.first_token(f"r{i}", ttft=0.5 if i in (3, 11) else 0.1, now=1.0)
-    assert slo.bias.value == pytest.approx(0.4)
+        slo.check_ttft(f"r{i}", 100, 400, ServiceLevel(), now=1.0)  # modelled 0.5 s
+        slo.first_token(f"r{i}", ttft=0.9 if i in (3, 11) else 0.5, now=1.5)
+    assert slo.bias.value(0.5, now=2.0) == pytest.approx(0.4)
     with pytest.raises(SloMiss):
-        slo.check_ttft("late", 100, 600, ServiceLevel())  # 0.7 + 0.4 > 1 s
-    assert slo.check_ttft("fits", 100, 400, ServiceLevel()) == pytest.approx(0.9)
+        slo.check_ttft("late", 100, 600, ServiceLevel(), now=2.0)  # 0.7 + 0.4 > 1 s
+    assert slo.check_ttft("fits", 100, 400, ServiceLevel(), now=2.0) == pytest.approx(0.9)
+
+
+def test_errors_count_only_while_recent_and_for_predictions_of_their_size() -> None:
+    """A burst's deep queue (predictions of seconds, its batches seconds late) says nothing of
+    a request that finds the path idle, and once the burst is over its errors stop counting."""
+    slo = SloPolicy(ttft_slo_ms=1000)
+    slo.rate.sample(1000, 1.0)
+    for i in range(10):
+        slo.check_ttft(f"deep{i}", 500, 5000, ServiceLevel(ttft_slo_ms=60_000), now=10.0)
+        slo.first_token(f"deep{i}", ttft=9.0, now=19.0)  # modelled 5.5 s, 3.5 s late
+    assert slo.bias.value(5.5, now=20.0) == pytest.approx(3.5)
+    assert slo.bias.value(0.5, now=20.0) is None  # another size: nothing learnt for it
+    assert slo.check_ttft("idle", 500, 0, ServiceLevel(), now=20.0) == pytest.approx(0.5)
+    assert slo.bias.value(5.5, now=19.0 + ERROR_MAX_AGE_S + 1) is None  # too old
+
+
+def test_a_newcomer_that_would_make_an_admitted_request_late_is_refused() -> None:
+    """Prompts that reach a prefill node together finish together: a prompt that would join
+    the step of one already admitted, due 1 s after it arrived, and end that step too late is
+    refused; one that is already in the step under way is not held back by newcomers, nor is
+    one whose first token came, and a deadline already passed protects nothing."""
+    slo = SloPolicy(ttft_slo_ms=1000)
+    slo.rate.sample(1000, 1.0)
+    loose = ServiceLevel(ttft_slo_ms=5000)
+    slo.check_ttft("running", 500, 0, ServiceLevel(), now=0.0)  # due at 1.0
+    slo.rate.started("running", 500, now=0.0)  # from idle: the step under way
+    assert slo.check_ttft("after", 500, 500, loose, now=0.1) is not None  # done at ~0.9+0.5
+    slo.check_ttft("a", 100, 1000, ServiceLevel(), now=0.1)  # due at 1.1, waits for a step
+    slo.rate.started("a", 100, now=0.1)
+    with pytest.raises(SloMiss, match="already admitted miss") as err:
+        slo.check_ttft("c", 500, 1100, loose, now=0.2)  # with a: done at ~1.7 > 1.1
+    assert err.value.retry_after_s >= 1
+    slo.first_token("a", ttft=0.5, now=0.6)
+    assert slo.check_ttft("c", 500, 1100, loose, now=0.6) is not None
+    slo.check_ttft("d", 100, 0, ServiceLevel(ttft_slo_ms=200), now=1.0)  # due at 1.2, then lost
+    slo.rate.started("d", 100, now=1.0)
+    assert slo.check_ttft("e", 500, 1000, loose, now=2.0) is not None
+
+
+def test_tokens_ahead_count_the_progress_of_prefills_in_flight() -> None:
+    """A 500-token prefill started 0.3 s ago at 1000 tokens/s has 200 tokens left."""
+    slo = SloPolicy(ttft_slo_ms=1000)
+    slo.rate.sample(1000, 1.0)
+    slo.rate.started("running", 500, now=10.0)
+    assert slo.rate.progress(10.3) == pytest.approx(300)
+    assert slo.check_ttft("next", 500, 500, ServiceLevel(), now=10.3) == pytest.approx(0.7)
+    assert slo.rate.progress(20.0) == 500  # at most what is in flight
 
 
 def test_step_times_measure_busy_step_to_step_gaps() -> None:
@@ -106,7 +173,7 @@ def test_itl_bound_holds_a_request_that_would_slow_the_batch() -> None:
     tight, free = ServiceLevel(itl_slo_ms=50), ServiceLevel()
     running = [_request(f"r{i}", free) for i in range(3)]
     candidate = _request("new", free)
-    slo.steps.by_batch.setdefault(4, type(slo.rate.ewma)()).update(0.08)  # 80 ms at batch 4
+    slo.steps.by_batch.setdefault(4, Ewma()).update(0.08)  # 80 ms at batch 4
     assert not slo.batch_too_slow(running, candidate)  # no ITL target anywhere
     running[1] = _request("r1", tight)
     assert slo.batch_too_slow(running, candidate)  # 80 ms > r1's 50 ms

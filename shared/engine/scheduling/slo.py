@@ -4,18 +4,26 @@ break the tightest inter-token latency (ITL) target of the requests in it.
 
 TTFT prediction (engine thread, before anything is allocated): the prompt tokens ahead of the
 request (queued ahead of it in the admission queue's order, admitted but not yet prefilled, local
-prefills still pending) plus its own, over the prefill rate measured online. The rate is an EWMA
-of prompt tokens per *busy* second: while at least one prefill this node started is in flight its
-prefill path counts as busy, and each completion adds its tokens over the busy time since the
-previous completion. At low load that is one request's speed, at saturation the path's throughput;
+prefills still pending) plus its own, over the prefill rate measured online. The rate is prompt
+tokens per *busy* second: while at least one prefill this node started is in flight its prefill
+path counts as busy, and each completion adds its tokens and the busy time since the previous
+completion; the rate is the sum of the last RATE_WINDOW completions' tokens over the sum of
+their busy time (a ratio of sums: first tokens often arrive together, and a rate taken per
+completion would count each of those as near-infinite).
+At low load that is one request's speed, at saturation the path's throughput;
 the RPC hop and the KV transfer are inside it (they stand between admission and the first token).
 When free KV blocks, not prefill, bound the queue's drain, the requests queued ahead at the
 queue's measured admission rate give the wait instead (the larger of the two is taken). With no
 rate sample yet nothing is refused: there is no basis for a prediction. What this model leaves
-out (the prefill node's own queue, the first token's hand-offs) is learnt online: the 90th
-percentile of actual minus modelled TTFT over the last admitted requests is added to every
-prediction (a mean would let half of the requests admitted at their target's edge miss it; the
-target is read at p90).
+out (the prefill node's own queue, the first token's hand-offs, prompts that join one batch on a
+prefill node and finish together) is learnt online: the 90th percentile of actual minus modelled
+TTFT of recently admitted requests is added to every prediction (a mean would let half of the
+requests admitted at their target's edge miss it; the target is read at p90). Only errors of
+predictions of a similar size (within a factor of 2) made in the last ERROR_MAX_AGE_S count: what
+a deep queue's batches do to its requests says little about a request that finds the path nearly
+idle, and a burst's errors must not keep refusing requests once it has drained (requests then
+prefilled locally, or refused, would never replace them). The tokens ahead include the prefills in
+flight whole; the busy time since the last completion, at the measured rate, is taken off them.
 
 Step time by batch size (for the ITL bound) is measured between consecutive engine steps while
 the batch was non-empty (no idle gap inside), an EWMA per batch size. Steps that carry prefill
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
@@ -41,6 +50,10 @@ S = LlmRequestState
 EWMA_ALPHA = 0.2
 ERROR_QUANTILE = 0.9  # of actual - modelled TTFT, added to predictions
 ERRORS_KEPT = 64  # the last admitted requests' errors that quantile is taken over
+ERROR_MAX_AGE_S = 20.0  # older errors describe another load
+ERROR_SCALE = 2.0  # errors count for predictions within this factor of the one made
+MIN_ERRORS = 3  # fewer comparable errors: none is added
+RATE_WINDOW = 32  # completions the prefill rate is measured over
 _MAX_TRACKED = 4096  # predictions and in-flight prefills remembered (oldest dropped first)
 # states in which a request's prompt still stands between it and its first token
 _PREFILLING = (
@@ -66,25 +79,29 @@ class Ewma:
 
 
 class ErrorQuantile:
-    """The `quantile` of the last `kept` samples. `update` runs on the event loop, `value` on the
-    engine thread: hence the lock."""
+    """The `quantile` of the recent errors of comparable predictions (the module's docstring).
+    `update` runs on the event loop, `value` on the engine thread: hence the lock."""
 
     def __init__(self, quantile: float = ERROR_QUANTILE, kept: int = ERRORS_KEPT):
         self.quantile = quantile
-        self._samples: deque[float] = deque(maxlen=kept)
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=kept)  # at, modelled, e
         self._lock = threading.Lock()
 
-    @property
-    def value(self) -> float | None:
+    def value(self, modelled: float, now: float) -> float | None:
+        """For a prediction of `modelled` seconds made at `now`; None: too few to say."""
+        low, high = modelled / ERROR_SCALE, modelled * ERROR_SCALE
         with self._lock:
-            ordered = sorted(self._samples)
-        if not ordered:
+            errors = [
+                e for at, m, e in self._samples if now - at <= ERROR_MAX_AGE_S and low <= m <= high
+            ]
+        if len(errors) < MIN_ERRORS:
             return None
-        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        errors.sort()
+        return errors[min(len(errors) - 1, int(self.quantile * len(errors)))]
 
-    def update(self, sample: float) -> None:
+    def update(self, error: float, modelled: float, now: float) -> None:
         with self._lock:
-            self._samples.append(sample)
+            self._samples.append((now, modelled, error))
 
 
 class PrefillRate:
@@ -92,31 +109,58 @@ class PrefillRate:
     `started` runs on the engine thread, `finished` on the event loop: hence the lock."""
 
     def __init__(self) -> None:
-        self.ewma = Ewma()
+        self._samples: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, busy s)
         self._lock = threading.Lock()
-        self._inflight: OrderedDict[str, int] = OrderedDict()  # request id -> prompt tokens
+        # request id -> (prompt tokens, when it started)
+        self._inflight: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._mark = 0.0  # the start of the busy time not yet accounted
 
     @property
     def tokens_per_s(self) -> float | None:
-        return self.ewma.value
+        with self._lock:
+            samples = list(self._samples)
+        seconds = sum(s for _, s in samples)
+        return sum(t for t, _ in samples) / seconds if seconds > 0 else None
+
+    def sample(self, tokens: int, seconds: float) -> None:
+        """`tokens` prefilled in `seconds` of busy time (seconds may be 0: a completion that
+        came with another's)."""
+        with self._lock:
+            self._samples.append((tokens, seconds))
+
+    def progress(self, now: float) -> float:
+        """Prompt tokens of the prefills in flight done by now, as the measured rate tells: the
+        busy time since the last completion at that rate, at most what is in flight."""
+        rate = self.tokens_per_s
+        with self._lock:
+            if not self._inflight or rate is None:
+                return 0.0
+            total = sum(tokens for tokens, _ in self._inflight.values())
+            return min(float(total), (now - self._mark) * rate)
+
+    def waiting_for_a_step(self) -> set[str]:
+        """The prefills in flight that started after the path's current step did (its last
+        completion, or its start from idle): those a newcomer would share a step with."""
+        with self._lock:
+            return {rid for rid, (_, at) in self._inflight.items() if at > self._mark}
 
     def started(self, rid: str, tokens: int, now: float) -> None:
         with self._lock:
             if not self._inflight:
                 self._mark = now
-            self._inflight[rid] = tokens
+            self._inflight[rid] = (tokens, now)
             if len(self._inflight) > _MAX_TRACKED:
                 self._inflight.popitem(last=False)
 
     def finished(self, rid: str, now: float) -> None:
         with self._lock:
-            tokens = self._inflight.pop(rid, None)
-            if tokens is None:
+            entry = self._inflight.pop(rid, None)
+            if entry is None:
                 return
-            elapsed, self._mark = now - self._mark, now
-            if elapsed > 0 and tokens > 0:
-                self.ewma.update(tokens / elapsed)
+            tokens = entry[0]
+            elapsed, self._mark = max(0.0, now - self._mark), now
+            if tokens > 0:
+                self._samples.append((tokens, elapsed))
 
     def drop(self, rid: str) -> None:
         """Ended without a first token seen (cancelled, failed)."""
@@ -159,7 +203,10 @@ class SloPolicy:
         self.steps = StepTimes()
         self.on_error: Callable[[float], None] | None = None  # predicted - actual TTFT, s
         self.bias = ErrorQuantile()  # actual - modelled TTFT of admitted requests, s
+        # check_ttft runs on the engine thread, first_token and forget on the event loop
+        self._lock = threading.Lock()
         self._predicted: OrderedDict[str, tuple[float, float]] = OrderedDict()  # (with, w/o)
+        self._deadlines: OrderedDict[str, float] = OrderedDict()  # admitted with a target
 
     def ttft_target_s(self, service: ServiceLevel) -> float | None:
         ms = service.ttft_slo_ms if service.ttft_slo_ms is not None else self.ttft_slo_ms
@@ -170,16 +217,24 @@ class SloPolicy:
         return None if ms is None else ms / 1000
 
     def check_ttft(
-        self, rid: str, tokens: int, ahead: int, service: ServiceLevel, wait_s: float = 0.0
+        self,
+        rid: str,
+        tokens: int,
+        ahead: int,
+        service: ServiceLevel,
+        wait_s: float = 0.0,
+        now: float | None = None,
     ) -> float | None:
-        """Raise SloMiss when `ahead + tokens` prompt tokens at the measured rate (or a queue
-        wait of `wait_s`, then its own tokens) miss the target; else remember and return the
-        prediction (seconds; None without a rate)."""
+        """Raise SloMiss when `ahead + tokens` prompt tokens (less the progress of those in
+        flight) at the measured rate, or a queue wait of `wait_s` then its own tokens, miss the
+        target; else remember and return the prediction (seconds; None without a rate)."""
         rate = self.rate.tokens_per_s
         if rate is None:
             return None
-        modelled = max((ahead + tokens) / rate, wait_s + tokens / rate)
-        predicted = max(0.0, modelled + (self.bias.value or 0.0))
+        now = time.monotonic() if now is None else now
+        left = max(0.0, ahead - self.rate.progress(now))
+        modelled = max((left + tokens) / rate, wait_s + tokens / rate)
+        predicted = max(0.0, modelled + (self.bias.value(modelled, now) or 0.0))
         target = self.ttft_target_s(service)
         if target is not None and predicted > target:
             retry = math.ceil(predicted - target)
@@ -191,25 +246,57 @@ class SloPolicy:
                 "a longer ttft_slo_ms",
                 retry,
             )
-        self._predicted[rid] = (predicted, modelled)
-        if len(self._predicted) > _MAX_TRACKED:
-            self._predicted.popitem(last=False)
+        self._check_admitted(now, now + modelled, rid)
+        with self._lock:
+            self._predicted[rid] = (predicted, modelled)
+            if target is not None:
+                self._deadlines[rid] = now + target
+            for tracked in (self._predicted, self._deadlines):
+                if len(tracked) > _MAX_TRACKED:
+                    tracked.popitem(last=False)
         return predicted
+
+    def _check_admitted(self, now: float, done_at: float, rid: str) -> None:
+        """Raise SloMiss when the work up to this request, done at `done_at`, would end after
+        the deadline of a request already admitted: prompts that reach a prefill node together
+        are prefilled in one step and finish together, so the newcomer may hold back those
+        ahead of it. Those already in the step under way (sent before it started) are not held
+        back; the others are counted as if they all shared the newcomer's step (the pessimistic
+        side). A deadline already passed protects nothing and is dropped."""
+        waiting = self.rate.waiting_for_a_step()
+        with self._lock:
+            for gone in [r for r, d in self._deadlines.items() if d < now]:
+                del self._deadlines[gone]
+            held = [d for r, d in self._deadlines.items() if r in waiting]
+        tightest = min(held, default=None)
+        if tightest is None or done_at <= tightest:
+            return
+        late = done_at - tightest
+        retry = max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, math.ceil(late)))
+        raise SloMiss(
+            f"admitting request {rid} would make a request already admitted miss its time to "
+            f"first token target by {late:.2f}s: retry after about {retry}s, or on another node",
+            retry,
+        )
 
     def first_token(self, rid: str, ttft: float, now: float) -> None:
         """The event loop saw the request's first token `ttft` seconds after it arrived."""
         self.rate.finished(rid, now)
-        prediction = self._predicted.pop(rid, None)
+        with self._lock:
+            prediction = self._predicted.pop(rid, None)
+            self._deadlines.pop(rid, None)
         if prediction is None:
             return
         predicted, modelled = prediction
-        self.bias.update(ttft - modelled)
+        self.bias.update(ttft - modelled, modelled, now)
         if self.on_error is not None:
             self.on_error(predicted - ttft)
 
     def forget(self, rid: str) -> None:
         self.rate.drop(rid)
-        self._predicted.pop(rid, None)
+        with self._lock:
+            self._predicted.pop(rid, None)
+            self._deadlines.pop(rid, None)
 
     def batch_too_slow(self, live: Iterable[LlmRequest], candidate: LlmRequest) -> bool:
         """Whether the measured step time at the batch `candidate` would make (the live

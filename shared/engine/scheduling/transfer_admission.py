@@ -125,7 +125,7 @@ class TransferAdmission:
         # when blocks, not prefill, bound the drain: those ahead at the queue's admission rate
         rate = self.queue.admission_rate(now)
         wait = len(before) / rate if before and rate else 0.0
-        return self.slo.check_ttft(rid, tokens, ahead, params.service, wait)
+        return self.slo.check_ttft(rid, tokens, ahead, params.service, wait, now)
 
     def forget(self, request_id: str) -> None:
         """The request ended (a cancel, or it finished): it leaves the queue; it held
