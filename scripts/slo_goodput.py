@@ -41,10 +41,15 @@ def prompt(rng: random.Random, words: int) -> str:
 
 
 async def one(
-    client: httpx.AsyncClient, url: str, text: str, slo_ms: float | None, out: list[dict]
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    text: str,
+    slo_ms: float | None,
+    out: list[dict],
 ) -> None:
-    body: dict[str, Any] = {"model": "m", "prompt": text, "max_tokens": 32, "ignore_eos": True}
-    body["stream"] = True
+    body: dict[str, Any] = {"model": model, "prompt": text, "max_tokens": 32, "stream": True}
+    body["ignore_eos"] = True
     if slo_ms is not None:
         body["ttft_slo_ms"] = slo_ms
     start, ttft = time.monotonic(), None
@@ -59,14 +64,14 @@ async def one(
     out.append({"status": 200, "ttft": ttft})
 
 
-async def closed_loop(url: str, a: argparse.Namespace, rng: random.Random) -> float:
+async def closed_loop(url: str, model: str, a: argparse.Namespace, rng: random.Random) -> float:
     out: list[dict] = []
     end = time.monotonic() + a.seconds
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def worker() -> None:
             while time.monotonic() < end:
-                await one(client, url, prompt(rng, a.prompt_words), None, out)
+                await one(client, url, model, prompt(rng, a.prompt_words), None, out)
 
         start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(a.concurrency)))
@@ -74,7 +79,12 @@ async def closed_loop(url: str, a: argparse.Namespace, rng: random.Random) -> fl
 
 
 async def open_loop(
-    url: str, rate: float, slo_ms: float | None, a: argparse.Namespace, rng: random.Random
+    url: str,
+    model: str,
+    rate: float,
+    slo_ms: float | None,
+    a: argparse.Namespace,
+    rng: random.Random,
 ) -> dict[str, Any]:
     offsets, t = [], 0.0
     for _ in range(a.requests):
@@ -86,7 +96,7 @@ async def open_loop(
 
         async def fire(at: float, text: str) -> None:
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            await one(client, url, text, slo_ms, out)
+            await one(client, url, model, text, slo_ms, out)
 
         await asyncio.gather(*(fire(at, prompt(rng, a.prompt_words)) for at in offsets))
         wall = time.monotonic() - start
@@ -139,14 +149,17 @@ def main() -> None:
     rng = random.Random(a.seed)
     up, url = start_up(a.model)
     try:
+        model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         warm = argparse.Namespace(**{**vars(a), "seconds": 10.0, "concurrency": 4})
-        asyncio.run(closed_loop(url, warm, rng))
-        capacity = asyncio.run(closed_loop(url, a, rng))
+        asyncio.run(closed_loop(url, model, warm, rng))
+        capacity = asyncio.run(closed_loop(url, model, a, rng))
         print(f"closed-loop capacity C = {capacity:.2f} req/s", file=sys.stderr, flush=True)
+        if capacity <= 0:
+            raise SystemExit("no request was served in the closed loop")
         runs = []
         for rate in (capacity, 2 * capacity):
             for slo_ms in (None, a.ttft_slo_ms):
-                runs.append(asyncio.run(open_loop(url, rate, slo_ms, a, rng)))
+                runs.append(asyncio.run(open_loop(url, model, rate, slo_ms, a, rng)))
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
                 time.sleep(3)  # the queue drains between runs
     finally:

@@ -5,25 +5,25 @@ break the tightest inter-token latency (ITL) target of the requests in it.
 TTFT prediction (engine thread, before anything is allocated): the prompt tokens ahead of the
 request (queued ahead of it in the admission queue's order, admitted but not yet prefilled, local
 prefills still pending) plus its own, over the prefill rate measured online. The rate is prompt
-tokens per *busy* second: while at least one prefill this node started is in flight its prefill
-path counts as busy, and each completion adds its tokens and the busy time since the previous
-completion; the rate is the sum of the last RATE_WINDOW completions' tokens over the sum of
-their busy time (a ratio of sums: first tokens often arrive together, and a rate taken per
-completion would count each of those as near-infinite).
-At low load that is one request's speed, at saturation the path's throughput;
-the RPC hop and the KV transfer are inside it (they stand between admission and the first token).
-When free KV blocks, not prefill, bound the queue's drain, the requests queued ahead at the
-queue's measured admission rate give the wait instead (the larger of the two is taken). With no
-rate sample yet nothing is refused: there is no basis for a prediction. What this model leaves
-out (the prefill node's own queue, the first token's hand-offs, prompts that join one batch on a
-prefill node and finish together) is learnt online: the 90th percentile of actual minus modelled
-TTFT of recently admitted requests is added to every prediction (a mean would let half of the
-requests admitted at their target's edge miss it; the target is read at p90). Only errors of
-predictions of a similar size (within a factor of 2) made in the last ERROR_MAX_AGE_S count: what
-a deep queue's batches do to its requests says little about a request that finds the path nearly
-idle, and a burst's errors must not keep refusing requests once it has drained (requests then
-prefilled locally, or refused, would never replace them). The tokens ahead include the prefills in
-flight whole; the busy time since the last completion, at the measured rate, is taken off them.
+tokens per *busy* second: while at least one prefill this node started is in flight its prefill path
+counts as busy, and each completion adds its tokens and the busy time since the previous completion;
+the rate is the sum of the last RATE_WINDOW completions' tokens over the sum of their busy time (a
+ratio of sums: first tokens often arrive together, and a rate taken per completion would count each
+of those as near-infinite), of those that had the path to themselves when there are any (one
+request's speed: PrefillRate says why), else of all (the path's throughput). The RPC hop and the KV
+transfer are inside it (they stand between admission and the first token). When free KV blocks, not
+prefill, bound the queue's drain, the requests queued ahead at the queue's measured admission rate
+give the wait instead (the larger of the two is taken). With no rate sample yet nothing is refused:
+there is no basis for a prediction. What this model leaves out (the prefill node's own queue, the
+first token's hand-offs, prompts that join one batch on a prefill node and finish together) is
+learnt online: the 90th percentile of actual minus modelled TTFT of recently admitted requests is
+added to every prediction (a mean would let half of the requests admitted at their target's edge
+miss it; the target is read at p90). Only errors of predictions of a similar size (within a factor
+of 2) made in the last ERROR_MAX_AGE_S count: what a deep queue's batches do to its requests says
+little about a request that finds the path nearly idle, and a burst's errors must not keep refusing
+requests once it has drained (requests then prefilled locally, or refused, would never replace
+them). The tokens ahead include the prefills in flight whole; the busy time since the last
+completion, at the measured rate, is taken off them.
 
 Step time by batch size (for the ITL bound) is measured between consecutive engine steps while
 the batch was non-empty (no idle gap inside), an EWMA per batch size. Steps that carry prefill
@@ -40,6 +40,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from shared.engine.errors import ResourcesExhausted
 from shared.engine.requests.request import LlmRequest, LlmRequestState
@@ -104,29 +105,51 @@ class ErrorQuantile:
             self._samples.append((now, modelled, error))
 
 
+@dataclass
+class _InFlight:
+    tokens: int
+    started_at: float
+    alone: bool  # started on an idle path, and nothing else started before it finished
+
+
+def _rate(samples: Iterable[tuple[int, float]]) -> float | None:
+    """Tokens over seconds, summed (a ratio of sums)."""
+    tokens = seconds = 0.0
+    for t, s in samples:
+        tokens, seconds = tokens + t, seconds + s
+    return tokens / seconds if seconds > 0 else None
+
+
 class PrefillRate:
     """Prompt tokens per busy second of this node's prefill path (the module's docstring).
-    `started` runs on the engine thread, `finished` on the event loop: hence the lock."""
+    `started` runs on the engine thread, `finished` on the event loop: hence the lock.
+
+    A prefill that had the path to itself measures one request's speed; one among others, the
+    path's throughput, which batching on the prefill node raises (prompts prefilled in one step
+    share its weight reads). A prediction takes the former when there is one: after a burst the
+    throughput its big steps reached would promise the next lone request a speed it cannot get,
+    and a request admitted on that promise is late."""
 
     def __init__(self) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, busy s)
+        self._alone: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # those alone
         self._lock = threading.Lock()
-        # request id -> (prompt tokens, when it started)
-        self._inflight: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._inflight: OrderedDict[str, _InFlight] = OrderedDict()
         self._mark = 0.0  # the start of the busy time not yet accounted
 
     @property
     def tokens_per_s(self) -> float | None:
         with self._lock:
-            samples = list(self._samples)
-        seconds = sum(s for _, s in samples)
-        return sum(t for t, _ in samples) / seconds if seconds > 0 else None
+            alone = _rate(self._alone)
+            return alone if alone is not None else _rate(self._samples)
 
-    def sample(self, tokens: int, seconds: float) -> None:
+    def sample(self, tokens: int, seconds: float, alone: bool = False) -> None:
         """`tokens` prefilled in `seconds` of busy time (seconds may be 0: a completion that
-        came with another's)."""
+        came with another's); `alone`: with the path to itself."""
         with self._lock:
             self._samples.append((tokens, seconds))
+            if alone:
+                self._alone.append((tokens, seconds))
 
     def progress(self, now: float) -> float:
         """Prompt tokens of the prefills in flight done by now, as the measured rate tells: the
@@ -135,20 +158,22 @@ class PrefillRate:
         with self._lock:
             if not self._inflight or rate is None:
                 return 0.0
-            total = sum(tokens for tokens, _ in self._inflight.values())
+            total = sum(f.tokens for f in self._inflight.values())
             return min(float(total), (now - self._mark) * rate)
 
     def waiting_for_a_step(self) -> set[str]:
         """The prefills in flight that started after the path's current step did (its last
         completion, or its start from idle): those a newcomer would share a step with."""
         with self._lock:
-            return {rid for rid, (_, at) in self._inflight.items() if at > self._mark}
+            return {rid for rid, f in self._inflight.items() if f.started_at > self._mark}
 
     def started(self, rid: str, tokens: int, now: float) -> None:
         with self._lock:
             if not self._inflight:
                 self._mark = now
-            self._inflight[rid] = (tokens, now)
+            for other in self._inflight.values():
+                other.alone = False
+            self._inflight[rid] = _InFlight(tokens, now, alone=not self._inflight)
             if len(self._inflight) > _MAX_TRACKED:
                 self._inflight.popitem(last=False)
 
@@ -157,10 +182,9 @@ class PrefillRate:
             entry = self._inflight.pop(rid, None)
             if entry is None:
                 return
-            tokens = entry[0]
             elapsed, self._mark = max(0.0, now - self._mark), now
-            if tokens > 0:
-                self._samples.append((tokens, elapsed))
+        if entry.tokens > 0:
+            self.sample(entry.tokens, elapsed, entry.alone)
 
     def drop(self, rid: str) -> None:
         """Ended without a first token seen (cancelled, failed)."""
