@@ -141,13 +141,18 @@ def test_preempted_requests_recompute_rather_than_read_skipped_rows(
             decode_engine=_engine(path, num_kv_blocks=56),
             decode_overrides={"window_aware_transfer": True},
         ) as c:
-            results = await asyncio.gather(
-                *(generate(c.targets[0], p, max_tokens=tokens, timeout=120) for p in prompts)
-            )
-            for p, r in zip(prompts, results, strict=True):
-                assert r.token_ids == hf_greedy(path, p, tokens)
+            # whether the four decode side by side (and so run out of blocks) depends on when
+            # each lands; on a loaded machine one may finish first: the round is run again
+            for _ in range(3):
+                results = await asyncio.gather(
+                    *(generate(c.targets[0], p, max_tokens=tokens, timeout=120) for p in prompts)
+                )
+                for p, r in zip(prompts, results, strict=True):
+                    assert r.token_ids == hf_greedy(path, p, tokens)
+                await c.assert_idle_and_conserved()
+                if (await asyncio.to_thread(c.metrics))[-1]["pdserve_preemptions_total"] > 0:
+                    break
             assert (await asyncio.to_thread(c.metrics))[-1]["pdserve_preemptions_total"] > 0
-            await c.assert_idle_and_conserved()
 
     asyncio.run(body())
 
