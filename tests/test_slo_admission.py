@@ -158,9 +158,9 @@ def test_tokens_ahead_count_the_progress_of_prefills_in_flight() -> None:
     slo = SloPolicy(ttft_slo_ms=1000)
     slo.rate.sample(1000, 1.0)
     slo.rate.started("running", 500, now=10.0)
-    assert slo.rate.progress(10.3) == pytest.approx(300)
+    assert slo.rate.progress(10.3, 1000.0) == pytest.approx(300)
     assert slo.check_ttft("next", 500, 500, ServiceLevel(), now=10.3) == pytest.approx(0.7)
-    assert slo.rate.progress(20.0) == 500  # at most what is in flight
+    assert slo.rate.progress(20.0, 1000.0) == 500  # at most what is in flight
 
 
 def test_step_times_measure_busy_step_to_step_gaps() -> None:

@@ -37,6 +37,11 @@ MAX_RETRY_AFTER_S = 60
 DEFAULT_AGING_S = 1.0  # seconds of waiting worth one priority level
 
 
+def clamp_retry_after(seconds: float) -> int:
+    """A Retry-After hint: `seconds` rounded up, within [MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S]."""
+    return max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
+
+
 class QueueFull(RuntimeError):
     """The queue is at its bound; `retry_after_s` is a hint for when room is likely."""
 
@@ -158,5 +163,4 @@ class AdmissionQueue(Generic[T]):
         rate = self.admission_rate(now)
         if rate is None:
             return MIN_RETRY_AFTER_S
-        wait = math.ceil(max(1, len(self._entries)) / rate)
-        return max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, wait))
+        return clamp_retry_after(max(1, len(self._entries)) / rate)

@@ -35,7 +35,6 @@ scheduler (they stay QUEUED, holding nothing, while the batch they would join is
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 
 from shared.engine.errors import ResourcesExhausted
 from shared.engine.requests.request import LlmRequest, LlmRequestState
-from shared.engine.scheduling.admission_queue import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S
+from shared.engine.scheduling.admission_queue import clamp_retry_after
 from shared.engine.scheduling.service_level import ServiceLevel
 
 S = LlmRequestState
@@ -151,12 +150,12 @@ class PrefillRate:
             if alone:
                 self._alone.append((tokens, seconds))
 
-    def progress(self, now: float) -> float:
-        """Prompt tokens of the prefills in flight done by now, as the measured rate tells: the
-        busy time since the last completion at that rate, at most what is in flight."""
-        rate = self.tokens_per_s
+    def progress(self, now: float, rate: float) -> float:
+        """Prompt tokens of the prefills in flight done by now at `rate` (tokens_per_s, read by
+        the caller): the busy time since the last completion at that rate, at most what is in
+        flight."""
         with self._lock:
-            if not self._inflight or rate is None:
+            if not self._inflight:
                 return 0.0
             total = sum(f.tokens for f in self._inflight.values())
             return min(float(total), (now - self._mark) * rate)
@@ -256,13 +255,12 @@ class SloPolicy:
         if rate is None:
             return None
         now = time.monotonic() if now is None else now
-        left = max(0.0, ahead - self.rate.progress(now))
+        left = max(0.0, ahead - self.rate.progress(now, rate))
         modelled = max((left + tokens) / rate, wait_s + tokens / rate)
         predicted = max(0.0, modelled + (self.bias.value(modelled, now) or 0.0))
         target = self.ttft_target_s(service)
         if target is not None and predicted > target:
-            retry = math.ceil(predicted - target)
-            retry = max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, retry))
+            retry = clamp_retry_after(predicted - target)
             raise SloMiss(
                 f"predicted time to first token {predicted:.2f}s exceeds the request's target "
                 f"{target * 1000:.0f}ms ({ahead} prompt tokens ahead of its {tokens}, at "
@@ -296,7 +294,7 @@ class SloPolicy:
         if tightest is None or done_at <= tightest:
             return
         late = done_at - tightest
-        retry = max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, math.ceil(late)))
+        retry = clamp_retry_after(late)
         raise SloMiss(
             f"admitting request {rid} would make a request already admitted miss its time to "
             f"first token target by {late:.2f}s: retry after about {retry}s, or on another node",
