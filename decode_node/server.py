@@ -270,6 +270,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                     pending = await engine_took_first(stream)
                     continue
                 delta = pending.pop(0) if pending else await self._next_delta(stream, deadline)
+                if delta.error is not None:  # the engine ended it; the rest of its batch goes on
+                    raise GenerateError(Status.INVALID_ARGUMENT, f"request {rid}: {delta.error}")
                 self._first_token_seen(stream)
                 stream.account(delta)
                 yield stream, delta

@@ -268,6 +268,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         job.sent = True
         first = await job.first_token
         job.completed = True
+        if first.error is not None:  # pushed and released as any other; the client's error
+            raise RequestRejected(f"request {job.request_id}: {first.error}")
         stats = self._stats(job, sent_bytes, messages, req)
         self.metrics.queue_seconds.observe(stats.queue_seconds)
         self.prompt_tokens.labels(source="computed").inc(len(prompt) - req.cached_tokens)

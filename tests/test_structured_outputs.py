@@ -489,3 +489,73 @@ def test_without_xgrammar_structured_outputs_use_llguidance(
             await c.assert_idle_and_conserved()
 
     run(body())
+
+
+def test_a_grammar_past_its_limits_ends_its_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object of 3,000 optional properties: llguidance's parser outgrows its row limit once
+    the answer opens the object, so the matcher refuses the token its own mask allowed. That
+    request ends with a 400 (HTTP) or INVALID_ARGUMENT (gRPC) naming the limit, whether its
+    first token was drawn on the decode node (a short prompt) or on a prefill node (a long
+    one); requests beside it finish, the node keeps serving, every seat and block is back."""
+    monkeypatch.setenv("PDSERVE_GRAMMAR_BACKEND", "llguidance")
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    regex = r"[a-z]{20}"
+    long_prompt = "y" * 300  # past local_prefill_tokens: prefilled on the prefill node
+    decode = {"http_port": 0, "local_prefill_tokens": 256, "local_prefill_idle_tokens": 256}
+
+    async def body() -> None:
+        async with pd_cluster("tiny", num_prefill=1, decode_overrides=decode) as c:
+            for prompt in ("y", long_prompt):
+                calm = {"prompt": "x", "max_tokens": 30, "structured_outputs": {"regex": regex}}
+                bad = {"prompt": prompt, "max_tokens": 8, "response_format": fmt(huge)}
+                answers = await asyncio.gather(
+                    post(c, "/v1/completions", calm),
+                    post(c, "/v1/completions", bad),
+                    post(c, "/v1/completions", calm | {"prompt": "z"}),
+                )
+                assert answers[1].status_code == 400, answers[1].text
+                message = answers[1].json()["error"]["message"]
+                assert "structured output: the grammar cannot go on" in message, message
+                assert "max is 10000" in message, message
+                for a in (answers[0], answers[2]):
+                    assert a.status_code == 200, a.text
+                    assert re.fullmatch(regex, a.json()["choices"][0]["text"]), a.text
+                params = SamplingParams(
+                    max_tokens=8, structured=StructuredOutput("json_schema", json.dumps(huge))
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await generate(c.targets[0], prompt, params)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+                assert "cannot go on after 0 output tokens" in str(e.value.details())
+            registry = c.prefills[0].metrics.registry
+            refused = registry.get_sample_value(
+                "pdserve_requests_total", {"outcome": "invalid_argument"}
+            )
+            local = c.decodes[0].metrics.registry.get_sample_value(
+                "pdserve_prefills_total", {"where": "local"}
+            )
+            assert refused == 2, "the long prompts' first tokens were not drawn on the prefill node"
+            assert local, "no prompt was prefilled on the decode node"
+            again = await post(c, "/v1/completions", calm)
+            assert again.status_code == 200, again.text
+            await c.assert_idle_and_conserved()
+
+    run(body())
+
+
+def test_a_failed_grammar_leaves_the_engine_batch_going(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offline engine: the failing request reports why; its neighbours' tokens are exactly
+    what they are alone."""
+    from shared.engine.llm import LLM
+
+    monkeypatch.setenv("PDSERVE_GRAMMAR_BACKEND", "llguidance")
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    calm = SamplingParams(max_tokens=12, structured=StructuredOutput("regex", r"[a-z]{12}"))
+    bad = SamplingParams(max_tokens=8, structured=StructuredOutput("json_schema", json.dumps(huge)))
+    llm = LLM(ENGINE)
+    alone = llm.generate([[70, 71]], calm)[0]
+    got = llm.generate([[70, 71], [72], [70, 71]], [calm, bad, calm])
+    assert got[1].finish_reason.value == "aborted" and got[1].token_ids == []
+    assert got[1].error is not None and "Current row has" in got[1].error, got[1].error
+    assert [got[0].token_ids, got[2].token_ids] == [alone.token_ids] * 2
+    llm.core.check_conservation()

@@ -334,12 +334,16 @@ class EngineCore:
         deltas: list[TokenDelta] = []
         n = len(to_sample)
         now = time.monotonic()
-        for r, t, lp, choices in zip(
+        rows = zip(
             to_sample, sampled.tokens[:n], sampled.logprobs[:n], sampled.choices[:n], strict=True
-        ):
-            r.choice_first_tokens = choices
+        )
+        for i, (r, t, lp, choices) in enumerate(rows):
             if r.first_token_time is None:
                 r.first_token_time = now
+            if i in sampled.failed:  # its grammar failed: that request ends, the batch goes on
+                deltas.extend(self.role.end_with_error(r, t, lp, sampled.failed[i]))
+                continue
+            r.choice_first_tokens = choices
             step = self._verified(r, (t, lp))
             tokens, logprobs = [s[0] for s in step], [s[1] for s in step]
             deltas.extend(self.role.accept_tokens(r, tokens, logprobs))
@@ -349,15 +353,11 @@ class EngineCore:
         self, request: LlmRequest, first: tuple[int, TokenLogprobs | None]
     ) -> list[tuple[int, TokenLogprobs | None]]:
         """The step's tokens for `request`: the sampled one, then those its accepted drafts
-        let through (the drafts' K/V, computed this step, counts from now)."""
+        let through (requests with a grammar are not drafted for)."""
         rows = self._draft_logits.pop(request.request_id, None)
         if rows is None or self.drafter is None:
             return [first]
-        drawn = zip(*self.sampler.draw_drafts(request, rows), strict=True)
-        step = self.drafter.accept(request, first, list(drawn))
-        request.num_computed_tokens += len(step) - 1
-        request.draft_token_ids = []
-        return step
+        return self.drafter.verify(request, first, self.sampler.draw_drafts(request, rows))
 
     # ---- release --------------------------------------------------------------------------
     def free_request_resources(self, request: LlmRequest) -> None:

@@ -64,6 +64,8 @@ class LLM:
                     out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finish_reason is not None:
                     out.finish_reason = delta.finish_reason
+                if delta.error is not None:
+                    out.error = delta.error
         for r in requests:  # the group's prompt logprobs come with completion 0
             for i in range(1, r.sampling_params.n):
                 outputs[(r.request_id, i)].prompt_logprobs = outputs[

@@ -28,6 +28,8 @@ class TokenDelta:
     # on the delta of the first token only, when asked: one per prompt position (None first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     index: int = 0  # which of the request's n completions (request_id is the client's id)
+    # set when the request failed (its grammar could not go on): the client's error message
+    error: str | None = None
 
 
 @dataclass
@@ -169,3 +171,4 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # per output token, when asked
     index: int = 0  # which of the prompt's n completions
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when asked
+    error: str | None = None  # why it ended early (finish_reason ABORTED): its grammar failed

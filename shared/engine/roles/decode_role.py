@@ -18,7 +18,7 @@ from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.events import Admitted
 from shared.engine.requests.fork import fork_completions
 from shared.engine.requests.output import TokenDelta
-from shared.engine.requests.request import LlmRequest, LlmRequestState
+from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
 from shared.engine.resources.resource_manager import KVCacheManager
 from shared.engine.roles.role import Emit, EngineParts, Handlers
 from shared.engine.sampling.logprobs import TokenLogprobs
@@ -116,6 +116,15 @@ class DecodeRole:
         if delta.finish_reason is not None:
             self.parts.requests.finish(request, delta.finish_reason)
         return [delta, *forks]
+
+    def end_with_error(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None, reason: str
+    ) -> list[TokenDelta]:
+        """Ended here, its seat and blocks back now; `token` is not the client's."""
+        self.parts.requests.finish(request, FinishReason.ABORTED)
+        ended = FinishReason.ABORTED
+        index = request.choice_index
+        return [TokenDelta(request.group_id, [], "", ended, index=index, error=reason)]
 
     # ---- the transfer ---------------------------------------------------------------------
     def complete_transfer(

@@ -88,6 +88,16 @@ class PrefillRole:
         )
         return [delta]
 
+    def end_with_error(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None, reason: str
+    ) -> list[TokenDelta]:
+        """The prompt's KV is sound whatever the grammar says: its push completes as any other
+        and its blocks are released the usual way; the node answers the error (prefill_node)."""
+        deltas = self.accept_tokens(request, [token], [logprobs])
+        for delta in deltas:
+            delta.error = reason
+        return deltas
+
     def complete_context(self, request_id: str, ok: bool) -> None:
         """The push finished (ok) or failed: the connector lets the blocks go; they stay in the
         prefix cache."""

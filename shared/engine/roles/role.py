@@ -58,6 +58,13 @@ class Role(Protocol):
         a speculative step carries the accepted draft tokens and the bonus token."""
         ...
 
+    def end_with_error(
+        self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None, reason: str
+    ) -> list[TokenDelta]:
+        """The step sampled `token` for `request`, but its grammar cannot go on (`reason`, for
+        the client): the deltas that end the request with that error."""
+        ...
+
     def after_step(self) -> None:
         """After every step and command: the only moments blocks free up."""
         ...

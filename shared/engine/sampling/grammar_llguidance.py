@@ -22,8 +22,13 @@ from shared.engine.sampling.grammar_kinds import GrammarError, choice_regex, fie
 from shared.engine.sampling.structured_output import StructuredOutput
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 
-# per matcher: at most 20k lexer states (1-2 kB each: ≤ 40 MB), a step within ~15 ms of fuel
-LIMITS = llguidance.LLParserLimits(max_lexer_states=20_000, step_lexer_fuel=200_000)
+# per matcher: at most 20k lexer states (1-2 kB each: ≤ 40 MB), a step within ~15 ms of fuel;
+# Earley rows of up to 10k items: an object of ~2,400 optional properties (four items each) where
+# the default 2,000 stops at ~500, and a step's mask stays under ~50 ms. A grammar past a limit
+# puts its matcher in an error state mid-answer, which ends that request alone (grammar_rows.py)
+LIMITS = llguidance.LLParserLimits(
+    max_lexer_states=20_000, step_lexer_fuel=200_000, max_items_in_row=10_000
+)
 # one space after `:` and `,`, no other whitespace, as the xgrammar backend writes: a weak model
 # cannot spend its tokens on newlines, and the text is what json.dumps writes
 _JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -193,6 +198,12 @@ class LlgMatcher:
 
     def is_terminated(self) -> bool:
         return self._m.is_stopped()
+
+    def error(self) -> str:
+        """Why the matcher stopped (a limit crossed), in one line; "" when it has not."""
+        if not self._m.is_error():
+            return ""
+        return self._m.get_error().strip().splitlines()[0][:300]
 
 
 def allows(grammar: LlgGrammar, tokens: Sequence[int]) -> bool:

@@ -5,6 +5,11 @@ the tokens it already produced (the prefill node's first token, or those before 
 so a recomputed or transferred request resumes exactly where its output is. Before the draw the
 matcher's token bitmask sends every token it forbids to -inf; after the draw it accepts the
 token. Released with the seat.
+
+A matcher can refuse a token its own mask allowed: llguidance stops at a limit (grammar_llguidance
+LIMITS) when a large schema's parser state outgrows it. That is the request's grammar failing,
+not the engine: the seat is recorded in `failures` with the reason, the engine ends that request
+with it (a client error), and the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class GrammarRows:
         self.tokenizer = tokenizer
         self.matchers: list[xgr.GrammarMatcher | LlgMatcher | None] = [None] * max_num_sequences
         self.bitmask: torch.Tensor | None = None  # int32 [seats, words], on first use
+        self.failures: dict[int, str] = {}  # seat -> why its grammar cannot go on
 
     def in_use(self) -> int:
         return sum(m is not None for m in self.matchers)
@@ -41,13 +47,12 @@ class GrammarRows:
         matcher = compiler.matcher(spec)
         # a continued answer's grammar resumes after what the earlier call streamed
         earlier = request.sampling_params.continued_part(request.prompt_token_ids)
-        for token in [*earlier, *request.output_token_ids]:
-            # the serving layer checked a remote first token already (decode_node): a token
-            # rejected here means state went wrong, not the client
+        for n, token in enumerate([*earlier, *request.output_token_ids]):
+            # the serving layer checked a remote first token already (decode_node); a fork's
+            # first token came from its parent's mask, which a matcher at a limit can refuse
             if not matcher.accept_token(token):
-                raise RuntimeError(
-                    f"request {request.request_id}: output token {token} breaks its grammar"
-                )
+                self.failures[seat] = _failure(matcher, n)
+                break
         if self.bitmask is None:
             # int32 words, bit i of word w: token 32w + i (both libraries' layout)
             words = (vocab_size + 31) // 32
@@ -56,10 +61,18 @@ class GrammarRows:
 
     def clear(self, seat: int) -> None:
         self.matchers[seat] = None
+        self.failures.pop(seat, None)
 
     def constrained(self, rows: Sequence[int], live: Sequence[int]) -> list[int]:
-        """Positions in the batch (of `live` ones) whose seat holds a matcher."""
-        return [i for i in live if self.matchers[rows[i]] is not None]
+        """Positions in the batch (of `live` ones) whose seat holds a matcher that can go on."""
+        return [
+            i for i in live if self.matchers[rows[i]] is not None and rows[i] not in self.failures
+        ]
+
+    def failed(self, rows: Sequence[int], live: Sequence[int]) -> dict[int, str]:
+        """Positions in the batch whose grammar failed, with why: their token is not to be
+        taken (the engine ends those requests)."""
+        return {i: self.failures[rows[i]] for i in live if rows[i] in self.failures}
 
     def apply(
         self, rows: Sequence[int], live: Sequence[int], logits: torch.Tensor, raw: torch.Tensor
@@ -92,9 +105,22 @@ class GrammarRows:
         out[idx] = block
         return out
 
-    def record(self, rows: Sequence[int], live: Sequence[int], tokens: Sequence[int]) -> None:
+    def record(
+        self, requests: Sequence[LlmRequest | None], rows: Sequence[int], tokens: Sequence[int]
+    ) -> None:
+        live = [i for i, r in enumerate(requests) if r is not None]
         for i in self.constrained(rows, live):
             matcher = self.matchers[rows[i]]
-            assert matcher is not None
+            request = requests[i]
+            assert matcher is not None and request is not None
             if not matcher.accept_token(tokens[i]):
-                raise RuntimeError(f"sampled token {tokens[i]} outside the grammar's mask")
+                self.failures[rows[i]] = _failure(matcher, len(request.output_token_ids))
+
+
+def _failure(matcher: xgr.GrammarMatcher | LlgMatcher, produced: int) -> str:
+    """The client's message: where the grammar stopped, and the library's reason."""
+    reason = matcher.error() if isinstance(matcher, LlgMatcher) else ""
+    return (
+        f"structured output: the grammar cannot go on after {produced} output tokens"
+        f"{f' ({reason})' if reason else ''}; simplify the schema or grammar"
+    )

@@ -14,7 +14,7 @@ logprobs (shared/engine/sampling/logprobs.py) are read from the raw logits, befo
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,8 @@ class SampleOutput:
     logprobs: list[TokenLogprobs | None]  # per row: None unless its request asked
     # per row: for an n > 1 request's first token, completions 1..n-1's first tokens
     choices: list[list[Choice]]
+    # batch position -> why its grammar failed: that row's token is not to be taken
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -181,11 +183,12 @@ class Sampler:
         self.new_tokens[0, row_index, 0] = tokens.to(self.new_tokens.device)
         token_list = tokens.tolist()
         self._record_penalties(rows, live, tokens)
-        self.grammars.record(rows, live, token_list)
+        self.grammars.record(requests, rows, token_list)
         return SampleOutput(
             token_list,
             self._logprobs(rows, live, raw, token_list),
             self._draw_choices(requests, rows, shaped, raw),
+            self.grammars.failed(rows, live),
         )
 
     def draw_drafts(

@@ -111,6 +111,19 @@ class Drafter:
             self._count(request.request_id, len(drafts), len(out) - 1)
         return out
 
+    def verify(
+        self,
+        request: LlmRequest,
+        first: tuple[int, TokenLogprobs | None],
+        drawn: tuple[list[int], list[TokenLogprobs | None]],
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """`accept`, from the sampler's draws (tokens, logprobs) for the drafts' rows; the
+        accepted drafts' K/V, computed this step, counts from now."""
+        step = self.accept(request, first, list(zip(*drawn, strict=True)))
+        request.num_computed_tokens += len(step) - 1
+        request.draft_token_ids = []
+        return step
+
     def _count(self, request_id: str, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
