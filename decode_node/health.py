@@ -16,8 +16,13 @@ from shared.serving.replica_pool import ReplicaPool
 
 
 def decode_health(
-    accepting: bool, config: DecodeNodeConfig, pool: ReplicaPool[PrefillPeer]
+    accepting: bool,
+    config: DecodeNodeConfig,
+    pool: ReplicaPool[PrefillPeer],
+    crashed: BaseException | None = None,
 ) -> tuple[bool, str]:
+    if crashed is not None:
+        return False, f"down: its engine stopped ({crashed!r})"
     if not accepting:
         return False, "shutting down"
     if config.colocated:

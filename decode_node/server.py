@@ -50,6 +50,7 @@ from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.events import Admitted
 from shared.engine.info import EngineInfo
 from shared.engine.requests.output import TokenDelta
+from shared.engine.requests.request import FinishReason
 from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.transfer_admission import AdmissionClosed, TransferGrant
@@ -126,7 +127,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.thread = EngineThread(
-            self.core, loop, self._on_deltas, "decode-engine", on_event=self._on_event
+            self.core,
+            loop,
+            self._on_deltas,
+            "decode-engine",
+            on_event=self._on_event,
+            on_crash=self._on_crash,
         )
         await self.thread.start_warm()
         await self.receiver.start()
@@ -172,7 +178,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         # check runs on blocks nothing can write any more
         await self.receiver.close()
         if self.thread is not None:
-            conserved = await self.thread.call(Shutdown())
+            conserved = self.thread.fatal_error is None and await self.thread.call(Shutdown())
             self.thread.stop()
         await self.pool.close()
         if self.serving is not None:
@@ -214,6 +220,24 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                 if admission is not None and not admission.done():
                     admission.set_result(grant)
 
+    def _on_crash(self, error: BaseException) -> None:
+        """The engine thread died (a bug): nothing it held will move again. Health turns
+        NOT_SERVING (an orchestrator restarts the node, a router stops sending here) and every
+        open request is answered UNAVAILABLE now rather than left waiting."""
+        self.accepting = False
+        if self.serving is not None:
+            self.serving.not_serving()
+        for stream in self.streams.values():
+            stream.queue.put_nowait(TokenDelta(stream.request_id, [], "", FinishReason.ABORTED))
+            if stream.admission is not None and not stream.admission.done():
+                stream.admission.set_exception(self._crashed())
+
+    def _crashed(self) -> GenerateError:
+        error = self.thread.fatal_error if self.thread is not None else None
+        return GenerateError(
+            Status.UNAVAILABLE, f"decode engine stopped ({error!r}): retry on another node"
+        )
+
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
             stream = self.streams.get(delta.request_id)
@@ -254,7 +278,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         cancelled or closed). Raises GenerateError with the status to report."""
         if not self.accepting:
             raise self.outcomes.refused(
-                GenerateError(Status.UNAVAILABLE, "decode node is shutting down")
+                GenerateError(Status.UNAVAILABLE, f"decode node is {self.health[1]}")
             )
         if rid in self.streams:
             raise self.outcomes.refused(
@@ -270,6 +294,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                     pending = await engine_took_first(stream)
                     continue
                 delta = pending.pop(0) if pending else await self._next_delta(stream, deadline)
+                if self.thread.fatal_error is not None:
+                    raise self._crashed()
                 if delta.error is not None:  # the engine ended it; the rest of its batch goes on
                     raise GenerateError(Status.INVALID_ARGUMENT, f"request {rid}: {delta.error}")
                 self._first_token_seen(stream)
@@ -387,7 +413,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     @property
     def health(self) -> tuple[bool, str]:
         """Able to serve every request now, and why (HTTP /health; decode_node/health.py)."""
-        return decode_health(self.accepting, self.config, self.pool)
+        crashed = None if self.thread is None else self.thread.fatal_error
+        return decode_health(self.accepting, self.config, self.pool, crashed)
 
     async def _next_delta(self, stream: Stream, deadline: float | None) -> TokenDelta:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())

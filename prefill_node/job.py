@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.engine.errors import RequestRejected
 from shared.engine.requests.output import TokenDelta
+from shared.model.kv_window import skipped_problem
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvMessage, KvPush
 
@@ -69,6 +71,21 @@ class PrefillJob:
         out of its window; shared/model/kv_window.py)."""
         skipped = self.destination.skipped
         return self.first_block_index + (skipped[layer] if skipped else 0)
+
+    def check_destination(self, prompt_len: int, block_size: int, num_layers: int) -> None:
+        """RequestRejected unless the destination names a block for each prompt block it is
+        sent (and, window-aware, a valid skip per layer)."""
+        blocks = -(-prompt_len // block_size)
+        want = blocks - self.first_block_index
+        got = len(self.destination.block_ids)
+        if self.first_block_index >= blocks or got != want:
+            raise RequestRejected(
+                f"destination.block_ids has {got} blocks from first_block_index "
+                f"{self.first_block_index}; a {prompt_len}-token prompt needs {want}"
+            )
+        skip = skipped_problem(self.destination.skipped, num_layers, want)
+        if skip is not None:
+            raise RequestRejected(f"destination.{skip}")
 
     @property
     def pushed(self) -> bool:

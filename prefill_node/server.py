@@ -40,7 +40,6 @@ from shared.engine.sampling.grammar_compiler import compile_async
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.engine.thread import EngineThread
 from shared.model import attention_timing, native
-from shared.model.kv_window import skipped_problem
 from shared.model.loader import LoadedModel
 from shared.serving.grpc_server import NodeMetrics, NodeServing, model_info, new_instance_id
 from shared.serving.limits import PUSH_QUIESCE_S
@@ -106,7 +105,11 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         # before the engine thread runs a forward
         info = self.info
         attention_timing.establish(info.loaded.config, info.kv_pool.dtype, info.device_type)
-        self.thread = EngineThread(self.core, loop, self._on_deltas, name="prefill-engine")
+        # a crashed engine (a bug) turns health NOT_SERVING: decode nodes route elsewhere, and
+        # the pushes it left behind end at their deadlines
+        self.thread = EngineThread(
+            self.core, loop, self._on_deltas, "prefill-engine", on_crash=self._not_serving
+        )
         await self.thread.start_warm()
         native.log_states()  # each C kernel on (variant, path) or off and why
         self.sender.start(self.info.kv_pool.device)  # not inside the first request's push
@@ -125,13 +128,17 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             job.cancelled = True
         conserved = True
         if self.thread is not None:
-            conserved = await self.thread.call(Shutdown())
+            conserved = self.thread.fatal_error is None and await self.thread.call(Shutdown())
             self.thread.stop()
         self.jobs.close()
         await self.sender.close()
         if self.serving is not None:
             await self.serving.close_metrics()
         return conserved
+
+    def _not_serving(self, _: BaseException) -> None:
+        if self.serving is not None:
+            self.serving.not_serving()
 
     # ---- engine thread side ---------------------------------------------------------------
     def _layer_hook(self, scheduled: Sequence[ScheduledRequest], kv: KvAccess):
@@ -257,7 +264,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         assert self.thread is not None
         params = sampling_from_proto(request.sampling, seed=request.seed)
         prompt = list(request.prompt_token_ids)
-        self._check_destination(prompt, job)
+        job.check_destination(len(prompt), self.layout.block_size, self.layout.num_layers)
         # in a compile worker, stopped when the job's deadline cancels this task; invalid:
         # INVALID_ARGUMENT, no worker free in time: RESOURCE_EXHAUSTED
         if params.structured is not None:
@@ -291,19 +298,6 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             if logprobs is not None:
                 response.choice_first_token_logprobs.append(logprob_to_proto(logprobs))
         return response
-
-    def _check_destination(self, prompt: list[int], job: PrefillJob) -> None:
-        blocks = -(-len(prompt) // self.layout.block_size)
-        want = blocks - job.first_block_index
-        if job.first_block_index >= blocks or len(job.destination.block_ids) != want:
-            raise RequestRejected(
-                f"destination.block_ids has {len(job.destination.block_ids)} blocks from "
-                f"first_block_index {job.first_block_index}; a {len(prompt)}-token prompt "
-                f"needs {want}"
-            )
-        skip = skipped_problem(job.destination.skipped, self.layout.num_layers, want)
-        if skip is not None:
-            raise RequestRejected(f"destination.{skip}")
 
     async def _drain(self, job: PrefillJob, push: KvPush) -> tuple[int, int]:
         """Send the request's messages as the layer hook queues them, up to SEND_WINDOW in

@@ -76,6 +76,7 @@ class EngineThread:
         on_deltas: Callable[[list[TokenDelta]], None],
         name: str = "engine",
         on_event: Callable[[object], None] | None = None,
+        on_crash: Callable[[BaseException], None] | None = None,
     ):
         self.core = core
         self.info: EngineInfo = core.info
@@ -83,6 +84,7 @@ class EngineThread:
         if on_event is not None:
             core.bind_events(lambda event: loop.call_soon_threadsafe(on_event, event))
         self._on_deltas = on_deltas
+        self._on_crash = on_crash  # on the loop: the node fails what waits on the engine
         self._commands: deque[tuple[Callable[[EngineCore], object], Future[object]]] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -166,6 +168,8 @@ class EngineThread:
             log.exception("engine thread crashed")
             self.fatal_error = e
             self._fail_pending(e)
+            if self._on_crash is not None:
+                self._loop.call_soon_threadsafe(self._on_crash, e)
 
     def _run_command(self, fn: Callable[[EngineCore], object], fut: Future[object]) -> None:
         if not fut.set_running_or_notify_cancel():

@@ -200,10 +200,14 @@ class NodeServing:
     def metrics_port(self) -> int | None:
         return None if self.metrics_server is None else self.metrics_server.port
 
-    async def stop_admitting(self, grace: float) -> None:
-        """Health says NOT_SERVING at once; in-flight RPCs get `grace` seconds to finish."""
+    def not_serving(self) -> None:
+        """Health says NOT_SERVING from now on (gRPC health, /health on the metrics port)."""
         self.serving = False
         set_serving(self.health, self.services, False)
+
+    async def stop_admitting(self, grace: float) -> None:
+        """Health says NOT_SERVING at once; in-flight RPCs get `grace` seconds to finish."""
+        self.not_serving()
         await self.server.stop(grace)
 
     async def close_metrics(self) -> None:
