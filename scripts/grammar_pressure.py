@@ -59,8 +59,8 @@ def rss_mb(pid: int) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def slow_schema(tag: int) -> dict[str, Any]:
-    props = {f"p{tag}_{i}": {"type": "string"} for i in range(1500)}
+def slow_schema(tag: int, properties: int = 1500) -> dict[str, Any]:
+    props = {f"p{tag}_{i}": {"type": "string"} for i in range(properties)}
     return {"type": "object", "properties": props}
 
 
@@ -90,9 +90,17 @@ async def run(base: str, model: str, pid: int, a: argparse.Namespace) -> dict[st
         await timed(client, {**stream, "max_tokens": 2, "response_format": trivial})
         out["quiet_stream_s"] = min([(await timed(client, stream))[1] for _ in range(2)])
         out["rss_before_mb"] = rss_mb(pid)
+        # the control: the same 8 short requests with no grammar, beside the same stream (what
+        # sharing the batch costs the stream whatever the requests are)
+        plain = {"model": model, "prompt": "x", "max_tokens": 4}
+        *_, control = await asyncio.gather(
+            *(timed(client, plain) for _ in range(a.slow)), timed(client, stream)
+        )
+        out["control_stream_s"] = control[1]
+        out["rss_after_control_mb"] = rss_mb(pid)
         slow = [
             timed(client, {"model": model, "prompt": "x", "max_tokens": 4, "response_format": f})
-            for f in (fmt(slow_schema(i)) for i in range(a.slow))
+            for f in (fmt(slow_schema(i, a.properties)) for i in range(a.slow))
         ]
         *answers, busy = await asyncio.gather(*slow, timed(client, stream))
         out["slow"] = [{"status": s, "seconds": round(t, 2), "body": b} for s, t, b in answers]
@@ -108,6 +116,7 @@ async def run(base: str, model: str, pid: int, a: argparse.Namespace) -> dict[st
         out["large"] = large
     out["rss_growth_large_mb"] = large[-1]["rss_mb"] - out["rss_after_slow_mb"] if large else 0
     out["stream_ratio"] = out["busy_stream_s"] / out["quiet_stream_s"]
+    out["control_ratio"] = out["control_stream_s"] / out["quiet_stream_s"]
     return out
 
 
@@ -116,6 +125,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--slow", type=int, default=8)
     p.add_argument("--large", type=int, default=20)
+    p.add_argument("--properties", type=int, default=1500, help="of each slow schema")
     a = p.parse_args()
     up, base = start_up(a.model)
     try:
