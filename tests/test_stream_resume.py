@@ -32,7 +32,7 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "The best way to learn a language is",
 ]
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 IGNORE_EOS = {"ignore_eos": True}  # vLLM's extension: every stream runs its full length
 # greedy, and seeded at temperature 0.8 (with nucleus and top-k, which the resume keeps too)
 SAMPLINGS = [

@@ -27,7 +27,7 @@ from shared.serving.http.sse import TOKEN_IDS_FIELD, TOKEN_IDS_HEADER
 from tests.test_stream_resume import BACK, _assert_conserved, _busiest, _node_http
 from tests.up_process import Up, metrics
 
-MAX_TOKENS = 40
+MAX_TOKENS = 28
 PROMPTS = ["The history of the bicycle begins", "Three facts about the moon:"]
 RESUMED = 'pdserve_proxy_resumes_total{outcome="completed"}'
 
