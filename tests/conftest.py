@@ -83,6 +83,14 @@ def smollm2_pd() -> SharedCluster:
 
 
 @pytest.fixture
+def smollm2_colocated() -> SharedCluster:
+    """tests/support/clusters.py's colocated SmolLM2 node, shared likewise."""
+    cluster = shared("smollm2_colocated")
+    assert isinstance(cluster, SharedCluster)
+    return cluster
+
+
+@pytest.fixture
 def smollm2_up2() -> Up:
     """tests/support/clusters.py's `pdserve up --model smollm2 --decode 2`, shared likewise."""
     from tests.support.shared_up import SharedUp

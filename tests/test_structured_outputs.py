@@ -27,11 +27,9 @@ from shared.engine.config import EngineConfig
 from shared.engine.sampling.grammar_compiler import compiler_for
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.sampling.structured_output import StructuredOutput
-from shared.model.gguf_builtin import SMOLLM2_SPEC
 from tests.engine_helpers import chat_checkpoint
 from tests.structured_corpus import SCHEMAS
 from tests.support.cluster import PdCluster, pd_cluster
-from tests.support.clusters import SMOLLM2_PD_CHUNK
 from tests.support.shared_cluster import SharedCluster
 
 ENGINE = EngineConfig(model="tiny", num_kv_blocks=512, max_batch_size=16)
@@ -287,57 +285,50 @@ def test_openai_sdk_parse_with_pydantic(
 
 
 def test_smollm2_schema_corpus_pd_matches_colocated(
-    smollm2_pd: SharedCluster, grammar_backend: str
+    smollm2_pd: SharedCluster, smollm2_colocated: SharedCluster, grammar_backend: str
 ) -> None:
     """The real model on every schema of the corpus, greedy and seeded-sampled: every output
     that stops validates, and P/D (the shared SmolLM2 cluster: 2 prefill nodes) answers exactly
-    what colocated (prefilling in steps of the same size) answers."""
-    engine = EngineConfig(
-        model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32, max_num_tokens=SMOLLM2_PD_CHUNK
-    )
-    colocated = pd_cluster(
-        SMOLLM2_SPEC, colocated=True, prefill_engine=engine, decode_overrides={"http_port": 0}
-    )
+    what colocated (the shared colocated node, prefilling in steps of the same size) answers."""
 
     async def body() -> None:
-        async with colocated as co:
-            clusters = [smollm2_pd.cluster, co]
-            outs = []
-            for c in clusters:
-                reqs = [
-                    {
-                        "prompt": "Answer in JSON:",
-                        "max_tokens": 40,
-                        "response_format": fmt(s),
-                        **mode,
-                    }
-                    for i, s in enumerate(SCHEMAS)
-                    for mode in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 11 + i})
-                ]
-                answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
-                stopped = 0
-                for r, a in zip(reqs, answers, strict=True):
-                    assert a.status_code == 200, a.text
-                    schema = r["response_format"]["json_schema"]["schema"]
-                    stopped += check(schema, a.json()["choices"][0])
-                assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
-                outs.append([a.json()["choices"][0]["text"] for a in answers])
-                # max_tokens 1: the one token (through P/D, the prefill node's) starts the schema
-                firsts = await asyncio.gather(
-                    *(post(c, "/v1/completions", {**r, "max_tokens": 1}) for r in reqs[::2])
+        clusters = [smollm2_pd.cluster, smollm2_colocated.cluster]
+        outs = []
+        for c in clusters:
+            reqs = [
+                {
+                    "prompt": "Answer in JSON:",
+                    "max_tokens": 40,
+                    "response_format": fmt(s),
+                    **mode,
+                }
+                for i, s in enumerate(SCHEMAS)
+                for mode in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 11 + i})
+            ]
+            answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
+            stopped = 0
+            for r, a in zip(reqs, answers, strict=True):
+                assert a.status_code == 200, a.text
+                schema = r["response_format"]["json_schema"]["schema"]
+                stopped += check(schema, a.json()["choices"][0])
+            assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
+            outs.append([a.json()["choices"][0]["text"] for a in answers])
+            # max_tokens 1: the one token (through P/D, the prefill node's) starts the schema
+            firsts = await asyncio.gather(
+                *(post(c, "/v1/completions", {**r, "max_tokens": 1}) for r in reqs[::2])
+            )
+            tokenizer = c.decodes[0].core.info.tokenizer
+            compiler = compiler_for(tokenizer, c.decodes[0].core.info.vocab_size)
+            for r, a in zip(reqs[::2], firsts, strict=True):
+                text = a.json()["choices"][0]["text"]
+                spec = StructuredOutput(
+                    "json_schema", json.dumps(r["response_format"]["json_schema"]["schema"])
                 )
-                tokenizer = c.decodes[0].core.info.tokenizer
-                compiler = compiler_for(tokenizer, c.decodes[0].core.info.vocab_size)
-                for r, a in zip(reqs[::2], firsts, strict=True):
-                    text = a.json()["choices"][0]["text"]
-                    spec = StructuredOutput(
-                        "json_schema", json.dumps(r["response_format"]["json_schema"]["schema"])
-                    )
-                    ids = tokenizer.encode(text, add_special_tokens=False)
-                    assert ids and compiler.allows(spec, ids), (text, ids)
-            assert outs[0] == outs[1], "P/D and colocated disagree"
-            for c in clusters:
-                await c.assert_idle_and_conserved()
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                assert ids and compiler.allows(spec, ids), (text, ids)
+        assert outs[0] == outs[1], "P/D and colocated disagree"
+        for c in clusters:
+            await c.assert_idle_and_conserved()
 
     smollm2_pd.run(asyncio.wait_for(body(), 170))
 

@@ -32,6 +32,20 @@ def smollm2_pd() -> SharedCluster:
     )
 
 
+def smollm2_colocated() -> SharedCluster:
+    """SmolLM2 on one colocated node prefilling in steps of SMOLLM2_PD_CHUNK tokens, as the P/D
+    cluster's prefill nodes do: what P/D must answer exactly."""
+    from shared.engine.config import EngineConfig
+    from shared.model.gguf_builtin import SMOLLM2_SPEC
+
+    engine = EngineConfig(
+        model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32, max_num_tokens=SMOLLM2_PD_CHUNK
+    )
+    return SharedCluster(
+        SMOLLM2_SPEC, colocated=True, prefill_engine=engine, decode_overrides={"http_port": 0}
+    )
+
+
 def smollm2_up2() -> Shared:
     """`pdserve up --model smollm2 --decode 2` (one prefill node, the front door before two
     decode nodes): the streams that survive their node, over gRPC and over HTTP."""
@@ -44,6 +58,7 @@ def smollm2_up2() -> Shared:
 
 SHARED_CLUSTERS: dict[str, Callable[[], Shared]] = {
     "smollm2_pd": smollm2_pd,
+    "smollm2_colocated": smollm2_colocated,
     "smollm2_up2": smollm2_up2,
 }
 SHARED = SharedClusters()
