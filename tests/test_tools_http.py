@@ -217,19 +217,16 @@ def test_smollm2_tools_over_http_pd(smollm2_pd: SharedCluster) -> None:
     smollm2_pd.run(asyncio.wait_for(body(), 400), timeout=420)
 
 
-def test_langchain_structured_output_and_tools() -> None:
+def test_langchain_structured_output_and_tools(smollm2_colocated: SharedCluster) -> None:
     """LangChain's with_structured_output, as JSON schema and as a forced tool call, and
     `bind_tools` with its default tool_choice and a tool turn on a node started without any tool
-    flag (the `test` extra installs langchain-openai; pdserve itself does not depend on it)."""
+    flag (the shared colocated SmolLM2 node; the `test` extra installs langchain-openai, pdserve
+    itself does not depend on it)."""
     pytest.importorskip("langchain_openai")
     import pydantic
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
-
-    from shared.engine.config import EngineConfig
-    from shared.model.gguf_builtin import SMOLLM2_SPEC
-    from tests.support.cluster import pd_cluster
 
     class Pet(pydantic.BaseModel):
         kind: Literal["cat", "dog"]
@@ -240,31 +237,27 @@ def test_langchain_structured_output_and_tools() -> None:
         """The weather in a city."""
         return "sunny"
 
-    engine = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=256, max_batch_size=8)
-
     async def body() -> None:
-        async with pd_cluster(
-            SMOLLM2_SPEC, colocated=True, prefill_engine=engine, decode_overrides={"http_port": 0}
-        ) as c:
-            llm = ChatOpenAI(
-                model=c.decodes[0].core.loaded.name,
-                base_url=f"http://127.0.0.1:{c.decodes[0].http_port}/v1",
-                api_key="x",  # type: ignore[arg-type]
-                max_tokens=40,  # type: ignore[call-arg]
-                temperature=0.0,
-            )
-            for method in ("json_schema", "function_calling"):
-                pet = await llm.with_structured_output(Pet, method=method).ainvoke("a pet")
-                assert isinstance(pet, Pet), (method, pet)
-            ask = HumanMessage("What is the weather in Paris?")
-            auto = await llm.bind_tools([weather]).ainvoke([ask])  # tool_choice "auto": no 400
-            assert auto.tool_calls or auto.content, auto
-            forced = await llm.bind_tools([weather], tool_choice="weather").ainvoke([ask])
-            (call,) = forced.tool_calls
-            assert call["name"] == "weather" and isinstance(call["args"].get("city"), str), call
-            turn = [ask, forced, ToolMessage("sunny", tool_call_id=call["id"])]
-            answer = await llm.bind_tools([weather]).ainvoke(turn)
-            assert isinstance(answer.content, str) and answer.content, answer
-            await c.assert_idle_and_conserved()
+        c = smollm2_colocated.cluster
+        llm = ChatOpenAI(
+            model=c.decodes[0].core.loaded.name,
+            base_url=f"http://127.0.0.1:{c.decodes[0].http_port}/v1",
+            api_key="x",  # type: ignore[arg-type]
+            max_tokens=40,  # type: ignore[call-arg]
+            temperature=0.0,
+        )
+        for method in ("json_schema", "function_calling"):
+            pet = await llm.with_structured_output(Pet, method=method).ainvoke("a pet")
+            assert isinstance(pet, Pet), (method, pet)
+        ask = HumanMessage("What is the weather in Paris?")
+        auto = await llm.bind_tools([weather]).ainvoke([ask])  # tool_choice "auto": no 400
+        assert auto.tool_calls or auto.content, auto
+        forced = await llm.bind_tools([weather], tool_choice="weather").ainvoke([ask])
+        (call,) = forced.tool_calls
+        assert call["name"] == "weather" and isinstance(call["args"].get("city"), str), call
+        turn = [ask, forced, ToolMessage("sunny", tool_call_id=call["id"])]
+        answer = await llm.bind_tools([weather]).ainvoke(turn)
+        assert isinstance(answer.content, str) and answer.content, answer
+        await c.assert_idle_and_conserved()
 
-    run(body())
+    smollm2_colocated.run(asyncio.wait_for(body(), 400), timeout=420)
