@@ -4,6 +4,7 @@ refused. Light on purpose: the compile workers (grammar_worker.py) import it in 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -49,11 +50,9 @@ def backend() -> str:
         raise GrammarError(
             "sampling.structured", f"{BACKEND_ENV}={forced!r}: use xgrammar or llguidance"
         )
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return "llguidance"
-    return "xgrammar"
+    # found, not imported: importing xgrammar takes seconds (transformers, triton) and this runs
+    # on the event loop; its compile workers import it where it is used
+    return "xgrammar" if importlib.util.find_spec("xgrammar") is not None else "llguidance"
 
 
 def xgrammar() -> ModuleType:
