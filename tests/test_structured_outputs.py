@@ -90,6 +90,19 @@ def check(schema: dict[str, Any], choice: dict[str, Any]) -> bool:
     return True
 
 
+async def corpus_answers(c: PdCluster, reqs: list[dict[str, Any]]) -> list[str]:
+    """Each request's text, all sent at once: every one a 200, every one that stops valid
+    under its schema, at least half of them stopped."""
+    answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
+    stopped = 0
+    for r, a in zip(reqs, answers, strict=True):
+        assert a.status_code == 200, a.text
+        schema = r["response_format"]["json_schema"]["schema"]
+        stopped += check(schema, a.json()["choices"][0])
+    assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
+    return [a.json()["choices"][0]["text"] for a in answers]
+
+
 def test_schema_corpus_pd_and_colocated(grammar_backend: str) -> None:
     async def body() -> None:
         async with both("tiny", ENGINE) as clusters:
@@ -100,14 +113,7 @@ def test_schema_corpus_pd_and_colocated(grammar_backend: str) -> None:
                     for i, s in enumerate(SCHEMAS)
                     for mode in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7 + i})
                 ]
-                answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
-                stopped = 0
-                for r, a in zip(reqs, answers, strict=True):
-                    assert a.status_code == 200, a.text
-                    schema = r["response_format"]["json_schema"]["schema"]
-                    stopped += check(schema, a.json()["choices"][0])
-                assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
-                texts.append([a.json()["choices"][0]["text"] for a in answers])
+                texts.append(await corpus_answers(c, reqs))
                 # max_tokens 1: the prefill node's token alone is a valid start
                 ones = await asyncio.gather(
                     *(
@@ -305,14 +311,7 @@ def test_smollm2_schema_corpus_pd_matches_colocated(
                 for i, s in enumerate(SCHEMAS)
                 for mode in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 11 + i})
             ]
-            answers = await asyncio.gather(*(post(c, "/v1/completions", r) for r in reqs))
-            stopped = 0
-            for r, a in zip(reqs, answers, strict=True):
-                assert a.status_code == 200, a.text
-                schema = r["response_format"]["json_schema"]["schema"]
-                stopped += check(schema, a.json()["choices"][0])
-            assert stopped >= len(reqs) // 2, f"only {stopped} of {len(reqs)} stopped"
-            outs.append([a.json()["choices"][0]["text"] for a in answers])
+            outs.append(await corpus_answers(c, reqs))
             # max_tokens 1: the one token (through P/D, the prefill node's) starts the schema
             firsts = await asyncio.gather(
                 *(post(c, "/v1/completions", {**r, "max_tokens": 1}) for r in reqs[::2])
