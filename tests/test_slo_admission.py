@@ -88,7 +88,9 @@ def test_ttft_check_refuses_with_a_retry_hint_or_records_the_prediction() -> Non
     with pytest.raises(SloMiss) as err:
         slo.check_ttft("c", 500, 3000, ServiceLevel())  # 3.5 s against the node's 1 s
     assert err.value.retry_after_s == 3
-    assert "3000 prompt tokens ahead" in str(err.value)
+    assert "3000 prompt tokens ahead" in str(err.value) and "target 1000ms" in str(err.value)
+    with pytest.raises(SloMiss, match=r"target 0\.5ms "):  # a sub-ms target, as it was asked
+        slo.check_ttft("c2", 500, 0, ServiceLevel(ttft_slo_ms=0.5))
     errors: list[float] = []
     slo.on_error = errors.append
     for rid in ("d", "d2", "d3"):

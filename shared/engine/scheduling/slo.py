@@ -263,7 +263,7 @@ class SloPolicy:
             retry = clamp_retry_after(predicted - target)
             raise SloMiss(
                 f"predicted time to first token {predicted:.2f}s exceeds the request's target "
-                f"{target * 1000:.0f}ms ({ahead} prompt tokens ahead of its {tokens}, at "
+                f"{target * 1000:g}ms ({ahead} prompt tokens ahead of its {tokens}, at "
                 f"{rate:.0f} tokens/s): retry after about {retry}s, on another node, or with "
                 "a longer ttft_slo_ms",
                 retry,
