@@ -5,29 +5,36 @@ Importing this module loads no torch: conftest imports it before the environment
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tests.support.shared_cluster import Shared, SharedCluster, SharedClusters
+
+if TYPE_CHECKING:
+    from shared.engine.config import EngineConfig
 
 # the prefill nodes' step budget: a prompt longer than this prefills in several steps
 SMOLLM2_PD_CHUNK = 64
 
 
-def smollm2_pd() -> SharedCluster:
-    """SmolLM2 on 2 prefill nodes (chunked at SMOLLM2_PD_CHUNK tokens) and a decode node with the
-    HTTP API reading hermes tool calls: greedy parity, the schema corpus and tool calling."""
+def _smollm2_engine(**options: Any) -> EngineConfig:
+    """SmolLM2 on 512 KV blocks, 32 sequences at most (and `options`)."""
     from shared.engine.config import EngineConfig
     from shared.model.gguf_builtin import SMOLLM2_SPEC
 
-    base = EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32)
-    prefill = EngineConfig(
-        model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32, max_num_tokens=SMOLLM2_PD_CHUNK
-    )
+    return EngineConfig(model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32, **options)
+
+
+def smollm2_pd() -> SharedCluster:
+    """SmolLM2 on 2 prefill nodes (chunked at SMOLLM2_PD_CHUNK tokens) and a decode node with the
+    HTTP API reading hermes tool calls: greedy parity, the schema corpus and tool calling."""
+    from shared.model.gguf_builtin import SMOLLM2_SPEC
+
     http = {"http_port": 0, "tool_call_parser": "hermes"}
     return SharedCluster(
         SMOLLM2_SPEC,
         num_prefill=2,
-        prefill_engine=prefill,
-        decode_engine=base,
+        prefill_engine=_smollm2_engine(max_num_tokens=SMOLLM2_PD_CHUNK),
+        decode_engine=_smollm2_engine(),
         decode_overrides=http,
     )
 
@@ -35,12 +42,9 @@ def smollm2_pd() -> SharedCluster:
 def smollm2_colocated() -> SharedCluster:
     """SmolLM2 on one colocated node prefilling in steps of SMOLLM2_PD_CHUNK tokens, as the P/D
     cluster's prefill nodes do: what P/D must answer exactly."""
-    from shared.engine.config import EngineConfig
     from shared.model.gguf_builtin import SMOLLM2_SPEC
 
-    engine = EngineConfig(
-        model=SMOLLM2_SPEC, num_kv_blocks=512, max_batch_size=32, max_num_tokens=SMOLLM2_PD_CHUNK
-    )
+    engine = _smollm2_engine(max_num_tokens=SMOLLM2_PD_CHUNK)
     return SharedCluster(
         SMOLLM2_SPEC, colocated=True, prefill_engine=engine, decode_overrides={"http_port": 0}
     )

@@ -121,8 +121,8 @@ class DecodeRole:
         self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None, reason: str
     ) -> list[TokenDelta]:
         """Ended here, its seat and blocks back now; `token` is not the client's."""
-        self.parts.requests.finish(request, FinishReason.ABORTED)
         ended = FinishReason.ABORTED
+        self.parts.requests.finish(request, ended)
         index = request.choice_index
         return [TokenDelta(request.group_id, [], "", ended, index=index, error=reason)]
 

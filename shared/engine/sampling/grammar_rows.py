@@ -106,9 +106,12 @@ class GrammarRows:
         return out
 
     def record(
-        self, requests: Sequence[LlmRequest | None], rows: Sequence[int], tokens: Sequence[int]
+        self,
+        requests: Sequence[LlmRequest | None],
+        rows: Sequence[int],
+        live: Sequence[int],
+        tokens: Sequence[int],
     ) -> None:
-        live = [i for i, r in enumerate(requests) if r is not None]
         for i in self.constrained(rows, live):
             matcher = self.matchers[rows[i]]
             request = requests[i]

@@ -183,7 +183,7 @@ class Sampler:
         self.new_tokens[0, row_index, 0] = tokens.to(self.new_tokens.device)
         token_list = tokens.tolist()
         self._record_penalties(rows, live, tokens)
-        self.grammars.record(requests, rows, token_list)
+        self.grammars.record(requests, rows, live, token_list)
         return SampleOutput(
             token_list,
             self._logprobs(rows, live, raw, token_list),
