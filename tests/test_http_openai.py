@@ -219,9 +219,10 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
                 await client.chat.completions.create(
                     model=SERVED, messages=[{"role": "assistant", "content": "first?"}]
                 )
-            # fill the node's 16 admission slots with long streams; the 17th is refused
-            streams = [
-                await client.completions.create(
+            # fill the node's 16 admission slots with long streams; the 17th is refused. Sent
+            # at once: one after another, the first ones could end before the last is in
+            opened = [
+                client.completions.create(
                     model=SERVED,
                     prompt=[1, 2, 3],
                     max_tokens=1000,
@@ -230,6 +231,7 @@ def test_errors_are_the_sdks_exception_classes(cluster: Cluster) -> None:
                 )
                 for _ in range(16)
             ]
+            streams = await asyncio.gather(*opened)
             with pytest.raises(openai.RateLimitError):
                 await client.completions.create(model=SERVED, prompt="x", max_tokens=1)
             for s in streams:
