@@ -77,13 +77,14 @@ def test_a_restarted_engine_reuses_the_disk_tier(tmp_path: Path, reference) -> N
 def test_a_stopped_engine_leaves_its_host_and_pool_blocks_on_disk(  # type: ignore[no-untyped-def]
     tmp_path: Path, reference
 ) -> None:
-    """One conversation, nothing evicted: its blocks are only in the pool (and host memory
-    holds none) until the engine stops, which writes them to disk for the next start."""
+    """One conversation, nothing evicted: its blocks are in the pool (host memory holds the
+    spare copies made as they were released) and none on disk until the engine stops, which
+    writes them there for the next start."""
     want, mib = reference
     first = EngineCore(config(), role=DecodeSettings(offload=offload(tmp_path, mib)))
     run_turns(first, [HISTORY[0]])
     tier = tier_of(first)
-    assert tier.disk is not None and len(tier.disk) == 0 and tier.stats.offloaded_blocks == 0
+    assert tier.disk is not None and len(tier.disk) == 0 and tier.stats.offloaded_blocks == 7
     assert first.shutdown()  # conservation holds through it
     assert len(tier.disk) == 7 and tier.stats.persisted_blocks == 7
     assert all(block_file(first, i).exists() for i in range(7))

@@ -26,6 +26,8 @@ from tqdm import tqdm
 
 from pdserve.bench.support.util import bar_plot, environment, load_average, write_json
 from shared.engine.config import EngineConfig
+from shared.engine.connector.multi import MultiConnector
+from shared.engine.connector.offload import OffloadConnector
 from shared.engine.connector.offload_config import GIB, OffloadConfig
 from shared.engine.core import EngineCore
 from shared.engine.roles.decode_role import DecodeSettings
@@ -107,6 +109,23 @@ def summary(turns: list[list[Turn]]) -> dict[str, float]:
     }
 
 
+def tier_stats(core: EngineCore) -> dict[str, float]:
+    """What the host tier did, once the copies still in flight have landed."""
+    c = core.connector
+    for connector in c.connectors if isinstance(c, MultiConnector) else [c]:
+        if isinstance(connector, OffloadConnector):
+            connector.check_conservation()
+            s = connector.stats
+            return {
+                "copied_blocks": s.offloaded_blocks,
+                "copy_down_s": s.offload_seconds,
+                "evict_wait_s": s.evict_wait_seconds,
+                "loaded_blocks": s.loaded_blocks,
+                "load_s": s.load_seconds,
+            }
+    raise ValueError("the engine has no offload tier")
+
+
 def pool_blocks(w: Workload, share: float, block_size: int) -> tuple[int, int]:
     """(pool blocks, total history tokens): the pool holds `share` of all histories, and at
     least the longest prompt with its answer."""
@@ -149,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "on": EngineCore(base, role=DecodeSettings(offload=tier)),
     }
     turns = converse(engines, w)
+    tier = tier_stats(engines["on"])
     answers = {n: [[x.answer for x in turn] for turn in got] for n, got in turns.items()}
     rows = {n: summary(got) for n, got in turns.items()}
     ratio = rows["on"]["ttft_p50_s"] / rows["off"]["ttft_p50_s"]
@@ -156,6 +176,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"TTFT p50 (turns 2+): off {rows['off']['ttft_p50_s'] * 1e3:.1f} ms, on "
         f"{rows['on']['ttft_p50_s'] * 1e3:.1f} ms, ratio {ratio:.2f}x; prefix hits off "
         f"{rows['off']['prefix_hit_rate']:.0%}, on {rows['on']['prefix_hit_rate']:.0%}"
+    )
+    tqdm.write(
+        f"copy-down: {tier['copied_blocks']} blocks, {tier['copy_down_s'] * 1e3:.1f} ms in the "
+        f"background; evictions waited {tier['evict_wait_s'] * 1e3:.1f} ms in all"
     )
     result = {
         "benchmark": "offload_multi_turn",
@@ -167,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "off": rows["off"],
         "on": rows["on"],
         "ttft_ratio": ratio,
+        "tier": tier,
     }
     write_json(a.out / "offload.json", result)
     bar_plot(

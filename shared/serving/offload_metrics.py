@@ -25,7 +25,7 @@ def register_offload_metrics(registry: CollectorRegistry, stats: OffloadStats) -
     registry.register(
         ScrapeCollector(
             "pdserve_kv_offload_written_bytes",
-            "KV bytes copied down into a tier (host: evicted from the pool; disk: from host)",
+            "KV bytes copied down into a tier (host: released by the pool; disk: from host)",
             lambda: {"host": stats.offloaded_bytes, "disk": disk.written_bytes},
             labelnames=("tier",),
             kind="counter",
@@ -45,8 +45,13 @@ def register_offload_metrics(registry: CollectorRegistry, stats: OffloadStats) -
             lambda: stats.load_seconds,
         ),
         "pdserve_kv_offload_copy_down_seconds": (
-            "time the allocations spent copying evicted blocks down to host memory",
+            "time the background copier spent copying released blocks down to host memory",
             lambda: stats.offload_seconds,
+        ),
+        "pdserve_kv_offload_evict_wait_seconds": (
+            "time the steps' evictions spent waiting for a copy in flight or copying a block "
+            "host memory lacked (the copy-down's cost on the critical path)",
+            lambda: stats.evict_wait_seconds,
         ),
         "pdserve_kv_offload_disk_invalid_blocks": (
             "disk block files found truncated, corrupted or foreign: removed and recomputed",

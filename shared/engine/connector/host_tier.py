@@ -38,6 +38,7 @@ class HostTier:
         self._free = list(range(self.num_slots))
         self._lru: OrderedDict[Key, int] = OrderedDict()  # key -> slot, oldest first
         self._pins = [0] * self.num_slots
+        self._spare: set[Key] = set()  # copies of blocks still in the pool: lost for free
         self.on_drop = on_drop
         self.dropped = 0  # blocks not kept: every slot pinned
 
@@ -55,12 +56,13 @@ class HostTier:
         """Most recently used: what a request is about to load is the last to go."""
         for key in keys:
             self._lru.move_to_end(key)
+            self._spare.discard(key)
 
     def put(self, keys: Sequence[Key], blocks: torch.Tensor) -> None:
         """Copy `blocks` (stacked along dim 0, one per key) in; known keys are only touched."""
         for i, key in enumerate(keys):
             if key in self._lru:
-                self._lru.move_to_end(key)
+                self.touch([key])
                 continue
             slot = self._take_slot()
             if slot is None:
@@ -69,12 +71,30 @@ class HostTier:
             self.slots[slot].copy_(blocks[i])
             self._lru[key] = slot
 
-    def _take_slot(self) -> int | None:
+    def reserve(self, key: Key) -> int | None:
+        """A slot for a spare copy of `key`, pinned: the caller writes its bytes, then unpins.
+        A spare copy is of a block still in the pool, so it is the first to go, without a word
+        to `on_drop`, and it takes only a free slot or another spare's; `touch` makes it a
+        copy like any other (its block has left the pool). None: no such slot now."""
+        slot = self._take_slot(spare=True)
+        if slot is None:
+            return None
+        self._lru[key] = slot
+        self._lru.move_to_end(key, last=False)
+        self._spare.add(key)
+        self._pins[slot] += 1
+        return slot
+
+    def _take_slot(self, spare: bool = False) -> int | None:
         if self._free:
             return self._free.pop()
-        for key, slot in self._lru.items():  # oldest first
+        for key, slot in self._lru.items():  # oldest first: the spares, then the rest
+            if spare and key not in self._spare:
+                return None
             if not self._pins[slot]:
-                if self.on_drop is not None:
+                if key in self._spare:
+                    self._spare.discard(key)
+                elif self.on_drop is not None:
                     self.on_drop(key, self.slots[slot])
                 del self._lru[key]
                 return slot

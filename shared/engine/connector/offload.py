@@ -2,10 +2,14 @@
 (and from there to local disk), and a prompt's blocks found there past the pool's own prefix hit
 are loaded back into the pool instead of recomputed.
 
-Copy-down happens when the block manager evicts a cached block (`BlockManager.on_evict`): that
-is the last moment its bytes are known good, since whoever allocated it (this step's forward, a
-landing push, a fork's copy) writes it next. Load-back happens in `start_load_kv`, before the
-step's forward reads the blocks. Keys are the prefix hashes extended with the model, the pool
+Copy-down starts when a published block is released into the prefix cache's evictable set
+(`BlockManager.on_release`) and runs on a background thread (copy_down.py) while later steps
+compute: a published block's bytes do not change until an eviction hands it on. The eviction
+(`BlockManager.on_evict`) is the last moment they are good, since whoever allocated the block
+(this step's forward, a landing push, a fork's copy) writes it next: it waits for a copy still
+in flight, and copies on the spot a block that has no copy below (every host slot was pinned,
+or host memory let it go since). Load-back happens in `start_load_kv`, before the step's
+forward reads the blocks. Keys are the prefix hashes extended with the model, the pool
 block's shape and dtype and the block size (`tier_key`), so no block is reused across
 incompatible configurations.
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.connector.copy_down import CopyDown, CopyJob
 from shared.engine.connector.disk_tier import DiskStats, DiskTier
 from shared.engine.connector.host_tier import HostTier, Key
 from shared.engine.connector.offload_config import GIB, OffloadConfig
@@ -48,9 +53,10 @@ class OffloadStats:
     host_hit_blocks: int = 0
     disk_hit_blocks: int = 0
     miss_blocks: int = 0  # prompt blocks past the pool's hit found in no tier (per lookup)
-    offloaded_blocks: int = 0  # evicted blocks copied down to host memory
+    offloaded_blocks: int = 0  # released blocks copied down to host memory
     offloaded_bytes: int = 0
-    offload_seconds: float = 0.0
+    offload_seconds: float = 0.0  # the background copier's time
+    evict_wait_seconds: float = 0.0  # evictions waiting for a copy, or copying on the spot
     loaded_blocks: int = 0
     persisted_blocks: int = 0  # written to disk at shutdown (host memory and the pool's cache)
     loaded_bytes: int = 0
@@ -102,7 +108,12 @@ class OffloadConnector:
         self._fingerprint = b""
         self._claim: _Claim | None = None
         self._pending: dict[str, tuple[list[int], list[int]]] = {}  # rid -> (blocks, slots)
+        self._copier: CopyDown | None = None
+        self._copies: dict[int, tuple[CopyJob, list[Key]]] = {}  # id(job) -> job, its keys
+        self._copy_of_block: dict[int, CopyJob] = {}  # pool blocks with a copy in flight
+        self._copy_of_key: dict[Key, CopyJob] = {}
         kv.blocks.on_evict = self._on_evict
+        kv.blocks.on_release = self._on_release
 
     # ---- model side: the pool and its tiers -----------------------------------------------
     def register_kv_pool(self, pool: torch.Tensor) -> None:
@@ -113,6 +124,7 @@ class OffloadConnector:
         self._pool = pool
         _check_host_memory(self._config.cpu_bytes)
         self.host = HostTier(self._config.cpu_bytes, block, self._to_disk)
+        self._copier = CopyDown(pool, self.host.slots)
         if self._config.disk_dir:
             block_bytes = block.numel() * block.element_size()
             self.disk = DiskTier(
@@ -123,18 +135,66 @@ class OffloadConnector:
         if self.disk is not None and key not in self.disk:
             self.disk.write(key, block_bytes(block))
 
+    def _on_release(self, released: Sequence[tuple[int, BlockHash]]) -> None:
+        """Published blocks now evictable: start copying down those host memory lacks."""
+        if self.host is None or self._copier is None:
+            return
+        self._reap()
+        blocks, slots, keys = [], [], []
+        for block, block_hash in released:
+            key = tier_key(self._fingerprint, block_hash)
+            if key in self.host:
+                continue
+            # a spare copy while its block is still in the pool; the eviction makes it a real one
+            slot = self.host.reserve(key)
+            if slot is None:
+                break  # host memory full of what the pool no longer has: copied at eviction
+            blocks.append(block)
+            slots.append(slot)
+            keys.append(key)
+        if not blocks:
+            return
+        job = self._copier.submit(blocks, slots)
+        self._copies[id(job)] = (job, keys)
+        self._copy_of_block.update(dict.fromkeys(blocks, job))
+        self._copy_of_key.update(dict.fromkeys(keys, job))
+
+    def _reap(self, wait: bool = False) -> None:
+        """Settle the copies that are done (every open one, with `wait`): unpin their slots."""
+        assert self.host is not None
+        for job, keys in list(self._copies.values()):
+            if not (wait or job.done.is_set()):
+                continue
+            CopyDown.wait(job)
+            del self._copies[id(job)]
+            for block in job.blocks:
+                del self._copy_of_block[block]
+            for key in keys:
+                del self._copy_of_key[key]
+            self.host.unpin(job.slots)
+            self.stats.offloaded_blocks += len(job.blocks)
+            self.stats.offloaded_bytes += len(job.blocks) * self.host.block_bytes
+            self.stats.offload_seconds += job.seconds
+
     def _on_evict(self, evicted: Sequence[tuple[int, BlockHash]]) -> None:
-        """Pool blocks leaving the prefix cache, not yet overwritten: copy them down."""
+        """Pool blocks leaving the prefix cache, not yet overwritten: make sure their bytes are
+        below before the new owner writes them."""
         if self.host is None or self._pool is None:
             return
         start = time.perf_counter()
         for block, block_hash in evicted:
+            job = self._copy_of_block.get(block)
+            if job is not None:
+                CopyDown.finish(job)
             key = tier_key(self._fingerprint, block_hash)
-            if key not in self.host:
-                self.stats.offloaded_blocks += 1
-                self.stats.offloaded_bytes += self.host.block_bytes
+            if key in self.host:
+                self.host.touch([key])  # no longer spare: the pool's copy is going
+                continue
+            self.stats.offloaded_blocks += 1
+            self.stats.offloaded_bytes += self.host.block_bytes
             self.host.put([key], self._pool.select(BLOCK_DIM, block).unsqueeze(0))
-        self.stats.offload_seconds += time.perf_counter() - start
+        self._reap()
+        self.stats.evict_wait_seconds += time.perf_counter() - start
 
     # ---- scheduler side -------------------------------------------------------------------
     def external_tokens(self, request: LlmRequest, local_tokens: int) -> int:
@@ -158,6 +218,10 @@ class OffloadConnector:
     def _find(self, key: Key) -> int | None:
         """The host slot holding `key`, read up from disk if only there."""
         assert self.host is not None
+        job = self._copy_of_key.get(key)
+        if job is not None:  # its copy is still on the way: the load must read it whole
+            CopyDown.finish(job)
+            self._reap()
         if key in self.host:
             self.host.touch([key])
             self.stats.host_hit_blocks += 1
@@ -227,7 +291,7 @@ class OffloadConnector:
         return None
 
     def wait_for_save(self) -> None:
-        """Nothing: blocks are copied down when evicted, before anything overwrites them."""
+        """Nothing: copies run in the background, and an eviction waits for its block's."""
 
     def offload_blocks(self) -> int:
         host = 0 if self.host is None else self.host.num_slots
@@ -238,6 +302,11 @@ class OffloadConnector:
         """Before the process ends: what host memory and the pool's prefix cache hold goes to
         the disk tier (the least recently used first, so that the disk's own LRU keeps the most
         recent), within `persist_s`, so that a restarted node finds it there."""
+        if self.host is not None:
+            self._reap(wait=True)
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None  # what is released from now on stays in the pool
         if self.disk is None or not self.disk.usable or self.host is None or self._pool is None:
             return
         deadline = time.monotonic() + self._config.persist_s
@@ -267,8 +336,11 @@ class OffloadConnector:
         return 0 if self.host is None else self.host.bytes_used
 
     def check_conservation(self) -> None:
-        """Between steps: no host slot is still pinned for a load."""
+        """Between steps: no host slot is still pinned for a load (or, once the copies in
+        flight are done, for a copy)."""
         self._drop_claim()
+        if self.host is not None:
+            self._reap(wait=True)
         if self._pending:
             raise AssertionError(f"tier loads never run: {sorted(self._pending)[:10]}")
         if self.host is not None and self.host.num_pinned:

@@ -20,6 +20,7 @@ from shared.cdiv import cdiv
 BlockHash = bytes
 # cached blocks an allocation just evicted, with their hashes: their bytes are still intact
 EvictHook = Callable[[list[tuple[int, BlockHash]]], None]
+ReleaseHook = Callable[[list[tuple[int, BlockHash]]], None]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -84,6 +85,9 @@ class BlockManager:
         # told of every eviction before the allocation returns (a KV offload tier copies the
         # blocks down before their new owner writes them)
         self.on_evict: EvictHook | None = None
+        # told of published blocks as they become evictable: their bytes are final from then
+        # until an eviction hands them on, so a tier can copy them down in the background
+        self.on_release: ReleaseHook | None = None
 
     # ---- counts ---------------------------------------------------------------------------
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -140,19 +144,26 @@ class BlockManager:
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block. Tail blocks first, so a request's last (least
         shareable) blocks are evicted before its prefix."""
+        cached: list[tuple[int, BlockHash]] = []
         for block in reversed(block_ids):
             if self._ref[block] <= 0:
                 raise AssertionError(f"double free of KV block {block}")
             self._ref[block] -= 1
             if self._ref[block] == 0 and not self._pins[block]:
-                self._release(block)
+                self._release(block, cached)
+        self._tell_released(cached)
 
-    def _release(self, block: int) -> None:
+    def _release(self, block: int, cached: list[tuple[int, BlockHash]]) -> None:
         self._partial.discard(block)
         if block in self._hash_of:
             self._evictable[block] = None
+            cached.append((block, self._hash_of[block]))
         else:
             self._free.append(block)
+
+    def _tell_released(self, cached: list[tuple[int, BlockHash]]) -> None:
+        if cached and self.on_release is not None:
+            self.on_release(cached)
 
     def _uncache(self, block: int) -> None:
         h = self._hash_of.pop(block, None)
@@ -169,6 +180,7 @@ class BlockManager:
             self._pins[block] += 1
 
     def unpin(self, block_ids: Iterable[int]) -> None:
+        cached: list[tuple[int, BlockHash]] = []
         for block in block_ids:
             if self._pins[block] <= 0:
                 raise AssertionError(f"unpinning KV block {block} that is not pinned")
@@ -176,7 +188,8 @@ class BlockManager:
             if self._pins[block] == 0:
                 self._num_pinned -= 1
                 if self._ref[block] == 0:
-                    self._release(block)
+                    self._release(block, cached)
+        self._tell_released(cached)
 
     # ---- prefix cache ---------------------------------------------------------------------
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
