@@ -40,6 +40,7 @@ class PrefillPeer(Replica):
     num_offload_blocks: int = 0  # its offload tiers below the pool, as it reports them
     max_context: int = 0  # its max_model_len, as it reports it (0: not reported)
     layerwise: bool | None = None  # the push asked of it (decode_node/push_mode.py); None: not yet
+    lora_adapters: frozenset[str] | None = None  # the adapters it serves; None: not learnt yet
     # its process instance (ModelInfo.instance_id) as last learnt; kept across `forget`, so that
     # the next `learn` tells a restarted node from the one that went unhealthy (0: unknown)
     instance_id: int = 0
@@ -51,6 +52,7 @@ class PrefillPeer(Replica):
     def forget(self) -> None:
         self.layout = None  # a restarted node may come back with another model
         self.layerwise = None
+        self.lora_adapters = None
 
     async def check_health(self, timeout: float) -> Health:
         """Its health and, the first time it serves (again), its model info: the decode node
@@ -68,6 +70,7 @@ class PrefillPeer(Replica):
         self._note_instance(info.instance_id)
         self.num_kv_blocks, self.max_context = info.num_kv_blocks, info.max_context
         self.num_offload_blocks = info.num_offload_blocks
+        self.lora_adapters = frozenset(info.lora_adapters)
         self.layout = info.kv_layout  # last: a layout means the limits beside it are known
         log.info(
             "prefill node %s: max_model_len %d, KV pool %d blocks of %d tokens",
@@ -76,6 +79,11 @@ class PrefillPeer(Replica):
             info.num_kv_blocks,
             info.kv_layout.block_size,
         )
+
+    def may_serve(self, adapter: str | None) -> bool:
+        """Whether it may prefill for `adapter` (None: the base model): as far as is known,
+        a node not learnt yet is asked, and refuses if it lacks it."""
+        return adapter is None or self.lora_adapters is None or adapter in self.lora_adapters
 
     def _note_instance(self, instance_id: int) -> None:
         """Record the instance it answers as; a new one is a new peer (module docstring)."""

@@ -83,8 +83,11 @@ class RemotePrefill:
         """Try healthy prefill nodes (1 + prefill_retries of them) until one fills the granted
         blocks; returns the first tokens. Raises PrefillFailed when none could. `hashes`: the
         prompt's full-block hashes (prompt_hashes, at this node's block size, the layout's)."""
-        tried: set[str] = set()
+        # a node known to lack the request's adapter is not asked
+        tried = {p.target for p in self.pool.replicas if not p.may_serve(params.lora_adapter)}
         last_error = "every prefill node is marked unhealthy (failing health checks)"
+        if tried and all(p.target in tried for p in self.pool.replicas if p.healthy):
+            last_error = f"no healthy prefill node has LoRA adapter {params.lora_adapter!r}"
         block = self.layout_info.block_size
         usable = hashes[: (len(prompt) - 1) // block]  # the last token is always computed
         attempts, resets = 1 + self.config.prefill_retries, 0

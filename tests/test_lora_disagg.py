@@ -1,7 +1,8 @@
 """LoRA adapters across the split: the adapter travels in the Prefill RPC, the prefill node
 computes the prompt's KV with it and the decode node decodes with it, greedy tokens equal to
-transformers with peft's LoRA forward for the base and two adapters mixed; a prefill node without
-the adapter refuses with INVALID_ARGUMENT naming it (real gRPC, real UCX, real torch)."""
+transformers with peft's LoRA forward for the base and two adapters mixed; a decode node sends a
+request only to prefill nodes that report its adapter, and a prefill node without the adapter
+refuses with INVALID_ARGUMENT naming it (real gRPC, real UCX, real torch)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def test_prefill_node_without_the_adapter_refuses_naming_it(setup) -> None:  # n
 
     async def body() -> None:
         async with pd_cluster(base, prefill_engine=prefill, decode_engine=decode) as c:
+            # as if the decode node had not learnt its adapters yet: it asks, and is refused
+            (peer,) = c.decodes[0].pool.replicas
+            await peer.learn()
+            peer.lora_adapters = None
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(
                     c.targets[0], prompt, SamplingParams(max_tokens=4, lora_adapter="qv-r8")
@@ -72,3 +77,49 @@ def test_prefill_node_without_the_adapter_refuses_naming_it(setup) -> None:  # n
             await c.assert_idle_and_conserved()
 
     asyncio.run(body())
+
+
+def test_requests_go_only_to_prefill_nodes_that_have_their_adapter(setup) -> None:  # noqa: F811
+    """Two prefill nodes, one without qv-r8, taken in turn (round-robin): every qv-r8 request
+    goes to the other (learnt from ModelInfo.lora_adapters), the base model's to both; an
+    adapter no prefill node has is UNAVAILABLE naming it, or prefilled by the decode node
+    itself when its local fallback is on."""
+    base, paths, prompts, want = setup
+    both = _config(base, paths, ADAPTERS)
+    one = _config(base, paths, ("all-r4",))
+    decode = _config(base, paths, (*ADAPTERS, "mlp-r2"))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def body(fallback: bool) -> None:
+        overrides = {"prefill_routing": "round-robin", "local_prefill_fallback": fallback}
+        async with pd_cluster(
+            base, prefill_engines=(one, both), decode_engine=decode, decode_overrides=overrides
+        ) as c:
+            for peer in c.decodes[0].pool.replicas:
+                await peer.learn()
+            target = c.targets[0]
+            jobs = [(i, "qv-r8") for i in range(len(prompts))] * 2
+            results = await asyncio.gather(
+                *(generate(target, prompts[i], replace(greedy, lora_adapter=n)) for i, n in jobs)
+            )
+            assert [r.token_ids for r in results] == [want[n][i] for i, n in jobs]
+            assert c.prefills[0].core.num_steps == 0  # never asked for qv-r8
+            for i in range(len(prompts)):  # the base model: either node
+                r = await generate(target, prompts[i], greedy)
+                assert r.token_ids == want[None][i]
+            assert c.prefills[0].core.num_steps > 0
+            mlp = replace(greedy, lora_adapter="mlp-r2")  # only the decode node has it
+            if fallback:
+                r = await generate(target, prompts[0], mlp)
+                assert r.token_ids == want["mlp-r2"][0]
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await generate(target, prompts[0], mlp)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                assert "no healthy prefill node has LoRA adapter 'mlp-r2'" in (
+                    err.value.details() or ""
+                ), err.value
+            await c.assert_idle_and_conserved()
+
+    asyncio.run(body(fallback=False))
+    asyncio.run(body(fallback=True))

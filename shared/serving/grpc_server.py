@@ -91,6 +91,7 @@ def model_info(info: EngineInfo, role: int, instance_id: int = 0) -> generation_
         num_kv_blocks=info.num_kv_blocks,
         num_offload_blocks=info.num_offload_blocks,
         instance_id=instance_id,
+        lora_adapters=sorted(info.lora_adapters),
     )
 
 

@@ -4,7 +4,7 @@ benchmark's nodes; tests/support/cluster.py adds the tests' checks)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,6 +31,7 @@ async def pd_cluster(
     num_prefill: int = 1,
     num_decode: int = 1,
     prefill_engine: EngineConfig | None = None,
+    prefill_engines: Sequence[EngineConfig] = (),
     decode_engine: EngineConfig | None = None,
     decode_overrides: dict[str, object] | None = None,
     prefill_overrides: dict[str, object] | None = None,
@@ -38,7 +39,8 @@ async def pd_cluster(
 ) -> AsyncIterator[PdCluster]:
     """`num_prefill` prefill nodes and `num_decode` decode nodes; `colocated`: instead, one
     colocated node (`pdserve colocated`: every prompt prefilled by its own engine, on
-    `prefill_engine` when given, so a test that slows prefill slows it there too)."""
+    `prefill_engine` when given, so a test that slows prefill slows it there too).
+    `prefill_engines`: one prefill node on each config instead (nodes that differ)."""
     from decode_node.server import DecodeNode
     from prefill_node.server import PrefillNode
 
@@ -50,8 +52,9 @@ async def pd_cluster(
         num_prefill, num_decode = 0, 1
         decode_engine = prefill_engine or decode_engine
     try:
-        for _ in range(num_prefill):
-            cfg = PrefillNodeConfig(engine=prefill_engine or base, port=0, metrics_port=0)
+        engines = list(prefill_engines) or [prefill_engine or base] * num_prefill
+        for engine in engines:
+            cfg = PrefillNodeConfig(engine=engine, port=0, metrics_port=0)
             cfg = replace(cfg, **(prefill_overrides or {}))
             node = PrefillNode(cfg, load_model(str(model)))
             await node.start()

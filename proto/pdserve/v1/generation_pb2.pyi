@@ -202,7 +202,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout", "num_kv_blocks", "num_offload_blocks", "instance_id")
+    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout", "num_kv_blocks", "num_offload_blocks", "instance_id", "lora_adapters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class ModelInfo(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -223,7 +224,8 @@ class ModelInfo(_message.Message):
     num_kv_blocks: int
     num_offload_blocks: int
     instance_id: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., instance_id: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., instance_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvLayoutInfo(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "fingerprint")
