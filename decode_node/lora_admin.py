@@ -11,15 +11,15 @@ from shared.engine.commands import LoadLora, UnloadLora
 from shared.engine.info import EngineInfo
 from shared.engine.lora_updates import LoraUpdateError, slots_of
 from shared.engine.thread import EngineThread
-from shared.model.lora_adapter import AdapterError, read_adapter
-from shared.model.lora_install import lora_shapes
+from shared.model.lora_adapter import AdapterError
+from shared.model.lora_install import read_lora
 
 
 async def load_lora(thread: EngineThread, info: EngineInfo, name: str, path: str) -> None:
-    bank = slots_of(info.loaded.model.lora)  # before reading anything
-    shapes = lora_shapes(info.loaded.model)
+    model = info.loaded.model
+    bank = slots_of(model.lora)  # before reading anything
     try:
-        adapter = await asyncio.to_thread(read_adapter, name, path, shapes, bank.max_rank)
+        adapter = await asyncio.to_thread(read_lora, name, path, model, bank.max_rank)
     except AdapterError as e:
         raise LoraUpdateError(400, str(e)) from None
     await thread.call(LoadLora(adapter))

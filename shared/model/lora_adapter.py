@@ -74,7 +74,7 @@ def read_adapter(
     tensors = load(data)
     pairs = _pair_tensors(weights_file, tensors, shapes)
     modules = {
-        key: _module(weights_file, config, key, a, b, shapes[key], max_rank)
+        key: checked_module(weights_file, config, key, a, b, shapes[key], max_rank)
         for key, (a, b) in pairs.items()
     }
     if not modules:
@@ -155,7 +155,7 @@ def _pair_tensors(
     return {key: (pair["A"], pair["B"]) for key, pair in found.items()}
 
 
-def _module(
+def checked_module(
     file: Path,
     config: Mapping[str, Any],
     key: tuple[int, str],
@@ -164,6 +164,8 @@ def _module(
     shape: tuple[int, int],
     max_rank: int,
 ) -> LoraModule:
+    """One projection's A and B, checked against the base model's `shape` and the config's
+    rank, B scaled as peft does."""
     layer, module = key
     out_features, in_features = shape
     where = f"{file}: layer {layer} {module}"

@@ -3,10 +3,13 @@ loaded with the `--lora-modules` adapters (shared/model/lora_bank.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from shared.model.lora_adapter import ATTENTION_MODULES, read_adapter
+from shared.model.lora_adapter import ATTENTION_MODULES, LoraAdapter, read_adapter
 from shared.model.lora_bank import SITES, LoraBank
+from shared.model.lora_gguf import read_gguf_adapter
 from shared.model.mlp import GatedMLP
 from shared.model.self_attention import Attention
 
@@ -33,6 +36,19 @@ def install_lora(
     shapes = lora_shapes(model)
     bank = LoraBank(shapes, max_loras, max_rank, model.device, model.dtype)
     for name, path in modules.items():
-        bank.load(read_adapter(name, path, shapes, max_rank))
+        bank.load(read_lora(name, path, model, max_rank))
     model.lora = bank
     return bank
+
+
+def read_lora(name: str, path: str, model: torch.nn.Module, max_rank: int) -> LoraAdapter:
+    """Adapter `name` from `path`: a PEFT directory, or llama.cpp's GGUF adapter file."""
+    if Path(path).suffix != ".gguf":
+        return read_adapter(name, path, lora_shapes(model), max_rank)
+    attention = model.model.layers[0].self_attn
+    heads = (
+        (attention.num_heads, attention.num_kv_heads)
+        if isinstance(attention, Attention)
+        else (1, 1)
+    )
+    return read_gguf_adapter(name, path, lora_shapes(model), max_rank, heads)
