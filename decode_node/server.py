@@ -32,7 +32,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from decode_node import lora_admin, prefill_limits
+from decode_node import prefill_limits, prefill_lora
 from decode_node.config import DecodeNodeConfig
 from decode_node.first_token import engine_took_first, release_first
 from decode_node.grammar_check import with_grammar
@@ -57,6 +57,7 @@ from shared.engine.scheduling.transfer_admission import AdmissionClosed, Transfe
 from shared.engine.thread import EngineThread
 from shared.model.kv_window import layer_windows
 from shared.model.loader import LoadedModel
+from shared.serving import lora_admin
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
 from shared.serving.metrics import AsgiServer
@@ -402,13 +403,15 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             raise self.outcomes.refused(GenerateError(Status.INVALID_ARGUMENT, str(e))) from None
         return params.with_resolved_seed()
 
-    async def load_lora(self, name: str, path: str) -> None:
+    async def load_lora(self, name: str, path: str) -> list[str]:
         assert self.thread is not None
         await lora_admin.load_lora(self.thread, self.info, name, path)
+        return await prefill_lora.load_everywhere(self.pool, name, path)
 
-    async def unload_lora(self, name: str) -> None:
+    async def unload_lora(self, name: str) -> list[str]:
         assert self.thread is not None
         await lora_admin.unload_lora(self.thread, name)
+        return await prefill_lora.unload_everywhere(self.pool, name)
 
     @property
     def health(self) -> tuple[bool, str]:

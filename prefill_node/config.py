@@ -27,6 +27,8 @@ class PrefillNodeConfig:
     default_timeout: float = PREFILL_DEFAULT_DEADLINE_S  # when the caller sets no deadline
     tls: ServerTls | None = None  # None: plaintext gRPC
     drain_grace: float = DRAIN_GRACE_S  # on SIGTERM, for in-flight prefills to finish
+    # LoadLoraAdapter / UnloadLoraAdapter, as decode nodes pass their runtime updates on
+    allow_runtime_lora: bool = False
     # KV tiers below the pool (--kv-offload-*: pdserve/cli/offload_args.py)
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str = ""

@@ -22,6 +22,7 @@ from dataclasses import replace
 import grpc
 from prometheus_client import Counter
 
+from prefill_node import lora_rpc
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.job import FINAL, PrefillJob
 from prefill_node.job_table import JobTable
@@ -154,6 +155,16 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
     # ---- RPCs -----------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
         return model_info(self.info, generation_pb2.NODE_ROLE_PREFILL, self.sender.instance_id)
+
+    async def LoadLoraAdapter(self, request, context):
+        assert self.thread is not None
+        allowed = self.config.allow_runtime_lora
+        return await lora_rpc.load(self.thread, self.info, allowed, request, context)
+
+    async def UnloadLoraAdapter(self, request, context):
+        assert self.thread is not None
+        allowed = self.config.allow_runtime_lora
+        return await lora_rpc.unload(self.thread, self.info, allowed, request, context)
 
     async def CancelPrefill(self, request, context):
         found = self.jobs.cancel(request.request_id)

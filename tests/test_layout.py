@@ -154,6 +154,8 @@ SIZE_ALLOW: dict[str, str] = {
     "shared scanner: read side by side",
     "decode_node/server.py": "the Generation servicer: one request's path from the RPC to its "
     "release, its parts (placement, transfer, streaming, limits) in modules beside it",
+    "prefill_node/server.py": "the Prefill servicer: one prompt's path from the RPC to its last "
+    "KV byte pushed, its parts (job table, push plan, tracing, LoRA updates) in modules beside it",
 }
 NOT_SOURCE = ("tests", "proto/pdserve/v1", "docker/wheelhouse")  # tests and generated stubs
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from pdserve.client import generate
+from proto.pdserve.v1 import prefill_pb2
 from shared.engine.config import EngineConfig
 from shared.engine.sampling.sampling_params import SamplingParams
 from tests.engine_helpers import random_prompts
@@ -123,3 +124,56 @@ def test_requests_go_only_to_prefill_nodes_that_have_their_adapter(setup) -> Non
 
     asyncio.run(body(fallback=False))
     asyncio.run(body(fallback=True))
+
+
+def test_a_runtime_load_reaches_the_prefill_nodes(setup) -> None:  # noqa: F811
+    """The decode node's runtime load is passed on: the prefill node started with
+    --allow-runtime-lora loads it and prefills its requests (local prefill is off, so nothing
+    else could); one started without it says so and is not sent them. An unload goes the same
+    way, and the prefill node's refusals are precise gRPC statuses."""
+    base, paths, prompts, want = setup
+    slots = EngineConfig(model=str(base), num_kv_blocks=512, max_num_tokens=32, max_loras=2)
+    slots = replace(slots, max_lora_rank=8)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, lora_adapter="a")
+
+    async def body() -> None:
+        async with pd_cluster(
+            base,
+            prefill_engines=(slots, slots),
+            prefill_overrides={"allow_runtime_lora": True},
+            decode_engine=slots,
+            decode_overrides={"allow_runtime_lora": True},
+        ) as c:
+            decode, (taker, refuser) = c.decodes[0], c.prefills
+            refuser.config = replace(refuser.config, allow_runtime_lora=False)
+            for peer in decode.pool.replicas:
+                await peer.learn()
+            missed = await decode.load_lora("a", paths["all-r4"])
+            assert len(missed) == 1 and f":{refuser.port}: FAILED_PRECONDITION" in missed[0]
+            assert "--allow-runtime-lora" in missed[0], missed
+            for i in range(len(prompts)):
+                r = await generate(c.targets[0], prompts[i], greedy)
+                assert r.token_ids == want["all-r4"][i]
+            assert taker.core.num_steps > 0 and refuser.core.num_steps == 0
+            stub = next(p.stub for p in decode.pool.replicas if p.target.endswith(f":{taker.port}"))
+            for request, code in [
+                (
+                    prefill_pb2.LoadLoraAdapterRequest(lora_name="a", lora_path=paths["qv-r8"]),
+                    "INVALID_ARGUMENT",
+                ),
+                (prefill_pb2.UnloadLoraAdapterRequest(lora_name="zz"), "NOT_FOUND"),
+            ]:
+                call = (
+                    stub.LoadLoraAdapter
+                    if request.DESCRIPTOR.name.startswith("Load")
+                    else stub.UnloadLoraAdapter
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(request)
+                assert err.value.code().name == code, err.value
+            assert await decode.unload_lora("a") == []
+            assert all(not p.lora_adapters for p in decode.pool.replicas)
+            assert taker.info.lora_adapters == {}
+            await c.assert_idle_and_conserved()
+
+    asyncio.run(body())

@@ -167,6 +167,12 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
     },
     "CancelPrefillRequest": {"request_id": (1, _T.TYPE_STRING, False)},
     "CancelPrefillResponse": {"found": (1, _T.TYPE_BOOL, False)},
+    "LoadLoraAdapterRequest": {
+        "lora_name": (1, _T.TYPE_STRING, False),
+        "lora_path": (2, _T.TYPE_STRING, False),
+    },
+    "UnloadLoraAdapterRequest": {"lora_name": (1, _T.TYPE_STRING, False)},
+    "LoraAdaptersResponse": {"lora_adapters": (1, _T.TYPE_STRING, True)},
 }
 
 EXPECTED_ENUMS: dict[str, dict[str, int]] = {
@@ -202,6 +208,8 @@ EXPECTED_SERVICES: dict[str, dict[str, tuple[str, str, bool]]] = {
         "Prefill": ("PrefillRequest", "PrefillResponse", False),
         "CancelPrefill": ("CancelPrefillRequest", "CancelPrefillResponse", False),
         "GetModelInfo": ("GetModelInfoRequest", "ModelInfo", False),
+        "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoraAdaptersResponse", False),
+        "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "LoraAdaptersResponse", False),
     },
 }
 

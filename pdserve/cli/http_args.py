@@ -30,12 +30,6 @@ def http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--responses-store-entries", type=int, default=10_000, help="stored answers at most"
     )
-    p.add_argument(
-        "--allow-runtime-lora",
-        action="store_true",
-        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from the "
-        "node's disk into its --max-loras slots; behind --api-key when one is set)",
-    )
     _http_connection_args(p)
 
 

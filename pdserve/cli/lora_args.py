@@ -10,7 +10,7 @@ def lora_module(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(
-            f"--lora-modules {text!r}: expected NAME=PATH (a PEFT adapter directory)"
+            f"--lora-modules {text!r}: expected NAME=PATH (a PEFT adapter directory or GGUF file)"
         )
     return name, path
 
@@ -28,7 +28,7 @@ def lora_args(g: argparse._ArgumentGroup) -> list[argparse.Action]:
             type=lora_module,
             default=[],
             metavar="NAME=PATH",
-            help="PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) served "
+            help="LoRA adapters (PEFT directories, or llama.cpp's GGUF adapter files) served "
             "beside the base model; a request names one as its model. Give every node the same",
         ),
         add(
@@ -39,4 +39,12 @@ def lora_args(g: argparse._ArgumentGroup) -> list[argparse.Action]:
             "different slots share a batch",
         ),
         add("--max-lora-rank", type=int, default=16, help="the largest adapter rank served"),
+        add(
+            "--allow-runtime-lora",
+            action="store_true",
+            help="load and unload adapters while serving: a decode or colocated node serves "
+            "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key when one "
+            "is set) and passes each update on to its prefill nodes, which take it with this "
+            "flag too; paths are on each node's own disk, slots --max-loras",
+        ),
     ]

@@ -100,3 +100,23 @@ class CancelPrefillResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdaptersResponse(_message.Message):
+    __slots__ = ("lora_adapters",)
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

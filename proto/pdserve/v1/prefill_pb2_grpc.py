@@ -51,6 +51,16 @@ class PrefillStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Prefill/LoadLoraAdapter',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Prefill/UnloadLoraAdapter',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -81,6 +91,26 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter while serving (a decode node passes on its own runtime
+        load); the path names a PEFT directory or a GGUF adapter file on this
+        node's disk. FAILED_PRECONDITION on a node started without
+        --allow-runtime-lora or without adapter slots; INVALID_ARGUMENT for a path
+        that is no adapter, one that does not fit the base model, a name already
+        served or a full bank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload one: NOT_FOUND if this node does not serve it; INVALID_ARGUMENT
+        while a request of it is in flight here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +128,16 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +222,60 @@ class Prefill:
             '/pdserve.v1.Prefill/GetModelInfo',
             proto_dot_pdserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/LoadLoraAdapter',
+            proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoadLoraAdapterRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/UnloadLoraAdapter',
+            proto_dot_pdserve_dot_v1_dot_prefill__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_prefill__pb2.LoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,12 +63,15 @@ class Backend(Protocol):
 
     def validate(self, prompt: list[int], params: SamplingParams) -> SamplingParams: ...
 
-    async def load_lora(self, name: str, path: str) -> None:
-        """Read the PEFT adapter at `path` (on the node) and serve it as `name`; LoraUpdateError
-        says why not."""
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        """Read the adapter at `path` (on the node) and serve it as `name`; LoraUpdateError
+        says why not. Returns the prefill nodes that did not take it, each with why."""
         ...
 
-    async def unload_lora(self, name: str) -> None: ...
+    async def unload_lora(self, name: str) -> list[str]:
+        """Stop serving `name`; LoraUpdateError says why not. Returns the prefill nodes that
+        did not unload it, each with why."""
+        ...
 
     @property
     def health(self) -> tuple[bool, str]:

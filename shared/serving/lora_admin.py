@@ -1,6 +1,7 @@
-"""A decode or colocated node's runtime LoRA updates (the HTTP API's load and unload routes):
-the adapter's files are read and checked against the base model on a worker thread (they are
-I/O, and a large adapter takes a while), then the engine puts it in a slot between two steps
+"""A node's runtime LoRA updates (the HTTP API's load and unload routes on a decode or colocated
+node, the LoadLoraAdapter / UnloadLoraAdapter RPCs on a prefill node): the adapter's files are
+read and checked against the base model on a worker thread (they are I/O, and a large adapter
+takes a while), then the engine puts it in a slot between two steps
 (shared/engine/lora_updates.py)."""
 
 from __future__ import annotations
