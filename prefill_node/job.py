@@ -41,6 +41,7 @@ class PrefillJob:
     cancelled: bool = False
     sent: bool = False  # every KV message sent: the deadline no longer applies
     expired: bool = False  # its deadline passed first: given up
+    failure: str | None = None  # why the node gave it up (its engine stopped): UNAVAILABLE
     completed: bool = False  # every message sent and the first token known
     first_message_at: float | None = None  # wall clock, for the TTFT breakdown
 

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class JobFailed(Exception):
+    """The node gave the job up before its deadline (its engine stopped)."""
+
+
 class JobTable(Mapping[str, PrefillJob]):
     """request id -> job; read by the engine thread's layer hook too (plain dict reads)."""
 
@@ -58,11 +62,23 @@ class JobTable(Mapping[str, PrefillJob]):
             return await job.work
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if job.expired and task is not None and not task.cancelling():
-                raise TimeoutError(
-                    f"its KV push did not complete within its deadline ({job.time_limit:.3g}s)"
-                ) from None
+            if task is not None and not task.cancelling():
+                if job.failure is not None:
+                    raise JobFailed(job.failure) from None
+                if job.expired:
+                    raise TimeoutError(
+                        f"its KV push did not complete within its deadline ({job.time_limit:.3g}s)"
+                    ) from None
             raise
+
+    def fail_all(self, why: str) -> None:
+        """The engine is gone: every job still working ends now (its RPC answers UNAVAILABLE,
+        the decode node asks another node) instead of at its deadline."""
+        for job in list(self._jobs.values()):
+            if job.release is None and job.work is not None and not job.work.done():
+                job.failure = why
+                job.cancelled = True  # nothing more is packed or sent
+                job.work.cancel()
 
     def release(self, job: PrefillJob) -> asyncio.Future[None]:
         """Start the job's release (once); its handler awaits it shielded, so cancelling the

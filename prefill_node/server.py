@@ -25,7 +25,7 @@ from prometheus_client import Counter
 from prefill_node import lora_rpc
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.job import FINAL, PrefillJob
-from prefill_node.job_table import JobTable
+from prefill_node.job_table import JobFailed, JobTable
 from prefill_node.outcome import counted_prefill
 from prefill_node.push import make_layer_hook, plan_push
 from prefill_node.tracing import traced_prefill
@@ -107,7 +107,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         info = self.info
         attention_timing.establish(info.loaded.config, info.kv_pool.dtype, info.device_type)
         # a crashed engine (a bug) turns health NOT_SERVING: decode nodes route elsewhere, and
-        # the pushes it left behind end at their deadlines
+        # the prefills it held are answered UNAVAILABLE at once (their pushes end)
         self.thread = EngineThread(
             self.core, loop, self._on_deltas, "prefill-engine", on_crash=self._not_serving
         )
@@ -137,9 +137,10 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             await self.serving.close_metrics()
         return conserved
 
-    def _not_serving(self, _: BaseException) -> None:
+    def _not_serving(self, error: BaseException) -> None:
         if self.serving is not None:
             self.serving.not_serving()
+        self.jobs.fail_all(f"the prefill node's engine stopped: {error!r}")
 
     # ---- engine thread side ---------------------------------------------------------------
     def _layer_hook(self, scheduled: Sequence[ScheduledRequest], kv: KvAccess):
@@ -185,6 +186,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             await context.abort(  # the decode node knew this node's predecessor: it relearns
                 grpc.StatusCode.ABORTED, f"blocks granted to instance {dest.prefill_instance_id:#x}"
             )
+        if self.thread is not None and self.thread.fatal_error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill node's engine stopped")
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
@@ -213,6 +216,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except TimeoutError as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid}: {e}")
+        except JobFailed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid}: {e}")
         except TransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push for {rid} failed: {e}")
         finally:

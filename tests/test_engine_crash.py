@@ -52,3 +52,26 @@ def test_a_crashed_engine_answers_its_requests_and_reports_down() -> None:
             assert not await node.stop(grace=0.5)  # stops, reporting what it could not free
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_crashed_prefill_engine_ends_its_prefills_at_once() -> None:
+    """The prefill node's engine dies under a request: its Prefill call is answered UNAVAILABLE
+    at once (not at the push's deadline), the decode node answers its client UNAVAILABLE naming
+    the cause and gets every block back, and the next request is refused at once too."""
+
+    async def body() -> None:
+        async with pd_cluster("tiny") as c:
+            prefill, decode, target = c.prefills[0], c.decodes[0], c.targets[0]
+            params = SamplingParams(max_tokens=4)
+            assert (await generate(target, "before", params)).text
+            await prefill.thread.inspect(_break_forward)
+            # the first: its Prefill call fails; the next: the node is marked unhealthy now
+            for why in ("engine stopped", "every prefill node is marked unhealthy"):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await asyncio.wait_for(generate(target, "x" * 40, params, timeout=120), 20)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+                assert why in str(e.value.details()), e.value
+            await decode.thread.inspect(lambda core: core.check_conservation())
+            assert not await prefill.stop(grace=0.5)
+
+    asyncio.run(asyncio.wait_for(body(), 90))
