@@ -20,7 +20,8 @@ from collections.abc import Callable
 from transfer.errors import KvPortInUse, TransferError, retrieve_exception
 from transfer.protocol import join_address
 from transfer.queue_check import QueueCheck
-from transfer.ucp import ServerEndpoint, UcpError
+from transfer.ucp import UcpError
+from transfer.ucp_listener import ServerEndpoint
 from transfer.worker import UcxWorker
 
 log = logging.getLogger(__name__)

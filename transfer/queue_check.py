@@ -22,7 +22,7 @@ import secrets
 
 import numpy as np
 
-from transfer import ucp
+from transfer import ucp_listener
 from transfer.errors import retrieve_exception
 from transfer.worker import UcxWorker
 
@@ -65,7 +65,7 @@ class QueueCheck:
         sender = UcxWorker(loop)
         try:
             endpoint = sender.connect(host, port)
-            source = ucp.local_address(endpoint.handle)
+            source = ucp_listener.local_address(endpoint.handle)
             if source is not None:  # its loss, when it closes, is not a peer's
                 self.sources.add(source)
             sent = sender.send(endpoint, np.zeros(8, dtype=np.uint8), self.tag)

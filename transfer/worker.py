@@ -28,7 +28,7 @@ configure_ucx_env()  # before ucxx is imported: UCX reads part of its environmen
 import ucxx._lib.libucxx as ucx_api  # noqa: E402
 
 from transfer import ucp  # noqa: E402  (loads libucp: after the environment is set)
-from transfer.ucp import BoundListener, ServerEndpoint  # noqa: E402
+from transfer.ucp_listener import BoundListener, ServerEndpoint  # noqa: E402
 
 log = logging.getLogger(__name__)
 
