@@ -40,8 +40,9 @@ class PrefillJob:
     sent_upto: int = 0  # prompt blocks [0, sent_upto) are queued for every layer
     cancelled: bool = False
     sent: bool = False  # every KV message sent: the deadline no longer applies
-    expired: bool = False  # its deadline passed first: given up
-    failure: str | None = None  # why the node gave it up (its engine stopped): UNAVAILABLE
+    # why the node gave it up before it ended (job_table.py): its deadline passed first
+    # (TimeoutError) or its engine stopped (JobFailed); what its RPC then raises
+    given_up: Exception | None = None
     completed: bool = False  # every message sent and the first token known
     first_message_at: float | None = None  # wall clock, for the TTFT breakdown
 

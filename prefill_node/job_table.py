@@ -62,13 +62,8 @@ class JobTable(Mapping[str, PrefillJob]):
             return await job.work
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if task is not None and not task.cancelling():
-                if job.failure is not None:
-                    raise JobFailed(job.failure) from None
-                if job.expired:
-                    raise TimeoutError(
-                        f"its KV push did not complete within its deadline ({job.time_limit:.3g}s)"
-                    ) from None
+            if job.given_up is not None and task is not None and not task.cancelling():
+                raise job.given_up from None
             raise
 
     def fail_all(self, why: str) -> None:
@@ -76,9 +71,15 @@ class JobTable(Mapping[str, PrefillJob]):
         the decode node asks another node) instead of at its deadline."""
         for job in list(self._jobs.values()):
             if job.release is None and job.work is not None and not job.work.done():
-                job.failure = why
-                job.cancelled = True  # nothing more is packed or sent
-                job.work.cancel()
+                self._give_up(job, JobFailed(why))
+
+    @staticmethod
+    def _give_up(job: PrefillJob, why: Exception) -> None:
+        """Nothing more is packed or sent; the job's work stops and its RPC raises `why`."""
+        job.given_up = why
+        job.cancelled = True
+        if job.work is not None:
+            job.work.cancel()
 
     def release(self, job: PrefillJob) -> asyncio.Future[None]:
         """Start the job's release (once); its handler awaits it shielded, so cancelling the
@@ -115,16 +116,14 @@ class JobTable(Mapping[str, PrefillJob]):
         job.expiry = None
         if job.sent:
             return  # every KV message went out: the answer follows at once
-        job.expired = True
         self._expired.inc()
         log.warning(
             "prefill %s: its KV push did not complete within its deadline (%.3gs); releasing it",
             job.request_id,
             job.time_limit,
         )
-        job.cancelled = True
-        if job.work is not None:
-            job.work.cancel()
+        why = f"its KV push did not complete within its deadline ({job.time_limit:.3g}s)"
+        self._give_up(job, TimeoutError(why))
         self.release(job)
 
     async def _released(self, job: PrefillJob) -> None:
