@@ -44,19 +44,30 @@ async def unload_everywhere(pool: ReplicaPool[PrefillPeer], name: str) -> list[s
         if peer.lora_adapters is not None:
             peer.lora_adapters = peer.lora_adapters - {name}
     request = prefill_pb2.UnloadLoraAdapterRequest(lora_name=name)
-    failures = await _each(
-        holders, f"unload {name!r}", lambda p: p.stub.UnloadLoraAdapter(request, timeout=LORA_RPC_S)
+    return await _each(
+        holders,
+        f"unload {name!r}",
+        lambda p: p.stub.UnloadLoraAdapter(request, timeout=LORA_RPC_S),
+        fine=grpc.StatusCode.NOT_FOUND,  # it never had it
     )
-    return [f for f in failures if "NOT_FOUND" not in f]  # it never had it
 
 
-async def _each(replicas: list[PrefillPeer], what: str, update: Update) -> list[str]:
+async def _each(
+    replicas: list[PrefillPeer],
+    what: str,
+    update: Update,
+    fine: grpc.StatusCode | None = None,
+) -> list[str]:
+    """`update` on every healthy one of `replicas` at once; the ones that failed (a `fine`
+    status is no failure), each with why."""
     peers = [p for p in replicas if p.healthy]
     results = await asyncio.gather(*(update(p) for p in peers), return_exceptions=True)
     failures = []
     for peer, result in zip(peers, results, strict=True):
         if isinstance(result, prefill_pb2.LoraAdaptersResponse):
             peer.lora_adapters = frozenset(result.lora_adapters)
+            continue
+        if isinstance(result, grpc.aio.AioRpcError) and result.code() == fine:
             continue
         why = (
             f"{result.code().name} {result.details()}"
