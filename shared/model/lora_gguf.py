@@ -21,20 +21,11 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
 from shared.model.gguf_file import GgufError, GgufFile, open_gguf
-from shared.model.gguf_loader import unpermute_rope_rows
+from shared.model.gguf_loader import hf_tensor_name, unpermute_rope_rows
 from shared.model.lora_adapter import SUPPORTED_MODULES, AdapterError, LoraAdapter, checked_module
 
-# llama.cpp's names of the projections an adapter may target
-_PARTS = {
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_output": "o_proj",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
-}
-_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
+# a base tensor's name (blk.N.attn_q.weight: gguf_loader.hf_tensor_name reads it) and A or B
+_KEY = re.compile(r"(blk\.\d+\.\w+\.weight)\.lora_([ab])")
 
 
 def read_gguf_adapter(
@@ -84,19 +75,20 @@ def _pairs(
     found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for tensor in g.tensors.values():
         m = _KEY.fullmatch(tensor.name)
-        module = _PARTS.get(m.group(2)) if m else None
-        if m is None or module is None:
+        hf = hf_tensor_name(m.group(1)) if m else None  # model.layers.N.self_attn.q_proj.weight
+        parts = hf.split(".") if hf else []
+        if m is None or len(parts) != 6 or parts[4] not in SUPPORTED_MODULES:
             raise AdapterError(
                 f"{g.path}: tensor {tensor.name!r} is not a lora_a/lora_b weight of a decoder "
                 f"layer's {'/'.join(SUPPORTED_MODULES)} projection"
             )
-        layer = int(m.group(1))
+        layer, module = int(parts[2]), parts[4]
         if (layer, module) not in shapes:
             raise AdapterError(
                 f"{g.path}: tensor {tensor.name!r}: the base model has no {module} in layer "
                 f"{layer} that takes a LoRA delta"
             )
-        found.setdefault((layer, module), {})[m.group(3)] = _values(tensor)
+        found.setdefault((layer, module), {})[m.group(2)] = _values(tensor)
     for (layer, module), pair in found.items():
         if set(pair) != {"a", "b"}:
             raise AdapterError(
