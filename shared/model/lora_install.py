@@ -43,12 +43,13 @@ def install_lora(
 
 def read_lora(name: str, path: str, model: torch.nn.Module, max_rank: int) -> LoraAdapter:
     """Adapter `name` from `path`: a PEFT directory, or llama.cpp's GGUF adapter file."""
+    shapes = lora_shapes(model)
     if Path(path).suffix != ".gguf":
-        return read_adapter(name, path, lora_shapes(model), max_rank)
+        return read_adapter(name, path, shapes, max_rank)
     attention = model.model.layers[0].self_attn
     heads = (
         (attention.num_heads, attention.num_kv_heads)
         if isinstance(attention, Attention)
         else (1, 1)
     )
-    return read_gguf_adapter(name, path, lora_shapes(model), max_rank, heads)
+    return read_gguf_adapter(name, path, shapes, max_rank, heads)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.connector.copy_down import CopyDown, CopyJob
+from shared.engine.connector.copy_down import BLOCK_DIM, CopyDown, CopyJob
 from shared.engine.connector.disk_tier import DiskStats, DiskTier
 from shared.engine.connector.host_tier import HostTier, Key
 from shared.engine.connector.offload_config import GIB, OffloadConfig
@@ -42,7 +42,6 @@ from shared.engine.runtime.kv_budget import host_memory
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.model.step_context import LayerHook
 
-BLOCK_DIM = 2  # the pool is [layer, plane, block, ...]
 log = logging.getLogger(__name__)
 
 
