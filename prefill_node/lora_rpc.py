@@ -24,7 +24,7 @@ async def load(
         await lora_admin.load_lora(thread, info, request.lora_name, request.lora_path)
     except LoraUpdateError as e:
         await context.abort(_STATUS.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), str(e))
-    return served(info)
+    return _served(info)
 
 
 async def unload(
@@ -35,10 +35,10 @@ async def unload(
         await lora_admin.unload_lora(thread, request.lora_name)
     except LoraUpdateError as e:
         await context.abort(_STATUS.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), str(e))
-    return served(info)
+    return _served(info)
 
 
-def served(info: EngineInfo) -> prefill_pb2.LoraAdaptersResponse:
+def _served(info: EngineInfo) -> prefill_pb2.LoraAdaptersResponse:
     return prefill_pb2.LoraAdaptersResponse(lora_adapters=sorted(info.lora_adapters))
 
 
