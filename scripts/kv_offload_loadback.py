@@ -14,8 +14,7 @@ import argparse
 import time
 
 from shared.engine.config import EngineConfig
-from shared.engine.connector.multi import MultiConnector
-from shared.engine.connector.offload import OffloadConnector
+from shared.engine.connector.offload import offload_tier
 from shared.engine.connector.offload_config import GIB, OffloadConfig
 from shared.engine.core import EngineCore
 from shared.engine.roles.decode_role import DecodeSettings
@@ -50,9 +49,8 @@ def measure(
     pool_hit, _ = turn(core, [*convs[0], 43], "again")
     load = copy_down = evict_wait = 0.0
     copied = 0
-    if isinstance(core.connector, MultiConnector):
-        tier = core.connector.connectors[1]
-        assert isinstance(tier, OffloadConnector)
+    tier = offload_tier(core.connector)
+    if tier is not None:
         tier.check_conservation()  # the copies still in flight land first
         load, copy_down = tier.stats.load_seconds, tier.stats.offload_seconds
         evict_wait, copied = tier.stats.evict_wait_seconds, tier.stats.offloaded_blocks

@@ -11,7 +11,7 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.connector.multi import MultiConnector
-from shared.engine.connector.offload import OffloadConnector
+from shared.engine.connector.offload import OffloadConnector, offload_tier
 from shared.engine.connector.offload_config import OffloadConfig
 from shared.engine.core import EngineCore
 from shared.engine.roles.decode_role import DecodeSettings
@@ -43,8 +43,8 @@ def offload(tmp: Path | None = None, cpu_mib: float = 4.0) -> OffloadConfig:
 
 def tier_of(core: EngineCore) -> OffloadConnector:
     assert isinstance(core.connector, MultiConnector)
-    tier = core.connector.connectors[1]
-    assert isinstance(tier, OffloadConnector)
+    tier = offload_tier(core.connector)
+    assert tier is not None
     return tier
 
 

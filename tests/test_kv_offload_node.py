@@ -11,7 +11,7 @@ import httpx
 from decode_node.config import DecodeNodeConfig
 from pdserve.cli.main import build_parser
 from shared.engine.config import EngineConfig
-from shared.engine.connector.multi import MultiConnector
+from shared.engine.connector.offload import offload_tier
 from shared.model.loader import load_model
 from shared.serving.metrics import parse_prometheus_text
 from tests.engine_helpers import single_torch_thread
@@ -62,8 +62,9 @@ async def _run(cpu_gb: float) -> tuple[list[str], list[int], dict[str, float]]:
 
         def check(core) -> None:  # type: ignore[no-untyped-def]
             core.check_conservation()
-            if isinstance(core.connector, MultiConnector):
-                core.connector.connectors[1].check_conservation()
+            tier = offload_tier(core.connector)  # none in the run with the tier off
+            if tier is not None:
+                tier.check_conservation()
 
         await node.thread.inspect(check)
     finally:

@@ -26,8 +26,7 @@ from tqdm import tqdm
 
 from pdserve.bench.support.util import bar_plot, environment, load_average, write_json
 from shared.engine.config import EngineConfig
-from shared.engine.connector.multi import MultiConnector
-from shared.engine.connector.offload import OffloadConnector
+from shared.engine.connector.offload import offload_tier
 from shared.engine.connector.offload_config import GIB, OffloadConfig
 from shared.engine.core import EngineCore
 from shared.engine.roles.decode_role import DecodeSettings
@@ -111,19 +110,18 @@ def summary(turns: list[list[Turn]]) -> dict[str, float]:
 
 def tier_stats(core: EngineCore) -> dict[str, float]:
     """What the host tier did, once the copies still in flight have landed."""
-    c = core.connector
-    for connector in c.connectors if isinstance(c, MultiConnector) else [c]:
-        if isinstance(connector, OffloadConnector):
-            connector.check_conservation()
-            s = connector.stats
-            return {
-                "copied_blocks": s.offloaded_blocks,
-                "copy_down_s": s.offload_seconds,
-                "evict_wait_s": s.evict_wait_seconds,
-                "loaded_blocks": s.loaded_blocks,
-                "load_s": s.load_seconds,
-            }
-    raise ValueError("the engine has no offload tier")
+    tier = offload_tier(core.connector)
+    if tier is None:
+        raise ValueError("the engine has no offload tier")
+    tier.check_conservation()
+    s = tier.stats
+    return {
+        "copied_blocks": s.offloaded_blocks,
+        "copy_down_s": s.offload_seconds,
+        "evict_wait_s": s.evict_wait_seconds,
+        "loaded_blocks": s.loaded_blocks,
+        "load_s": s.load_seconds,
+    }
 
 
 def pool_blocks(w: Workload, share: float, block_size: int) -> tuple[int, int]:

@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.connector.base import KvConnector
 from shared.engine.connector.copy_down import BLOCK_DIM, CopyDown, CopyJob
 from shared.engine.connector.disk_tier import DiskStats, DiskTier
 from shared.engine.connector.host_tier import HostTier, Key
+from shared.engine.connector.multi import MultiConnector
 from shared.engine.connector.offload_config import GIB, OffloadConfig
 from shared.engine.requests.request import LlmRequest
 from shared.engine.resources.block_manager import BlockHash
@@ -344,3 +346,10 @@ class OffloadConnector:
             raise AssertionError(f"tier loads never run: {sorted(self._pending)[:10]}")
         if self.host is not None and self.host.num_pinned:
             raise AssertionError(f"{self.host.num_pinned} host KV slots still pinned")
+
+
+def offload_tier(connector: KvConnector) -> OffloadConnector | None:
+    """The offload tier among an engine's connectors (alone, or beside its P/D connector), if
+    it has one: for what reads the tier from outside the engine (benchmarks, tests)."""
+    parts = connector.connectors if isinstance(connector, MultiConnector) else [connector]
+    return next((c for c in parts if isinstance(c, OffloadConnector)), None)
