@@ -1,0 +1,1 @@
+"""The vision towers of the Qwen2-VL family: pixels in, merged image embeddings out."""
