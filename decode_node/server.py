@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from decode_node import prefill_limits, prefill_lora
@@ -49,6 +49,7 @@ from shared.engine.core import EngineCore
 from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.events import Admitted
 from shared.engine.info import EngineInfo
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason
 from shared.engine.resources.block_manager import BlockHash, compute_block_hashes
@@ -272,7 +273,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     # ---- the one request path -------------------------------------------------------------
     @traced_generate
     async def generate(
-        self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float | None,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncIterator[tuple[Stream, TokenDelta]]:
         """The one request path, for gRPC and HTTP alike: prefill (here or on a prefill node),
         stream the deltas; release on both nodes on every exit (finish, error, the consumer
@@ -289,7 +295,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.streams[rid] = stream
         error: Status | None = None  # None: finished, or its consumer went away
         try:
-            pending = await self._prefill(stream, prompt, params)
+            pending = await self._prefill(stream, prompt, params, images)
             while len(stream.finished) < stream.n:
                 if not pending and stream.completing is not None:
                     pending = await engine_took_first(stream)
@@ -313,16 +319,26 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             await asyncio.shield(self._release(stream))
 
     async def _prefill(
-        self, stream: Stream, prompt: list[int], params: SamplingParams
+        self,
+        stream: Stream,
+        prompt: list[int],
+        params: SamplingParams,
+        images: Sequence[PromptImage] = (),
     ) -> list[TokenDelta]:
         """Local when short and there is room (or no prefill node is healthy and fallback is
         on), else remote; returns the first deltas already known (remote: one per completion;
-        local: none, they come from the engine's steps)."""
+        local: none, they come from the engine's steps). A prompt with images is prefilled
+        here: prefill nodes take text prompts."""
         assert self.thread is not None
         # hashed once, here: the local-prefill check, the prefix cache and the router reuse them
         seed = self.info.kv_seed(params.lora_adapter)  # an adapter's KV is its own
-        hashes = compute_block_hashes(prompt, self.info.block_size, seed)
-        if await self._start(stream, prompt, params, hashes, force=self._fallback_now()):
+        try:
+            keyed = self.info.hash_token_ids(prompt, images)
+        except RequestRejected as e:
+            raise GenerateError(Status.INVALID_ARGUMENT, str(e)) from None
+        hashes = compute_block_hashes(keyed, self.info.block_size, seed)
+        force = self._fallback_now() or bool(images)
+        if await self._start(stream, prompt, params, hashes, force, images):
             return []
         grant = await self._granted(stream)
         stream.cached_tokens = grant.request.cached_tokens
@@ -352,6 +368,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         params: SamplingParams,
         hashes: list[BlockHash],
         force: bool,
+        images: Sequence[PromptImage] = (),
     ) -> bool:
         """One engine command (a loop-engine hand-off, taken between two decode steps): the
         engine prefills the prompt itself if it qualifies (always with `force`), else queues it
@@ -359,7 +376,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         if not force:
             stream.admission = asyncio.get_running_loop().create_future()
         rid, deadline = stream.request_id, stream.deadline
-        place = PlacePrompt(prompt, params, rid, deadline, hashes, fallback=force)
+        place = PlacePrompt(prompt, params, rid, deadline, hashes, fallback=force, images=images)
         try:
             stream.local = await self._admitting_call(place)
         except AdmissionClosed as e:

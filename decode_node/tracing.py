@@ -40,8 +40,10 @@ def traced_generate(fn: Callable[..., Deltas]) -> Callable[..., Deltas]:
     """Wraps `DecodeNode.generate`; with tracing off it returns the generator untouched."""
 
     @functools.wraps(fn)
-    def generate(node, rid: str, prompt: list[int], params, deadline: float | None) -> Deltas:
-        deltas = fn(node, rid, prompt, params, deadline)
+    def generate(
+        node, rid: str, prompt: list[int], params, deadline: float | None, images=()
+    ) -> Deltas:
+        deltas = fn(node, rid, prompt, params, deadline, images)
         if not tracing.enabled():
             return deltas
         return _traced(node.config, deltas, rid, len(prompt))

@@ -31,6 +31,7 @@ NODE_API: dict[str, set[str]] = {
     "shared.engine.scheduling.service_level": {"*"},
     "shared.engine.scheduling.slo": {"SloPolicy"},
     "shared.engine.requests.output": {"TokenDelta", "OutputProcessor"},
+    "shared.engine.requests.multimodal": {"PromptImage"},  # a prompt's image, a plain value
     "shared.engine.requests.request": {
         "LlmRequest",
         "FinishReason",

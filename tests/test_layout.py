@@ -149,6 +149,8 @@ MAX_FUNCTION_LINES = 60
 # A file is sized by its concept: one that is a single concept may run past MAX_FILE_LINES when
 # the reviewer agrees, with the reason here. Functions have no such exception.
 SIZE_ALLOW: dict[str, str] = {
+    "shared/engine/core.py": "the engine step: its parts (scheduler, managers, runner, sampler, "
+    "role, connector) built and run in one loop, each in a module of its own",
     "shared/engine/sampling/sampler.py": "the batched sampler: one step's rows, in order",
     "shared/serving/http/tool_parsers.py": "the tool-call formats, each a small parser over one "
     "shared scanner: read side by side",

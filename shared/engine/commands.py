@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.resources.block_manager import BlockHash
 from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -23,6 +24,7 @@ class AddRequest:
     prompt: Sequence[int]
     params: SamplingParams
     request_id: str = ""
+    images: Sequence[PromptImage] = ()  # the prompt's, in placeholder order
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class PlacePrompt:
     deadline: float | None = None  # time.monotonic() by which it must be admitted
     hashes: Sequence[BlockHash] = ()  # the prompt's full-block hashes, computed once
     fallback: bool = False
+    # the prompt's images: prefilled here (prefill nodes take text prompts only)
+    images: Sequence[PromptImage] = ()
 
 
 @dataclass(frozen=True)

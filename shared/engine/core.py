@@ -26,6 +26,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.errors import RequestRejected, ResourcesExhausted
 from shared.engine.info import EngineInfo
 from shared.engine.lora_updates import LoraUpdates
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.output import OutputProcessor, RequestOutput, TokenDelta
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.requests.request_limits import RequestLimits
@@ -114,7 +115,7 @@ class EngineCore:
         )
         self.role: Role = settings.build(self.parts)
         self._handlers: dict[type, Callable[[Any], Any]] = {
-            AddRequest: lambda c: self.add_request(c.prompt, c.params, c.request_id),
+            AddRequest: lambda c: self.add_request(c.prompt, c.params, c.request_id, c.images),
             Abort: lambda c: self.abort(c.request_id),
             WarmUp: lambda c: warm_up(self.parts, self.max_model_len),
             Shutdown: lambda c: self.shutdown(),
@@ -164,10 +165,12 @@ class EngineCore:
             cuda_graphs=graphs and self.model_config.moe is None,
             max_model_len=self.max_model_len,
             dummy_slot_row=self.sampler.dummy_slot_row,
+            mrope_deltas=self.seq_slot_manager.mrope_deltas,
         )
 
     def _build_table(self, num_blocks: int, context_only: bool) -> RequestTable:
         """The live requests, and the limits every new one is checked against."""
+        vision = self.model_config.vision
         self.limits = RequestLimits(
             self.model_config.vocab_size,
             self.max_model_len,
@@ -176,6 +179,8 @@ class EngineCore:
             self.max_num_sequences,
             context_only,
             self.loaded.model.lora_names,
+            self.model_config.image_token_id,
+            1 if vision is None else vision.spatial_merge_size,
         )
         outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids)
         return RequestTable(
@@ -259,9 +264,13 @@ class EngineCore:
         self.limits.check(prompt_token_ids, params)
 
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str = ""
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str = "",
+        images: Sequence[PromptImage] = (),
     ) -> LlmRequest:
-        request = self.table.new(prompt_token_ids, params, request_id, S.QUEUED)
+        request = self.table.new(prompt_token_ids, params, request_id, S.QUEUED, images)
         self.scheduler.add_request(request)  # QUEUED there until its blocks are free
         return request
 
@@ -377,7 +386,7 @@ class EngineCore:
     def check_conservation(self) -> None:
         """All seats and blocks back in their pools (cached blocks stay evictable)."""
         self.table.check_empty()
-        self.seq_slot_manager.slot_manager.check_conservation()
+        self.seq_slot_manager.check_conservation()
         assert self.sampler.seq_slots_in_use() == 0, "sampler rows still owned"
         self.kv_manager.check_conservation()
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from shared.engine.config import EngineConfig
 from shared.engine.core import EngineCore, RequestOutput
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason, LlmRequest
 from shared.engine.roles.decode_role import DecodeSettings
@@ -30,9 +31,13 @@ class LLM:
         return list(prompt)
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str = ""
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str = "",
+        images: Sequence[PromptImage] = (),
     ) -> LlmRequest:
-        return self.core.add_request(self.encode(prompt), params, request_id)
+        return self.core.add_request(self.encode(prompt), params, request_id, images)
 
     def step(self) -> list[TokenDelta]:
         return self.core.step()

@@ -8,6 +8,8 @@ their checkpoints say how to split them (shared/model/family.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from shared.model.forward_batch import ForwardBatch
 from shared.model.gemm import PackedGemm
 from shared.model.linear import Embedding, Linear
 from shared.model.lora_bank import LoraBank, LoraStep
+from shared.model.mrope import Grid
 from shared.model.norms import make_norm
 from shared.model.rotary import RotaryEmbedding
 from shared.model.step_context import LayerHook, StepContext
@@ -64,6 +67,12 @@ class Model(nn.Module):
         # the native decode stack implements exactly a Llama layer, nothing else
         self._stack = DecodeStack(self.model.layers) if config.llama_layers else None
         self.lora: LoraBank | None = None  # set by the loader with --lora-modules / --max-loras
+        # the vision tower (Qwen2-VL's `visual.`), whose embeddings replace image placeholders
+        self.visual: nn.Module | None = None
+        if config.vision is not None:
+            from shared.model.vision.vision_tower import build_vision_tower
+
+            self.visual = build_vision_tower(config.vision, device, dtype)
         self.eval()
 
     @property
@@ -101,7 +110,9 @@ class Model(nn.Module):
         self._check_pool(kv_pool)
         with torch.inference_mode():
             x = self.model.embed_tokens(batch.input_ids)
-            rope = self.model.rotary_emb(batch.positions, x.dtype)
+            if batch.embeds is not None:
+                x.index_copy_(0, batch.embed_rows, batch.embeds.to(x.dtype))
+            rope = self.model.rotary_emb(batch.rope_input, x.dtype)
             stack = self._stack
             lora = self._lora_step(batch)
             if (
@@ -119,7 +130,7 @@ class Model(nn.Module):
                     rope,
                     layer_hook,
                     scratch or self._scratch,
-                    None if local is None else local(batch.positions, x.dtype),
+                    None if local is None else local(batch.rope_input, x.dtype),
                     lora,
                 )
                 pending = None
@@ -134,6 +145,14 @@ class Model(nn.Module):
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap
             return logits.float()
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        """The merged embeddings of images preprocessed to `pixel_values` (images concatenated,
+        `grids` their patch grids): [sum of their token counts, hidden], images in order."""
+        if self.visual is None:
+            raise ValueError(f"{self.config.architecture} takes no images")
+        with torch.inference_mode():
+            return self.visual(pixel_values.to(self.device, self.dtype), grids)
 
     def lora_names(self) -> frozenset[str]:
         """The LoRA adapters this model serves now."""

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared.kv.layout import KvLayout, dtype_name
 from shared.model.mla_config import MlaConfig
 from shared.model.moe_config import MoeConfig
+
+if TYPE_CHECKING:
+    from shared.model.vision.vision_config import VisionConfig
 
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3", "linear", "yarn")
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
@@ -116,6 +119,12 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V2/V3): head_dim is then the rope dims
     # (qk_rope_head_dim, as transformers sets it) and the pool holds one latent per token.
     mla: MlaConfig | None = None
+    # mRoPE (Qwen2-VL, Qwen2.5-VL): how many of each head's rotary frequencies turn with the
+    # time, height and width positions; None: one position axis
+    mrope_section: tuple[int, ...] | None = None
+    # the vision tower and the prompt token its embeddings replace (Qwen2-VL's <|image_pad|>)
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -149,6 +158,7 @@ class ModelConfig:
         _check_choice("norm", self.norm, SUPPORTED_NORMS)
         self._validate_attention_options()
         self._validate_sliding_window()
+        self._validate_vision()
         if self.moe is not None:
             self.moe.check_layers(self.num_layers)
         # pad is not checked: some real configs name a pad id outside the vocabulary, harmlessly.
@@ -181,6 +191,25 @@ class ModelConfig:
         bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"sliding_window_layers {bad} outside [0, {self.num_layers})")
+
+    def _validate_vision(self) -> None:
+        section = self.mrope_section
+        if section is not None and (len(section) != 3 or sum(section) != self.rotated_dims // 2):
+            raise ValueError(
+                f"mrope_section {list(section)} must be 3 runs summing to half the rotated dims "
+                f"({self.rotated_dims // 2})"
+            )
+        if self.vision is None:
+            return
+        if self.mrope_section is None or self.image_token_id is None:
+            raise ValueError("a vision model needs mrope_section and image_token_id")
+        if not 0 <= self.image_token_id < self.vocab_size:
+            raise ValueError(f"image_token_id {self.image_token_id} outside the vocabulary")
+        if self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(
+                f"the vision tower outputs {self.vision.out_hidden_size} features, the text "
+                f"model takes {self.hidden_size}"
+            )
 
     # ------------------------------------------------------------------------------- queries
 

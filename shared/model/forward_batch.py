@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shared.cdiv import cdiv
@@ -29,6 +30,12 @@ class SeqEntry:
     token_ids: list[int]  # the NEW tokens to compute this step
     num_computed: int  # tokens already in the KV pool (= position of the first new token)
     block_table: list[int]  # covers at least num_computed + len(token_ids) tokens
+    # mRoPE models: [3, len(token_ids)] rope positions of the new tokens when they are not
+    # their indices (shared/model/mrope.py); None: the indices
+    rope_positions: np.ndarray | None = None
+    # embeddings that replace the token embeddings of some new tokens (an image's): (index of
+    # the first of them among the new tokens, [k, hidden] rows)
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @property
     def context_len(self) -> int:
@@ -101,6 +108,16 @@ class ForwardBatch:
     block_size: int
     # the tokens that run a LoRA adapter, by adapter; None when no sequence names one
     lora: LoraBatch | None = None
+    # [3, T] mRoPE positions when some token's differ from its index (`positions`); None else
+    rope_positions: torch.Tensor | None = None
+    # rows of [T] whose embeddings are replaced, and their replacements ([R], [R, hidden])
+    embed_rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+
+    @property
+    def rope_input(self) -> torch.Tensor:
+        """What the rope tables are computed from."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     @classmethod
     def build(
@@ -118,6 +135,9 @@ class ForwardBatch:
         seqs = _SeqTensors.of(entries, context_lens, block_size)
 
         tensors = _token_tensors(entries, seqs, block_size)
+        rope = _rope_positions(entries, tensors["positions"])
+        if rope is not None:
+            tensors["rope_positions"] = rope
         group_ids = _split_groups(query_lens, context_lens, ragged_decode)
         fresh = [all(entries[i].num_computed == 0 for i in ids) for ids in group_ids]
         group_shapes = []
@@ -157,6 +177,8 @@ class ForwardBatch:
             last_token_index=on_device["last_token_index"],
             groups=groups,
             block_size=block_size,
+            rope_positions=on_device.get("rope_positions"),
+            **_embeds(entries, device),
         )
 
 
@@ -222,6 +244,40 @@ def _token_tensors(
         "positions": positions,
         "slot_mapping": blocks * block_size + positions % block_size,
         "last_token_index": seqs.starts + seqs.q_lens - 1,
+    }
+
+
+def _rope_positions(entries: Sequence[SeqEntry], positions: torch.Tensor) -> torch.Tensor | None:
+    """[3, T] when any entry carries its own rope positions: the others' are their indices on
+    every axis (text tokens advance all three together)."""
+    if all(e.rope_positions is None for e in entries):
+        return None
+    rope = positions.expand(3, -1).clone()
+    start = 0
+    for e in entries:
+        n = len(e.token_ids)
+        if e.rope_positions is not None:
+            rope[:, start : start + n] = torch.from_numpy(e.rope_positions)
+        start += n
+    return rope
+
+
+def _embeds(entries: Sequence[SeqEntry], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """`embed_rows` and `embeds` for the entries' replaced embeddings; nothing when none."""
+    rows: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    start = 0
+    for e in entries:
+        for offset, tensor in e.embeds:
+            first = start + offset
+            rows.append(torch.arange(first, first + tensor.shape[0]))
+            values.append(tensor)
+        start += len(e.token_ids)
+    if not rows:
+        return {}
+    return {
+        "embed_rows": torch.cat(rows).to(device),
+        "embeds": torch.cat(values).to(device),
     }
 
 

@@ -38,6 +38,7 @@ from shared.model.gguf_loader import (
 from shared.model.gguf_tokenizer import GgufTokenizerInfo, build_gguf_tokenizer
 from shared.model.registry import build_model, config_from_hf
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+from shared.model.vision.image_processor import ImageProcessorConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class LoadedModel:
     # sampling defaults from generation_config.json (temperature, top_p, top_k, ...), as vLLM
     # applies them to fields a request leaves out
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # how a vision model's images are resized and cut into patches (preprocessor_config.json,
+    # else the family's defaults); None for a text model
+    image_processor: ImageProcessorConfig | None = None
 
 
 def tiny_config() -> ModelConfig:
@@ -228,4 +232,27 @@ def _load_directory(path: Path, device: torch.device, dtype: torch.dtype) -> Loa
         eos,
         chat_template=hf_checkpoint.chat_template(path),
         generation_defaults=hf_checkpoint.generation_defaults(path),
+        image_processor=_image_processor(path, config),
     )
+
+
+def _image_processor(path: Path, config: ModelConfig) -> ImageProcessorConfig | None:
+    if config.vision is None:
+        return None
+    vision = config.vision
+    # without the file, images are cut as the tower takes them, the rest as transformers does
+    tower_settings = {
+        "patch_size": vision.patch_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.spatial_merge_size,
+    }
+    settings = hf_checkpoint.read_json(path / "preprocessor_config.json", required=False)
+    processor = ImageProcessorConfig.from_preprocessor_config(tower_settings | settings)
+    tower = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+    mine = (processor.patch_size, processor.temporal_patch_size, processor.merge_size)
+    if mine != tower:
+        raise ValueError(
+            f"{path}/preprocessor_config.json cuts images into (patch, temporal, merge) {mine} "
+            f"but the vision tower takes {tower}"
+        )
+    return processor

@@ -13,7 +13,17 @@ from typing import Any
 
 import torch
 
-from shared.model import deepseek, gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe
+from shared.model import (
+    deepseek,
+    gemma,
+    llama,
+    mixtral,
+    phi3,
+    qwen2_moe,
+    qwen2_vl,
+    qwen3,
+    qwen3_moe,
+)
 from shared.model.causal_lm import Model
 from shared.model.config import ModelConfig
 from shared.model.family import Family
@@ -28,6 +38,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_moe.FAMILY,
     qwen2_moe.FAMILY,
     deepseek.FAMILY,
+    qwen2_vl.FAMILY,
 )
 _BY_HF = {name: f for f in FAMILIES for name in f.hf_architectures}
 GGUF_ARCHITECTURES = {g: hf for f in FAMILIES for g, hf in f.gguf_architectures.items()}

@@ -92,13 +92,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         # yarn scales cos and sin (in fp32, before the cast); 1.0 elsewhere, where no multiply runs
         self.attention_factor = 1.0 if theta is not None else config.rope_scaling.attention_factor
+        # mRoPE (Qwen2-VL): frequency j turns with the position on axis `axis_of_freq[j]` (time,
+        # height, width in `mrope_section` runs); None for one-axis models
+        self.axis_of_freq: torch.Tensor | None = None
+        if config.mrope_section is not None:
+            axes = [i % 3 for i, n in enumerate(config.mrope_section) for _ in range(n)]
+            self.axis_of_freq = torch.tensor(axes, dtype=torch.long, device=device)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and *signed* sin of shape [T, 1, rotated dims] (broadcast over heads) in `dtype`:
-        the sin's first half is negated, as `rotate_half` negates the half it moves there."""
-        freqs = positions[:, None].float() * self.inv_freq.float()
+        the sin's first half is negated, as `rotate_half` negates the half it moves there.
+        `positions`: [T], or [3, T] (time, height, width) for an mRoPE model, where frequency j
+        takes its axis's position: the same products transformers computes per axis before it
+        picks each frequency's axis, so the same bits."""
+        if positions.dim() == 2:
+            assert self.axis_of_freq is not None, "3-axis positions for a one-axis rope"
+            picked = positions.index_select(0, self.axis_of_freq)  # [rotated / 2, T]
+            freqs = picked.t().float() * self.inv_freq.float()
+        else:
+            freqs = positions[:, None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:

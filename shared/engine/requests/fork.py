@@ -35,6 +35,8 @@ def fork_completions(parts: EngineParts, parent: LlmRequest) -> list[TokenDelta]
             state=parent.state,
             parent_id=parent.request_id,
             choice_index=index,
+            multimodal=parent.multimodal,
+            mrope_delta=parent.mrope_delta,
         )
         child.cached_tokens = parent.cached_tokens
         child.first_token_time = parent.first_token_time

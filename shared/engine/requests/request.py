@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from shared.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # request bookkeeping imports no torch
+    from shared.engine.requests.multimodal import MultimodalPrompt
     from shared.engine.sampling.logprobs import TokenLogprobs
 
 
@@ -125,6 +126,11 @@ class LlmRequest:
     # tokens a speculative proposer drafted after its last token, verified by the next step
     # (shared/engine/speculative/drafter.py); not output until accepted
     draft_token_ids: list[int] = field(default_factory=list)
+    # its prompt's images (Qwen2-VL); None for a text prompt
+    multimodal: MultimodalPrompt | None = None
+    # mRoPE: position minus index of its tokens after the prompt, from its images or (decode
+    # node) its KV header; written into the seat's delta row when it takes a seat
+    mrope_delta: int = 0
     # (state entered, seat held at that moment): the debug trail tests read the lifecycle from
     history: list[tuple[LlmRequestState, int | None]] = field(default_factory=list)
 
@@ -173,6 +179,12 @@ class LlmRequest:
         if self.state != LlmRequestState.GENERATION_IN_PROGRESS:
             return 1
         return max(1, self.num_tokens - self.num_computed_tokens)
+
+    def hash_token_ids(self, num_tokens: int) -> list[int]:
+        """Its first `num_tokens` tokens as the prefix cache hashes them: an image's
+        placeholders stand for its digest (shared/engine/requests/multimodal.py)."""
+        tokens = self.all_token_ids[:num_tokens]
+        return tokens if self.multimodal is None else self.multimodal.hash_token_ids(tokens)
 
     @property
     def prompt_len(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from shared.cdiv import cdiv
 from shared.engine.errors import RequestRejected
+from shared.engine.requests.multimodal import MultimodalPrompt, PromptImage
 from shared.engine.sampling.sampling_params import SamplingParams
 
 
@@ -21,6 +22,33 @@ class RequestLimits:
     context_only: bool  # a prefill node holds the prompt only
     # the LoRA adapters the model serves now (they may be loaded and unloaded while it runs)
     lora_adapters: Callable[[], Collection[str]] = field(default=lambda: ())
+    # vision models: the placeholder token an image's embeddings replace, and the tower's
+    # spatial merge (placeholders per image = patches / merge**2); None: text only
+    image_token_id: int | None = None
+    image_merge: int = 1
+
+    def multimodal(
+        self, prompt_token_ids: Sequence[int], images: Sequence[PromptImage]
+    ) -> MultimodalPrompt | None:
+        """The prompt's images laid out (None for a text prompt); RequestRejected when the
+        model takes no images or the placeholders and the images disagree."""
+        if self.image_token_id is None:
+            if images:
+                raise RequestRejected("images: this model takes text only")
+            return None
+        if not images:
+            if self.image_token_id in prompt_token_ids:
+                raise RequestRejected(
+                    f"prompt holds image placeholder tokens (id {self.image_token_id}) but no "
+                    "images came with it"
+                )
+            return None
+        try:
+            return MultimodalPrompt.build(
+                prompt_token_ids, images, self.image_token_id, self.image_merge
+            )
+        except ValueError as e:
+            raise RequestRejected(f"images: {e}") from None
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected naming the field."""

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 from shared.engine.errors import RequestRejected
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.output import OutputProcessor
 from shared.engine.requests.request import (
     ALLOWED_TRANSITIONS,
@@ -79,14 +80,21 @@ class RequestTable:
         params: SamplingParams,
         request_id: str = "",
         state: LlmRequestState = LlmRequestState.CONTEXT_INIT,
+        images: Sequence[PromptImage] = (),
     ) -> LlmRequest:
         """A validated request, live from now on (RequestRejected naming the field)."""
         self.limits.check(prompt_token_ids, params)
+        multimodal = self.limits.multimodal(prompt_token_ids, images)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests or fork_id(request_id, 1) in self.requests:
             raise RequestRejected(f"request_id {request_id!r} is already in flight")
         request = LlmRequest(
-            request_id, list(prompt_token_ids), params.with_resolved_seed(), state=state
+            request_id,
+            list(prompt_token_ids),
+            params.with_resolved_seed(),
+            state=state,
+            multimodal=multimodal,
+            mrope_delta=0 if multimodal is None else multimodal.delta,
         )
         self.add(request)
         return request

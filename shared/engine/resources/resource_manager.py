@@ -20,6 +20,7 @@ from shared.engine.resources.block_manager import (
     extend_block_hashes,
     lora_seed,
 )
+from shared.engine.resources.mrope_deltas import MropeDeltaPool
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 
 
@@ -142,8 +143,11 @@ class SlotManager:
 
 
 class SeqSlotManager(BaseResourceManager):
+    """Seats, and each seat's mRoPE delta row: written with the seat, cleared before it goes."""
+
     def __init__(self, max_num_sequences: int):
         self.slot_manager = SlotManager(max_num_sequences)
+        self.mrope_deltas = MropeDeltaPool(max_num_sequences)
 
     def get_max_resource_count(self) -> int:
         return self.slot_manager.max_num_requests
@@ -161,15 +165,26 @@ class SeqSlotManager(BaseResourceManager):
                 continue  # no seat until its KV has arrived
             if request.seq_slot is None:
                 request.seq_slot = self.slot_manager.add_slot(request.request_id)
+                if request.mrope_delta:
+                    self.mrope_deltas.write(
+                        request.seq_slot, request.request_id, request.mrope_delta
+                    )
                 if request.return_perf_metrics and request.first_scheduled_time is None:
                     request.first_scheduled_time = time.monotonic()
 
     def free_resources(self, request: LlmRequest) -> None:
+        if request.seq_slot is not None:
+            self.mrope_deltas.clear(request.seq_slot)
         self.slot_manager.remove_slot(request.request_id)
         request.seq_slot = None
 
+    def check_conservation(self) -> None:
+        self.slot_manager.check_conservation()
+        self.mrope_deltas.check_conservation()
+
     def shutdown(self) -> None:
         self.slot_manager.shutdown()
+        self.mrope_deltas.check_conservation()
 
     @property
     def num_free(self) -> int:
@@ -317,7 +332,7 @@ class KVCacheManager(BaseResourceManager):
             hashes.extend(known[len(hashes) : full])
         if len(hashes) < full:
             seed = self.kv_seed(request.sampling_params.lora_adapter)
-            extend_block_hashes(hashes, request.all_token_ids[:num_tokens], self.block_size, seed)
+            extend_block_hashes(hashes, request.hash_token_ids(num_tokens), self.block_size, seed)
         return hashes
 
     # ---- BaseResourceManager hooks --------------------------------------------------------

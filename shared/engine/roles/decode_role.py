@@ -93,8 +93,8 @@ class DecodeRole:
     def place(self, c: PlacePrompt) -> LlmRequest | None:
         """Local (the request) or queued for a transfer (None, its grant comes as an
         `Admitted` event)."""
-        if c.fallback:
-            return self.placement.start_local(c.prompt, c.params, c.request_id, c.hashes)
+        if c.fallback or c.images:
+            return self.placement.start_local(c.prompt, c.params, c.request_id, c.hashes, c.images)
         queued = len(self.admission)
         request = self.placement.try_local(c.prompt, c.params, c.request_id, c.hashes, queued)
         if request is None:

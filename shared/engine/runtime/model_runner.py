@@ -8,9 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.requests.multimodal import PromptImage
+from shared.engine.requests.request import LlmRequest
+from shared.engine.resources.mrope_deltas import MropeDeltaPool
+from shared.engine.runtime.encoder_cache import EncoderCache
 from shared.engine.sampling.prompt_logprobs import fill_prompt_logprobs
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.kv.layout import KvLayout
@@ -37,6 +42,7 @@ class ModelRunner:
         cuda_graphs: bool,
         max_model_len: int,
         dummy_slot_row: int,
+        mrope_deltas: MropeDeltaPool | None = None,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -46,6 +52,10 @@ class ModelRunner:
             )
         self.device = device
         self.block_size = config.block_size
+        # mRoPE models read each seated request's delta (seat-indexed) for its rope positions;
+        # vision models encode a prompt's images into the encoder cache as its chunks need them
+        self.mrope_deltas = mrope_deltas if loaded.config.mrope_section is not None else None
+        self.encoder = None if loaded.config.vision is None else EncoderCache(self._encode)
         # decode rows as one attention group where the paged decode kernel runs them (K/V
         # pools only: a latent pool's rows would be padded to the longest context)
         self.ragged = layout.planes == 2 and paged_decode.reads_ragged(device, layout.torch_dtype)
@@ -74,6 +84,8 @@ class ModelRunner:
         after them); when a request wants prompt logprobs, every token's logits are computed
         and its prompt entries filled from them. Counters are not yet advanced."""
         entries = [_entry(s, block_table) for s in scheduled]
+        if self.mrope_deltas is not None:
+            entries = self._with_mrope(scheduled, entries)
         lora = any(s.request.sampling_params.lora_adapter is not None for s in scheduled)
         if not any(s.request.needs_prompt_logits for s in scheduled):
             # the captured graphs compute the base model only
@@ -121,7 +133,7 @@ class ModelRunner:
         """A decode step through the CUDA-graph runner; None when a prefill chunk is in the
         batch or no captured shape fits it."""
         assert self.decode_runner is not None
-        if any(len(e.token_ids) != 1 for e in entries):
+        if any(len(e.token_ids) != 1 or e.rope_positions is not None for e in entries):
             return None
         rows = [
             DecodeRow(
@@ -134,6 +146,37 @@ class ModelRunner:
             for s, e in zip(scheduled, entries, strict=True)
         ]
         return self.decode_runner.run(rows)
+
+    def _with_mrope(
+        self, scheduled: Sequence[ScheduledRequest], entries: Sequence[SeqEntry]
+    ) -> list[SeqEntry]:
+        """The entries with their rope positions and, where a chunk covers an image's
+        placeholders, the image's embeddings (every image of the step encoded in one call)."""
+        assert self.mrope_deltas is not None
+        deltas = self.mrope_deltas
+        touched = [
+            touched_images(s.request, e.num_computed, len(e.token_ids))
+            for s, e in zip(scheduled, entries, strict=True)
+        ]
+        images = [image for row in touched for image, _, _ in row]
+        embeddings = iter(
+            [] if not images or self.encoder is None else self.encoder.embeddings(images)
+        )
+        out = []
+        for s, e, row in zip(scheduled, entries, touched, strict=True):
+            r = s.request
+            rope = rope_positions(r, e.num_computed, len(e.token_ids), deltas.read(r.seq_slot))
+            embeds = tuple((offset, next(embeddings)[rows]) for _, offset, rows in row)
+            out.append(replace(e, rope_positions=rope, embeds=embeds))
+        return out
+
+    def _encode(self, images: Sequence[PromptImage]) -> list[torch.Tensor]:
+        """Each image's embeddings, from one vision tower call over all of them."""
+        pixels = torch.from_numpy(np.concatenate([image.pixel_values for image in images]))
+        merged = self.model.encode_images(pixels, [image.grid for image in images])
+        patches_per_token = pixels.shape[0] // merged.shape[0]
+        sizes = [image.pixel_values.shape[0] // patches_per_token for image in images]
+        return list(merged.split(sizes))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V): (source, destination) pairs."""
@@ -155,6 +198,39 @@ def draft_rows(
             by_request[s.request.request_id] = logits[row : row + k]
             row += k
     return logits[: len(scheduled)], by_request
+
+
+def rope_positions(request: LlmRequest, start: int, n: int, delta: int) -> np.ndarray | None:
+    """[3, n] mRoPE positions of the request's tokens [start, start + n): its prompt's from its
+    images' layout, later tokens' their index plus `delta` (the seat's); None when every one is
+    its index (a text request)."""
+    mm = request.multimodal
+    prompt_len = request.prompt_len if mm is not None else 0
+    stop = start + n
+    if start >= prompt_len and delta == 0:
+        return None
+    parts = []
+    if start < prompt_len:
+        parts.append(mm.prompt_positions(start, min(stop, prompt_len)))  # type: ignore[union-attr]
+        start = min(stop, prompt_len)
+    if start < stop:
+        parts.append(np.broadcast_to(np.arange(start, stop) + delta, (3, stop - start)))
+    return np.concatenate(parts, axis=1)
+
+
+def touched_images(request: LlmRequest, start: int, n: int) -> list[tuple[PromptImage, int, slice]]:
+    """The request's images whose placeholders fall in tokens [start, start + n): each with the
+    index of its first covered token among those n, and the rows of its embeddings covered."""
+    mm = request.multimodal
+    if mm is None:
+        return []
+    stop = start + n
+    out = []
+    for image, span in zip(mm.images, mm.spans, strict=True):
+        lo, hi = max(start, span.start), min(stop, span.end)
+        if lo < hi:
+            out.append((image, lo - start, slice(lo - span.start, hi - span.start)))
+    return out
 
 
 def _entry(s: ScheduledRequest, block_table: Callable[[str], list[int]]) -> SeqEntry:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.engine.errors import ResourcesExhausted
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.request import LlmRequest, LlmRequestState
 from shared.engine.resources.block_manager import BlockHash
 from shared.engine.roles.role import EngineParts
@@ -82,6 +83,7 @@ class Placement:
         params: SamplingParams,
         request_id: str,
         hashes: Sequence[BlockHash],
+        images: Sequence[PromptImage] = (),
     ) -> LlmRequest:
         """A colocated node, or the fallback (no prefill node could serve it): prefill here
         whatever the length; the scheduler holds it QUEUED, holding nothing, until its blocks
@@ -100,7 +102,7 @@ class Placement:
             )
         ahead = tokens_still_to_prefill(table)
         self.slo.check_ttft(request_id, len(prompt), ahead, params.service)
-        request = self._add(prompt, params, request_id, hashes)
+        request = self._add(prompt, params, request_id, hashes, images)
         self.slo.rate.started(request_id, len(prompt), time.monotonic())
         return request
 
@@ -141,9 +143,10 @@ class Placement:
         params: SamplingParams,
         request_id: str,
         hashes: Sequence[BlockHash],
+        images: Sequence[PromptImage] = (),
     ) -> LlmRequest:
         """Into the scheduler (QUEUED), with the prompt's hashes: scheduling hashes nothing."""
-        request = self.parts.requests.new(prompt, params, request_id, S.QUEUED)
+        request = self.parts.requests.new(prompt, params, request_id, S.QUEUED, images)
         request.prompt_block_hashes = list(hashes)
         self.parts.scheduler.add_request(request)
         return request

@@ -11,6 +11,7 @@ releases the request on both nodes exactly as a gRPC cancel does.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import time
@@ -98,7 +99,8 @@ def create_app(backend: Backend, config: HttpApiConfig, registry: CollectorRegis
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
         tools = tool_parser(body, service.tool_call_parser)
-        jobs = service.jobs(body, [service.chat_prompt(body)])
+        prompt = await asyncio.to_thread(service.chat_prompt, body)  # images: CPU work
+        jobs = service.jobs(body, [prompt])
         await compile_structured(body, jobs[0].params.structured, backend.info)
         return await _answer(service, request, body, jobs, chat=True, tools=tools)
 

@@ -163,6 +163,16 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImageUrl(BaseModel):
+    url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the processor decides
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCall(BaseModel):
     name: StrictStr
     # a JSON string in OpenAI's messages and answers; an object as transformers documents
@@ -179,7 +189,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool", "function"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart | ImagePart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     function_call: FunctionCall | None = None  # an assistant's call, the deprecated spelling
@@ -190,7 +200,12 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_parts(self) -> list[ImagePart]:
+        if not isinstance(self.content, list):
+            return []
+        return [part for part in self.content if isinstance(part, ImagePart)]
 
 
 class ChatCompletionRequest(_Sampling):

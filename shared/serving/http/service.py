@@ -9,7 +9,6 @@ piece stream releases the request, all n completions, on both nodes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.engine.info import EngineInfo
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason
 from shared.engine.sampling.logprobs import TokenLogprobs
@@ -26,6 +26,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.chat_template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from shared.model.loader import LoadedModel
 from shared.serving.connection_limits import ConnectionLimits
+from shared.serving.http.chat_images import Prompt, request_images, widen_placeholders
 from shared.serving.http.errors import ApiError
 from shared.serving.http.logprobs import TokenTexts
 from shared.serving.http.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
@@ -37,8 +38,10 @@ from shared.serving.http.schemas import (
     ModelList,
     Usage,
 )
+from shared.serving.http.stream_merge import merge_streams
 from shared.serving.http.template_tools import parser_for_template
 from shared.serving.http.tools import template_message, tool_definitions
+from shared.serving.images.image_limits import ImageLimits
 
 if TYPE_CHECKING:
     from shared.serving.http.tokenization_schemas import TokenizeChatRequest
@@ -58,7 +61,12 @@ class Backend(Protocol):
     info: EngineInfo
 
     def generate(
-        self, rid: str, prompt: list[int], params: SamplingParams, deadline: float | None
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float | None,
+        images: Sequence[PromptImage] = (),
     ) -> AsyncIterator[tuple[RequestStats, TokenDelta]]: ...
 
     def validate(self, prompt: list[int], params: SamplingParams) -> SamplingParams: ...
@@ -94,6 +102,7 @@ class HttpApiConfig:
     # per connection: header and body read deadlines, keep-alive, the connection cap
     connection: ConnectionLimits = field(default_factory=ConnectionLimits)
     runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # per chat request
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     prompt_text: str = ""  # what echo prepends (the prompt as given, or its ids decoded)
+    images: tuple[PromptImage, ...] = ()  # the prompt's, in placeholder order
 
 
 @dataclass(frozen=True)
@@ -195,7 +205,7 @@ class OpenAIService:
         return None if model == self.model_name else model
 
     # ---- prompts --------------------------------------------------------------------------
-    def completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+    def completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
         """Each prompt's ids, with its text for echo (token ids given: decoded)."""
         prompt = req.prompt
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
@@ -205,10 +215,11 @@ class OpenAIService:
         out = []
         for p in batch:
             if isinstance(p, str):
-                out.append((self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens), p))
+                ids = self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                out.append(Prompt(ids, p))
             else:
                 ids = list(p)  # type: ignore[arg-type]
-                out.append((ids, self.tokenizer.decode(ids) if req.echo else ""))
+                out.append(Prompt(ids, self.tokenizer.decode(ids) if req.echo else ""))
         return out
 
     def render_chat(
@@ -240,29 +251,38 @@ class OpenAIService:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
 
-    def chat_prompt(
-        self, req: ChatCompletionRequest | TokenizeChatRequest
-    ) -> tuple[list[int], str]:
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
+        """The rendered conversation's ids and text, and its images (decoded and preprocessed
+        here: CPU work, which the routes run off the event loop)."""
+        loaded = self.backend.info.loaded
+        images = request_images(
+            req.messages, loaded.image_processor, self.config.image_limits, self.model_name
+        )
         # the template already wrote BOS and the role markers: no second set of specials unless
         # the client asks (vLLM's add_special_tokens)
         text = self.render_chat(req, tool_definitions(req))
-        return self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens), text
+        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        vision = loaded.config.vision
+        if images and vision is not None and loaded.config.image_token_id is not None:
+            token, merge = loaded.config.image_token_id, vision.spatial_merge_size
+            ids = widen_placeholders(ids, images, token, merge)
+        return Prompt(ids, text, images)
 
     def jobs(
         self,
         req: CompletionRequest | ChatCompletionRequest,
-        prompts: Sequence[tuple[list[int], str]],
+        prompts: Sequence[Prompt],
     ) -> list[Job]:
         info = self.backend.info
         # a default max_tokens must also fit this node's whole KV pool (EngineInfo.validate)
         limit = min(info.max_model_len, info.pool_tokens)
         jobs = []
-        for i, (prompt, text) in enumerate(prompts):
+        for i, (prompt, text, images) in enumerate(prompts):
             params = to_sampling_params(req, self.defaults, len(prompt), limit)
             adapter = self.adapter(req.model)
             params = replace(params, service=req.service_level, lora_adapter=adapter)
             prompt, params = _continued(req, prompts, prompt, params)
-            jobs.append(Job(i, prompt, self.backend.validate(prompt, params), text))
+            jobs.append(Job(i, prompt, self.backend.validate(prompt, params), text, images))
         return jobs
 
     # ---- generation -----------------------------------------------------------------------
@@ -271,7 +291,8 @@ class OpenAIService:
         return time.monotonic() + min(timeouts) if timeouts else None
 
     async def run(self, rid: str, job: Job, deadline: float | None) -> AsyncIterator[Piece]:
-        gen = self.backend.generate(f"{rid}-{job.index}", job.prompt, job.params, deadline)
+        rid = f"{rid}-{job.index}"
+        gen = self.backend.generate(rid, job.prompt, job.params, deadline, job.images)
         n = job.params.n
         started: set[int] = set()
         prompt_logprobs = None  # the prompt's, computed once for all n (on completion 0)
@@ -299,7 +320,7 @@ class OpenAIService:
 
     def pieces(self, rid: str, jobs: list[Job], deadline: float | None) -> AsyncIterator[Piece]:
         streams = [self.run(rid, job, deadline) for job in jobs]
-        return streams[0] if len(streams) == 1 else merge(streams)
+        return streams[0] if len(streams) == 1 else merge_streams(streams)
 
 
 def usage_of(last: dict[int, Piece]) -> Usage:
@@ -317,7 +338,7 @@ def usage_of(last: dict[int, Piece]) -> Usage:
 
 def _continued(
     req: CompletionRequest | ChatCompletionRequest,
-    prompts: Sequence[tuple[list[int], str]],
+    prompts: Sequence[Prompt],
     prompt: list[int],
     params: SamplingParams,
 ) -> tuple[list[int], SamplingParams]:
@@ -354,36 +375,3 @@ def _seconds(header: str | None) -> float | None:
     if not value > 0:
         raise ApiError(400, f"X-Request-Timeout must be positive, got {header!r}")
     return value
-
-
-_END = object()
-
-
-async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
-    """Interleave a batch's choices as they come; the first error ends them all."""
-    queue: asyncio.Queue[object] = asyncio.Queue()
-
-    async def pump(stream: AsyncIterator[Piece]) -> None:
-        try:
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for piece in stream:
-                    queue.put_nowait(piece)
-            queue.put_nowait(_END)
-        except Exception as e:
-            queue.put_nowait(e)
-
-    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is _END:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item  # type: ignore[misc]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -58,7 +58,7 @@ def tokenize(
         service.check_model(request.model)
     tokenizer = service.tokenizer
     if isinstance(request, TokenizeChatRequest):
-        ids, _ = service.chat_prompt(request)  # exactly the chat endpoint's prompt
+        ids = service.chat_prompt(request).ids  # exactly the chat endpoint's (images widened)
     else:
         ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     strs = token_strs(tokenizer, service.token_texts, ids) if request.return_token_strs else None

@@ -23,6 +23,7 @@ from shared.serving.http.schemas import (
     AssistantMessage,
     ChatCompletionRequest,
     ChatMessage,
+    TextPart,
     ToolCall,
 )
 from shared.serving.http.tool_parsers import (
@@ -163,7 +164,7 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     exchange templates know: an assistant's `function_call` as its one tool call, a `function`
     message as a `tool` one (its name kept)."""
     role = "tool" if m.role == "function" else m.role
-    out: dict[str, Any] = {"role": role, "content": m.text()}
+    out: dict[str, Any] = {"role": role, "content": _content(m)}
     calls = m.tool_calls
     if calls is None and m.function_call is not None:
         calls = [ToolCall(function=m.function_call)]
@@ -181,6 +182,18 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     if role == "tool" and m.name is not None:
         out["name"] = m.name
     return out
+
+
+def _content(m: ChatMessage) -> str | list[dict[str, str]]:
+    """Text, or (with images) the parts as vision chat templates read them: each image as
+    `{"type": "image"}`, where the template writes the image's placeholder."""
+    if not m.image_parts():
+        return m.text()
+    assert isinstance(m.content, list)
+    return [
+        {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+        for part in m.content
+    ]
 
 
 def _arguments(call: ToolCall) -> Any:

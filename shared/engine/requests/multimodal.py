@@ -1,0 +1,70 @@
+"""A prompt's images as the engine keeps them: each image's preprocessed pixels, where its
+placeholder tokens sit, and the prompt's mRoPE positions (shared/model/mrope.py).
+
+The pixels stay with the request until its prompt is computed (a preempted request computes it
+again); the embeddings the vision tower makes of them live in the model runner's encoder cache,
+bounded in bytes, keyed by each image's digest. The digest also keys the prefix cache: the
+placeholder tokens are the same for every image, so a block's hash takes the image's digest in
+their place, and a repeated image (same pixels, same place) is a prefix hit while another image
+of the same size is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.model.mrope import Grid, ImageSpan, image_spans, mrope_positions
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image, preprocessed: [patches, channels * temporal * patch * patch] float32."""
+
+    pixel_values: np.ndarray
+    grid: Grid
+    digest: bytes  # of the pixels and the grid: equal images, equal digests
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pixel_values.nbytes)
+
+
+@dataclass(frozen=True, eq=False)
+class MultimodalPrompt:
+    images: tuple[PromptImage, ...]
+    spans: tuple[ImageSpan, ...]
+    positions: np.ndarray  # [3, prompt_len] int64 mRoPE positions
+    delta: int  # position minus index of every token after the prompt
+
+    @classmethod
+    def build(
+        cls,
+        prompt: Sequence[int],
+        images: Sequence[PromptImage],
+        image_token_id: int,
+        merge: int,
+    ) -> MultimodalPrompt:
+        """ValueError when the prompt's placeholders and the images disagree."""
+        spans = image_spans(prompt, image_token_id, [image.grid for image in images], merge)
+        positions, delta = mrope_positions(len(prompt), spans)
+        return cls(tuple(images), tuple(spans), positions, delta)
+
+    def hash_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """`token_ids` (the request's, from its start) with each image's placeholders replaced
+        by a value of its digest: negative, so no real token id equals one."""
+        ids = list(token_ids)
+        for image, span in zip(self.images, self.spans, strict=True):
+            if span.start >= len(ids):
+                break
+            key = -1 - int.from_bytes(image.digest[:7], "little")
+            ids[span.start : min(span.end, len(ids))] = [key] * (
+                min(span.end, len(ids)) - span.start
+            )
+        return ids
+
+    def prompt_positions(self, start: int, stop: int) -> np.ndarray:
+        """[3, stop - start] positions of prompt tokens [start, stop)."""
+        return self.positions[:, start:stop]

@@ -1,0 +1,137 @@
+"""Qwen2-VL and Qwen2.5-VL through the engine against transformers, token for token (fp32):
+prompts with 0, 1 and 2 images of different sizes, prefill chunks that split an image, a
+repeated image served from the prefix cache, another image of the same size that must not be,
+and a seat reused by a text request after an image request (it must not read the old delta).
+Every scenario ends with every seat, block and mRoPE delta row back in its pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.errors import RequestRejected
+from shared.engine.llm import LLM
+from shared.engine.requests.multimodal import PromptImage
+from shared.engine.sampling.sampling_params import SamplingParams
+from shared.model.loader import load_model
+from tests.engine_helpers import single_torch_thread
+from tests.support.vision_checkpoints import (
+    IMAGE_TOKEN,
+    QWEN2_5_VL,
+    QWEN2_VL,
+    build_vl_checkpoint,
+    hf_vl_greedy,
+    image_prompt,
+    random_image,
+)
+
+NEW_TOKENS = 6
+CHUNK = 24  # smaller than the image prompts: chunks start and end inside images
+
+
+@pytest.fixture(scope="module", params=[QWEN2_VL, QWEN2_5_VL])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vl_checkpoint(tmp_path_factory.mktemp("vl"), request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> torch.nn.Module:
+    import transformers
+
+    arch = checkpoint.name
+    return getattr(transformers, arch).from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def _llm(checkpoint: Path, **overrides: object) -> LLM:
+    settings: dict[str, object] = {
+        "model": str(checkpoint),
+        "dtype": "float32",
+        "num_kv_blocks": 64,
+        "block_size": 8,
+        "max_num_tokens": CHUNK,
+        "max_batch_size": 4,
+    }
+    config = EngineConfig(**(settings | overrides))  # type: ignore[arg-type]
+    return LLM(config, load_model(str(checkpoint), dtype=torch.float32))
+
+
+def _run(llm: LLM, prompt: list[int], images: list[PromptImage]) -> tuple[list[int], int]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    request = llm.add_request(prompt, params, images=images)
+    while not request.is_finished:
+        llm.step()
+    return list(request.output_token_ids), request.cached_tokens
+
+
+CASES = {
+    "text": ([[1, 2, 3, 4, 5]], []),
+    "one-image": ([[10, 11], [12, 13, 14]], [(1, 4, 6)]),
+    "two-images": ([[20], [21, 22], [23]], [(1, 8, 4), (1, 2, 2)]),
+    "image-last": ([[30, 31, 32]], [(1, 6, 6)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_transformers(
+    checkpoint: Path, reference: torch.nn.Module, case: str
+) -> None:
+    texts, grids = CASES[case]
+    if case == "image-last":
+        texts = texts + [[]]
+    images = [random_image(grid, seed=i) for i, grid in enumerate(grids)]
+    prompt = image_prompt(texts, images)
+    with single_torch_thread():
+        expected = hf_vl_greedy(reference, prompt, images, NEW_TOKENS)
+        llm = _llm(checkpoint)
+        got, _ = _run(llm, prompt, images)
+    assert got == expected
+    llm.check_conservation()
+
+
+def test_prefix_cache_keys_images_by_content(
+    checkpoint: Path, reference: torch.nn.Module
+) -> None:
+    first, other = random_image((1, 8, 8), seed=7), random_image((1, 8, 8), seed=8)
+    prompt = image_prompt([[40, 41, 42, 43, 44, 45, 46, 47], [48, 49]], [first])
+    with single_torch_thread():
+        llm = _llm(checkpoint)
+        out_first, cached = _run(llm, prompt, [first])
+        assert cached == 0
+        again, cached_again = _run(llm, prompt, [first])
+        assert again == out_first and cached_again >= 16  # the image's blocks were hits
+        # same size, same placeholders, other pixels: only the text before it may hit
+        out_other, cached_other = _run(llm, prompt, [other])
+        assert cached_other == 8
+        assert out_other == hf_vl_greedy(reference, prompt, [other], NEW_TOKENS)
+    llm.check_conservation()
+
+
+def test_reused_seat_starts_from_a_clean_delta(
+    checkpoint: Path, reference: torch.nn.Module
+) -> None:
+    image = random_image((1, 8, 8), seed=3)
+    text = [50, 51, 52, 53, 54, 55]
+    with single_torch_thread():
+        llm = _llm(checkpoint, max_batch_size=1)  # one seat: the text request takes the same one
+        _run(llm, image_prompt([[60], [61]], [image]), [image])
+        deltas = llm.core.seq_slot_manager.mrope_deltas
+        deltas.check_conservation()  # cleared when its seat went back
+        got, _ = _run(llm, text, [])
+        assert got == hf_vl_greedy(reference, text, [], NEW_TOKENS)
+    llm.check_conservation()
+
+
+def test_placeholders_and_images_must_agree(checkpoint: Path) -> None:
+    image = random_image((1, 4, 4), seed=1)
+    llm = _llm(checkpoint)
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(RequestRejected, match="no images"):
+        llm.add_request([1, IMAGE_TOKEN, 2], params)
+    with pytest.raises(RequestRejected, match="placeholder"):
+        llm.add_request([1, IMAGE_TOKEN, 2], params, images=[image])  # needs 4 placeholders
+    with pytest.raises(RequestRejected, match="2 image placeholders for 1 images"):
+        llm.add_request([IMAGE_TOKEN] * 4 + [1] + [IMAGE_TOKEN] * 4, params, images=[image])
+    llm.check_conservation()
