@@ -80,7 +80,7 @@ def test_greedy_matches_transformers(
 ) -> None:
     texts, grids = CASES[case]
     if case == "image-last":
-        texts = texts + [[]]
+        texts = [*texts, []]
     images = [random_image(grid, seed=i) for i, grid in enumerate(grids)]
     prompt = image_prompt(texts, images)
     with single_torch_thread():
@@ -91,9 +91,7 @@ def test_greedy_matches_transformers(
     llm.check_conservation()
 
 
-def test_prefix_cache_keys_images_by_content(
-    checkpoint: Path, reference: torch.nn.Module
-) -> None:
+def test_prefix_cache_keys_images_by_content(checkpoint: Path, reference: torch.nn.Module) -> None:
     first, other = random_image((1, 8, 8), seed=7), random_image((1, 8, 8), seed=8)
     prompt = image_prompt([[40, 41, 42, 43, 44, 45, 46, 47], [48, 49]], [first])
     with single_torch_thread():

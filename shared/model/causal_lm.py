@@ -25,6 +25,7 @@ from shared.model.mrope import Grid
 from shared.model.norms import make_norm
 from shared.model.rotary import RotaryEmbedding
 from shared.model.step_context import LayerHook, StepContext
+from shared.model.vision.vision_tower import build_vision_tower
 
 
 class DecoderStack(nn.Module):
@@ -68,11 +69,9 @@ class Model(nn.Module):
         self._stack = DecodeStack(self.model.layers) if config.llama_layers else None
         self.lora: LoraBank | None = None  # set by the loader with --lora-modules / --max-loras
         # the vision tower (Qwen2-VL's `visual.`), whose embeddings replace image placeholders
-        self.visual: nn.Module | None = None
-        if config.vision is not None:
-            from shared.model.vision.vision_tower import build_vision_tower
-
-            self.visual = build_vision_tower(config.vision, device, dtype)
+        self.visual = (
+            None if config.vision is None else build_vision_tower(config.vision, device, dtype)
+        )
         self.eval()
 
     @property

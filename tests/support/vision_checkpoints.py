@@ -9,6 +9,7 @@ costs microseconds.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,51 @@ def build_vl_checkpoint(root: Path, arch: str, seed: int = 0) -> Path:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return path
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = {
+    "<|image_pad|>": IMAGE_TOKEN,
+    "<|video_pad|>": VIDEO_TOKEN,
+    "<|vision_start|>": VISION_START,
+    "<|vision_end|>": VISION_END,
+    "<|im_start|>": BOS,
+    "<|im_end|>": EOS,
+}
+MIN_PIXELS, MAX_PIXELS = 8 * 8, 48 * 48  # images come out 1 to 36 merged patches
+
+
+def write_chat_files(path: Path) -> None:
+    """A byte-level tokenizer whose special tokens sit at the config's ids, the family's chat
+    layout (an image part becomes its placeholder), and small preprocessing bounds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab |= {f"<unused{i}>": i for i in range(len(vocab), IMAGE_TOKEN)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(sorted(SPECIALS, key=SPECIALS.__getitem__))
+    assert all(tokenizer.token_to_id(t) == i for t, i in SPECIALS.items())
+    tokenizer.save(str(path / "tokenizer.json"))
+    settings = {"chat_template": CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    processor = {
+        "patch_size": PATCH,
+        "temporal_patch_size": TEMPORAL,
+        "merge_size": MERGE,
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": MAX_PIXELS,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(processor))
 
 
 def random_image(grid: tuple[int, int, int], seed: int) -> PromptImage:

@@ -1,0 +1,190 @@
+"""Images through the OpenAI API of a colocated node serving a tiny Qwen2-VL: PNG data URLs of
+different sizes in a chat, preprocessed by the node and answered token for token as
+transformers answers with its own processor; usage and /tokenize count the image tokens; bad
+images are 400 (413 past the byte limit) naming the image, and the node keeps serving with every
+seat, block and mRoPE delta row back."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from decode_node.config import DecodeNodeConfig
+from decode_node.server import DecodeNode
+from shared.engine.config import EngineConfig
+from shared.model.loader import load_model
+from tests.engine_helpers import single_torch_thread
+from tests.support.vision_checkpoints import (
+    IMAGE_TOKEN,
+    MAX_PIXELS,
+    MERGE,
+    MIN_PIXELS,
+    PATCH,
+    QWEN2_VL,
+    TEMPORAL,
+    build_vl_checkpoint,
+    write_chat_files,
+)
+
+NEW_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = build_vl_checkpoint(tmp_path_factory.mktemp("vl-http"), QWEN2_VL)
+    write_chat_files(path)
+    return path
+
+
+def _png(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _bomb_url() -> str:
+    """A PNG whose header claims 40,000 x 40,000 pixels (its data is a few bytes)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", 40_000, 40_000, 8, 2, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0"))
+    return "data:image/png;base64," + base64.b64encode(png + chunk(b"IEND", b"")).decode()
+
+
+def _expected(checkpoint: Path, text: str, images: list[Image.Image]) -> tuple[list[int], str]:
+    """transformers' prompt ids (its processor widens the placeholders) and greedy answer."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=PATCH,
+        temporal_patch_size=TEMPORAL,
+        merge_size=MERGE,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
+    inputs = processor(images=images, return_tensors="pt")
+    grids = inputs["image_grid_thw"]
+    pads = iter(int(g.prod()) // MERGE**2 for g in grids)
+    chat = "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n"
+    parts = chat.split("<|image_pad|>")
+    widened = parts[0] + "".join("<|image_pad|>" * next(pads) + p for p in parts[1:])
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    ids = tokenizer.encode(widened, add_special_tokens=False).ids
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.float32
+    )
+    prompt = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=grids,
+            mm_token_type_ids=(prompt == IMAGE_TOKEN).int(),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+        )
+    return ids, tokenizer.decode(out[0, len(ids) :].tolist())
+
+
+async def _serve(checkpoint: Path, body) -> None:
+    engine = EngineConfig(model=str(checkpoint), num_kv_blocks=256, block_size=8, dtype="float32")
+    config = DecodeNodeConfig(engine=engine, port=0, metrics_port=0, http_port=0, colocated=True)
+    node = DecodeNode(config, load_model(str(checkpoint), dtype=torch.float32))
+    await node.start()
+    try:
+        url = f"http://127.0.0.1:{node.http_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            await body(client)
+        await node.thread.inspect(lambda core: core.check_conservation())
+    finally:
+        await node.stop(grace=1.0)
+
+
+def _chat(content: object, **fields: object) -> dict[str, object]:
+    return {
+        "model": QWEN2_VL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **fields,
+    }
+
+
+def test_chat_with_two_images_matches_transformers(checkpoint: Path) -> None:
+    pictures = [_png(40, 24, seed=1), _png(20, 28, seed=2)]
+    content = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": _data_url(pictures[0])}},
+        {"type": "text", "text": " with "},
+        {"type": "image_url", "image_url": {"url": _data_url(pictures[1]), "detail": "low"}},
+    ]
+    text = "Compare <|vision_start|><|image_pad|><|vision_end|> with "
+    text += "<|vision_start|><|image_pad|><|vision_end|>"
+    with single_torch_thread():
+        ids, answer = _expected(checkpoint, text, pictures)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        reply = await client.post("/v1/chat/completions", json=_chat(content))
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == answer
+        assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+        counted = await client.post("/tokenize", json={"model": QWEN2_VL, **_chat(content)})
+        assert counted.json()["tokens"] == ids
+        # the same picture again: its blocks come from the prefix cache
+        again = await client.post("/v1/chat/completions", json=_chat(content))
+        assert again.json()["choices"][0]["message"]["content"] == answer
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    asyncio.run(_serve(checkpoint, body))
+
+
+def test_bad_images_are_client_errors(checkpoint: Path) -> None:
+    def image(url: str) -> list[dict[str, object]]:
+        return [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url}}]
+
+    good = _data_url(_png(16, 16, seed=3))
+    truncated = good[: len(good) // 2]
+    cases = {
+        "bomb": (image(_bomb_url()), 400, "pixels"),
+        "truncated": (image(truncated), 400, "image 1"),
+        "not an image": (image("data:text/plain;base64,aGVsbG8="), 400, "image 1"),
+        "remote": (image("https://example.com/cat.png"), 400, "data URL"),
+        "too many": (
+            [{"type": "image_url", "image_url": {"url": good}}] * 9,
+            400,
+            "images",
+        ),
+    }
+
+    async def body(client: httpx.AsyncClient) -> None:
+        for name, (content, status, words) in cases.items():
+            reply = await client.post("/v1/chat/completions", json=_chat(content))
+            assert reply.status_code == status, (name, reply.text)
+            error = reply.json()["error"]
+            assert words in error["message"] and error["param"] == "messages", (name, error)
+        ok = await client.post("/v1/chat/completions", json=_chat(image(good)))
+        assert ok.status_code == 200, ok.text
+
+    asyncio.run(_serve(checkpoint, body))
