@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from shared.engine.requests.multimodal import PromptImage
+from shared.model.vision.image_processor import ImageProcessorConfig, pixel_values
 
 VOCAB = 300
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 290, 291, 292, 293
 BOS, EOS = 294, 295
 PATCH, TEMPORAL, MERGE = 4, 2, 2
-PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
@@ -138,13 +138,22 @@ def write_chat_files(path: Path) -> None:
     (path / "preprocessor_config.json").write_text(json.dumps(processor))
 
 
+PROCESSOR = ImageProcessorConfig(patch_size=PATCH, temporal_patch_size=TEMPORAL, merge_size=MERGE)
+
+
 def random_image(grid: tuple[int, int, int], seed: int) -> PromptImage:
-    """Preprocessed pixels of a `grid`-patch image (random, normalised-looking values)."""
+    """A random picture of `grid` patches (one frame), resized as the model takes it."""
     rng = np.random.default_rng(seed)
-    t, h, w = grid
-    pixels = rng.standard_normal((t * h * w, PATCH_DIM)).astype(np.float32)
-    digest = hashlib.blake2b(pixels.tobytes() + repr(grid).encode(), digest_size=16).digest()
-    return PromptImage(pixels, grid, digest)
+    _, h, w = grid
+    rgb = rng.integers(0, 256, (h * PATCH, w * PATCH, 3), dtype=np.uint8)
+    digest = hashlib.blake2b(rgb.tobytes() + repr(grid).encode(), digest_size=16).digest()
+    return PromptImage(rgb, grid, digest)
+
+
+def tower_input(images: list[PromptImage]) -> torch.Tensor:
+    """What transformers' processor would hand the model for these pictures."""
+    pixels = [pixel_values(image.rgb, PROCESSOR).pixel_values for image in images]
+    return torch.from_numpy(np.concatenate(pixels))
 
 
 def image_prompt(text_parts: list[list[int]], images: list[PromptImage]) -> list[int]:
@@ -167,7 +176,7 @@ def hf_vl_greedy(
     kwargs: dict[str, Any] = {}
     if images:
         kwargs = {
-            "pixel_values": torch.from_numpy(np.concatenate([i.pixel_values for i in images])),
+            "pixel_values": tower_input(images),
             "image_grid_thw": torch.tensor([i.grid for i in images]),
             "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),
         }

@@ -1,7 +1,8 @@
-"""A prompt's images as the engine keeps them: each image's preprocessed pixels, where its
-placeholder tokens sit, and the prompt's mRoPE positions (shared/model/mrope.py).
+"""A prompt's images as the engine keeps them: each image resized as the model takes it (RGB
+bytes: the float pixels the tower reads are made from them when it runs, eight times larger),
+where its placeholder tokens sit, and the prompt's mRoPE positions (shared/model/mrope.py).
 
-The pixels stay with the request until its prompt is computed (a preempted request computes it
+The bytes stay with the request while it lives (a preempted request computes its prompt
 again); the embeddings the vision tower makes of them live in the model runner's encoder cache,
 bounded in bytes, keyed by each image's digest. The digest also keys the prefix cache: the
 placeholder tokens are the same for every image, so a block's hash takes the image's digest in
@@ -21,15 +22,15 @@ from shared.model.mrope import Grid, ImageSpan, image_spans, mrope_positions
 
 @dataclass(frozen=True, eq=False)
 class PromptImage:
-    """One image, preprocessed: [patches, channels * temporal * patch * patch] float32."""
+    """One image, resized: [height, width, 3] uint8, sides multiples of the merged patch."""
 
-    pixel_values: np.ndarray
-    grid: Grid
-    digest: bytes  # of the pixels and the grid: equal images, equal digests
+    rgb: np.ndarray
+    grid: Grid  # its (t, h, w) patches
+    digest: bytes  # of the bytes and the grid: equal images, equal digests
 
     @property
     def nbytes(self) -> int:
-        return int(self.pixel_values.nbytes)
+        return int(self.rgb.nbytes)
 
 
 @dataclass(frozen=True, eq=False)

@@ -27,7 +27,9 @@ from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel
 from shared.model.lora_batch import lora_batch
 from shared.model.lora_install import install_lora
+from shared.model.mrope import image_token_count
 from shared.model.step_context import LayerHook
+from shared.model.vision.image_processor import pixel_values
 
 
 class ModelRunner:
@@ -172,10 +174,13 @@ class ModelRunner:
 
     def _encode(self, images: Sequence[PromptImage]) -> list[torch.Tensor]:
         """Each image's embeddings, from one vision tower call over all of them."""
-        pixels = torch.from_numpy(np.concatenate([image.pixel_values for image in images]))
-        merged = self.model.encode_images(pixels, [image.grid for image in images])
-        patches_per_token = pixels.shape[0] // merged.shape[0]
-        sizes = [image.pixel_values.shape[0] // patches_per_token for image in images]
+        processor = self.loaded.image_processor
+        assert processor is not None  # the loader sets one for every vision model
+        patches = [pixel_values(image.rgb, processor).pixel_values for image in images]
+        merged = self.model.encode_images(
+            torch.from_numpy(np.concatenate(patches)), [image.grid for image in images]
+        )
+        sizes = [image_token_count(image.grid, processor.merge_size) for image in images]
         return list(merged.split(sizes))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

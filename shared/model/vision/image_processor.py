@@ -184,6 +184,13 @@ def convert_rgb(image: Image.Image) -> Image.Image:
 def preprocess(image: Image.Image, config: ImageProcessorConfig) -> ProcessedImage:
     """What Qwen2VLImageProcessorPil makes of one image: RGB, resize, rescale, normalize,
     then the temporal repeat and the patch/merge reordering."""
+    return pixel_values(resized_rgb(image, config), config)
+
+
+def resized_rgb(image: Image.Image, config: ImageProcessorConfig) -> np.ndarray:
+    """The image as RGB at the size the model takes it: [H, W, 3] uint8, both sides multiples
+    of `config.factor`. Everything after this step is arithmetic on these bytes, so they are
+    what a request carries (an eighth of the float pixels) and what its content key hashes."""
     if config.do_convert_rgb:
         image = convert_rgb(image)
     elif image.mode != "RGB":
@@ -195,7 +202,24 @@ def preprocess(image: Image.Image, config: ImageProcessorConfig) -> ProcessedIma
         )
         # transformers resizes the uint8 image with PIL (reducing_gap None) at this filter.
         image = image.resize((width, height), resample=config.resample)
-    pixels: np.ndarray = np.asarray(image)  # [H, W, 3] uint8
+    return np.asarray(image)
+
+
+def grid_of(rgb: np.ndarray, config: ImageProcessorConfig) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of a resized image; ValueError when its sides are not
+    multiples of the merged patch."""
+    height, width = rgb.shape[:2]
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or height % config.factor or width % config.factor:
+        raise ValueError(
+            f"the image is {width}x{height} pixels ({rgb.shape}), not RGB with sides multiple "
+            f"of {config.factor}; enable do_resize or send an image of that shape"
+        )
+    return 1, height // config.patch_size, width // config.patch_size
+
+
+def pixel_values(rgb: np.ndarray, config: ImageProcessorConfig) -> ProcessedImage:
+    """The vision tower's input from a resized image: rescale, normalize, patchify."""
+    pixels: np.ndarray = rgb
     if config.do_rescale:
         pixels = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
     if config.do_normalize:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from shared.engine.requests.multimodal import PromptImage
 from shared.model.mrope import image_token_count
-from shared.model.vision.image_processor import ImageProcessorConfig, preprocess
+from shared.model.vision.image_processor import ImageProcessorConfig, grid_of, resized_rgb
 from shared.serving.http.errors import ApiError
 from shared.serving.http.schemas import ChatMessage
 from shared.serving.images.image_decode import decode_image_url
@@ -58,11 +58,11 @@ def _image(
 ) -> PromptImage:
     picture = decode_image_url(url, limits, index)
     try:
-        processed = preprocess(picture, processor)
+        rgb = resized_rgb(picture, processor)
+        grid = grid_of(rgb, processor)
     except ValueError as e:  # an aspect ratio the model cannot take
         raise ImageError(index, str(e)) from None
-    digest = image_digest(processed.pixel_values, processed.grid_thw)
-    return PromptImage(processed.pixel_values, processed.grid_thw, digest)
+    return PromptImage(rgb, grid, image_digest(rgb, grid))
 
 
 def widen_placeholders(

@@ -11,7 +11,8 @@ _PERSON = b"pdserve.image.v1"  # blake2b's personalisation: no other hash in pds
 
 
 def image_digest(pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> bytes:
-    """16-byte blake2b of the preprocessed pixels, their dtype and shape, and the patch grid.
+    """16-byte blake2b of an image's pixels as the model takes them (resized RGB, or the
+    tower's float input), their dtype and shape, and the patch grid.
 
     Keyed on what the model sees, not on the file: a PNG and a BMP of one picture (or a data
     URL with other parameters) that preprocess to the same pixels share a key, so they share
