@@ -59,46 +59,14 @@ def bench_serve(
 ) -> dict[str, Any]:
     """One `vllm bench serve` run at `rate`; the metrics it saved."""
     name = f"{tag}-rate{rate}.json"
-    cmd = [
-        str(cfg.vllm_python),
-        str(CLIENT),
-        "--backend",
-        "openai",
-        "--base-url",
-        url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        MODEL_NAME,
-        "--tokenizer",
-        str(cfg.model_dir),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(oc.input_len),
-        "--random-output-len",
-        str(oc.output_len),
-        "--num-prompts",
-        str(oc.num_prompts),
-        "--request-rate",
-        str(rate),
-        "--seed",
-        str(oc.seed),
-        "--ignore-eos",
-        "--goodput",
-        *oc.slo,
-        "--percentile-metrics",
-        "ttft,tpot,itl,e2el",
-        "--metric-percentiles",
-        "50,99",
-        "--save-result",
-        "--result-dir",
-        str(out),
-        "--result-filename",
-        name,
-        "--disable-tqdm",
-        "--save-detailed",
-    ]
+    flags = f"--backend openai --base-url {url} --endpoint /v1/completions --model {MODEL_NAME}"
+    flags += f" --dataset-name random --random-input-len {oc.input_len}"
+    flags += f" --random-output-len {oc.output_len} --num-prompts {oc.num_prompts}"
+    flags += f" --request-rate {rate} --seed {oc.seed} --ignore-eos"
+    flags += " --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99"
+    flags += f" --save-result --result-filename {name} --disable-tqdm --save-detailed"
+    paths = ["--tokenizer", str(cfg.model_dir), "--result-dir", str(out)]
+    cmd = [str(cfg.vllm_python), str(CLIENT), *flags.split(), *paths, "--goodput", *oc.slo]
     env = child_env()
     env.pop("PYTHONPATH", None)
     with open(out / f"{tag}-rate{rate}.log", "w") as log:
@@ -130,9 +98,7 @@ def session(
                 for row in result["sweep"]:
                     tqdm.write(f"{name:>18} rate {row['rate']:>4}: " + _brief(row))
             elif task == "interference":
-                result["interference"] = vllm_http.interference(
-                    url, MODEL_NAME, oc.interference, vocab
-                )
+                result["interference"] = vllm_http.interference(url, oc.interference, vocab)
                 r = result["interference"]
                 tqdm.write(
                     f"{name:>18} interference: decode ITL p99 alone"
@@ -141,7 +107,7 @@ def session(
                 )
             elif task == "ttft":
                 result["ttft"] = vllm_http.ttft_sweep(
-                    url, MODEL_NAME, list(oc.pd_lengths), oc.pd_repeats, vocab, oc.seed
+                    url, list(oc.pd_lengths), oc.pd_repeats, vocab, oc.seed
                 )
                 points = [f"{r['prompt_tokens']}: {r['ttft_ms_p50']:.0f}" for r in result["ttft"]]
                 tqdm.write(f"{name:>18} TTFT p50 ms: " + ", ".join(points))

@@ -72,31 +72,12 @@ def vllm_server(
     kv_role: str | None = None,
     side_port: int = 0,
 ) -> subprocess.Popen[Any]:
-    cmd = [
-        "taskset",
-        "-c",
-        cores,
-        str(cfg.vllm_python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(cfg.model_dir),
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        cfg.dtype,
-        "--enforce-eager",
-        "--max-model-len",
-        str(cfg.max_model_len),
-        "--max-num-seqs",
-        str(cfg.max_batch),
-        "--seed",
-        "0",
-    ]
+    python, model = str(cfg.vllm_python), str(cfg.model_dir)
+    flags = f"--served-model-name {MODEL_NAME} --host 127.0.0.1 --port {port} --dtype {cfg.dtype}"
+    flags += f" --enforce-eager --max-model-len {cfg.max_model_len}"
+    flags += f" --max-num-seqs {cfg.max_batch} --seed 0"
+    api_server = "vllm.entrypoints.openai.api_server"
+    cmd = ["taskset", "-c", cores, python, "-m", api_server, "--model", model, *flags.split()]
     env = child_env(VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores)
     env.pop("PYTHONPATH", None)
     if kv_role is not None:
@@ -132,17 +113,8 @@ def vllm_pd(cfg: ServerConfig, prefill_cores: str, decode_cores: str, logs: Path
             urls.append(f"http://127.0.0.1:{port}")
             wait_http(urls[-1], procs, READY_TIMEOUT_S)
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.bench.peers.vllm_pd_proxy",
-            "--port",
-            str(port),
-            "--prefill",
-            urls[0],
-            "--decode",
-            urls[1],
-        ]
+        proxy = f"--port {port} --prefill {urls[0]} --decode {urls[1]}".split()
+        cmd = [sys.executable, "-m", "pdserve.bench.peers.vllm_pd_proxy", *proxy]
         procs.append(_popen(cmd, child_env(), logs / "vllm-pd-proxy.log"))
         url = f"http://127.0.0.1:{port}"
         wait_http(url, procs, 120.0)
@@ -169,33 +141,14 @@ def pdserve_pd(
     """pdserve 1 prefill + 1 decode (real `pdserve prefill/decode` nodes); the decode node's
     HTTP URL."""
     base = bench_nodes.engine_args(str(cfg.model_dir), _pdserve_engine(cfg))
+    decode = ["decode", *base, *f"--port 0 --http-port 0 --served-model-name {MODEL_NAME}".split()]
+    # a 4k prompt takes > 30 s to prefill on one busy core
+    decode += ["--prefill", "{port:prefill}", "--kv-transfer-timeout", "600"]
+    decode += ["--prefill-timeout", "600"]
+    prefill = ["prefill", *base, "--port", "0"]
     specs = [
-        bench_nodes.NodeSpec(
-            "prefill", "pdserve.cli", ["prefill", *base, "--port", "0"], prefill_cores, threads
-        ),
-        bench_nodes.NodeSpec(
-            "decode",
-            "pdserve.cli",
-            [
-                "decode",
-                *base,
-                "--port",
-                "0",
-                "--http-port",
-                "0",
-                "--served-model-name",
-                MODEL_NAME,
-                "--prefill",
-                "{port:prefill}",
-                # a 4k prompt takes > 30 s to prefill on one busy core
-                "--kv-transfer-timeout",
-                "600",
-                "--prefill-timeout",
-                "600",
-            ],
-            decode_cores,
-            threads,
-        ),
+        bench_nodes.NodeSpec("prefill", "pdserve.cli", prefill, prefill_cores, threads),
+        bench_nodes.NodeSpec("decode", "pdserve.cli", decode, decode_cores, threads),
     ]
     with bench_nodes.running(specs, logs) as nodes:
         yield f"http://127.0.0.1:{nodes.nodes['decode'].info['http_port']}"
