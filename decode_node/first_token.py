@@ -24,6 +24,8 @@ from shared.engine.requests.output import OutputProcessor, TokenDelta
 from shared.engine.requests.request import LlmRequest
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.thread import EngineThread
+from shared.serving.grpc_server import GenerateError
+from shared.serving.status import Status
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ def early_first_delta(
     first: FirstTokens,
 ) -> TokenDelta | None:
     """The delta the engine will emit for the prefill node's first token (None: n > 1)."""
-    token, logprobs, prompt_logprobs, choices = first
+    token, logprobs, prompt_logprobs, choices, _ = first
     if params.n != 1 or choices:
         return None
     request = LlmRequest(request_id, prompt, params)
@@ -68,6 +70,12 @@ async def release_first(
     one (the engine's copy is awaited later, by `engine_took_first`), or, for n > 1, the
     engine's own once it has taken them."""
     check_first_tokens(thread.info, prompt, params, first)
+    if first[4] != stream.mrope_delta:
+        raise GenerateError(
+            Status.INTERNAL,
+            f"the prefill node laid the prompt's images out with mRoPE delta {first[4]}, this "
+            f"node with {stream.mrope_delta}; refusing its KV (do both serve the same model?)",
+        )
     rid = stream.request_id
     completing = thread.submit(KvLanded(rid, *first))
     early = early_first_delta(thread.info, rid, prompt, params, first)

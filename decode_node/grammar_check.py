@@ -41,7 +41,7 @@ def check_first_tokens(
         return
     compiler = compiler_for(info.tokenizer, info.vocab_size)
     earlier = params.continued_part(prompt)  # a continued answer's grammar resumes after it
-    token, _, _, choices = first
+    token, _, _, choices, _ = first
     for t in (token, *(c for c, _ in choices)):
         if not compiler.allows(spec, [*earlier, t]):
             raise GenerateError(

@@ -29,6 +29,7 @@ from shared.serving.limits import MAX_REQUEST_ID_CHARS
 from shared.serving.replica_pool import ReplicaPool
 from shared.serving.status import Status
 from shared.serving.wire import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
+from shared.serving.wire_images import images_to_proto
 from transfer.errors import TransferSenderRestarted
 from transfer.protocol import TransferDestination
 from transfer.ucx import KvReceiver, TransferError, TransferReset, TransferTimeout
@@ -39,12 +40,14 @@ log = logging.getLogger(__name__)
 # write ended by force, a listener restart): the prefill node was not at fault.
 _RESET_RETRIES = 2
 
-# the first token of each completion as the engine's complete_transfer_all takes it
+# the first token of each completion as the engine's KvLanded takes it, and the prompt's mRoPE
+# delta as the prefill node laid its images out
 FirstTokens = tuple[
     int,
     TokenLogprobs | None,
     list[TokenLogprobs | None] | None,
     list[tuple[int, TokenLogprobs | None]],
+    int,
 ]
 
 
@@ -354,6 +357,7 @@ class RemotePrefill:
                 prefill_instance_id=dest.sender_instance,
                 decode_instance_id=dest.receiver_instance,
             ),
+            images=images_to_proto(stream.images),
         )
 
 
@@ -384,4 +388,5 @@ def first_tokens(response: prefill_pb2.PrefillResponse, params: SamplingParams) 
     lps: list[TokenLogprobs | None] = [None] * len(tokens)
     if params.logprobs is not None and len(response.choice_first_token_logprobs) == len(tokens):
         lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
-    return response.first_token_id, first, prompt, list(zip(tokens, lps, strict=True))
+    choices = list(zip(tokens, lps, strict=True))
+    return response.first_token_id, first, prompt, choices, response.mrope_delta

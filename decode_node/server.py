@@ -327,18 +327,19 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
     ) -> list[TokenDelta]:
         """Local when short and there is room (or no prefill node is healthy and fallback is
         on), else remote; returns the first deltas already known (remote: one per completion;
-        local: none, they come from the engine's steps). A prompt with images is prefilled
-        here: prefill nodes take text prompts."""
+        local: none, they come from the engine's steps)."""
         assert self.thread is not None
         # hashed once, here: the local-prefill check, the prefix cache and the router reuse them
         seed = self.info.kv_seed(params.lora_adapter)  # an adapter's KV is its own
         try:
-            keyed = self.info.hash_token_ids(prompt, images)
+            multimodal = self.info.multimodal(prompt, images)
         except RequestRejected as e:
             raise GenerateError(Status.INVALID_ARGUMENT, str(e)) from None
+        keyed = prompt if multimodal is None else multimodal.hash_token_ids(prompt)
         hashes = compute_block_hashes(keyed, self.info.block_size, seed)
-        force = self._fallback_now() or bool(images)
-        if await self._start(stream, prompt, params, hashes, force, images):
+        if multimodal is not None:  # the Prefill call carries them; its answer's delta agrees
+            stream.images, stream.mrope_delta = tuple(images), multimodal.delta
+        if await self._start(stream, prompt, params, hashes, self._fallback_now(), images):
             return []
         grant = await self._granted(stream)
         stream.cached_tokens = grant.request.cached_tokens
@@ -351,7 +352,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
                     f"no healthy prefill node could serve {stream.request_id}: {e}",
                 ) from None
             log.warning("prefilling %s locally: %s", stream.request_id, e)
-            await self._start(stream, prompt, params, hashes, force=True)
+            await self._start(stream, prompt, params, hashes, True, images)
             return []
         self.counters.remote()
         return await release_first(self.thread, stream, prompt, params, first)

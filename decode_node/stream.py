@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.output import TokenDelta
 from shared.engine.requests.request import FinishReason
 from shared.engine.scheduling.transfer_admission import TransferGrant
@@ -36,6 +37,8 @@ class Stream:
     peer: PrefillPeer | None = None
     prefill_id: str = ""  # the request id of the current Prefill attempt (remote_prefill)
     prefill_done: bool = False
+    images: tuple[PromptImage, ...] = ()  # the prompt's, for the Prefill call
+    mrope_delta: int = 0  # what this node makes of the prompt's images (mRoPE models)
     admitted_at: float = field(default_factory=time.monotonic)
     # set by the engine thread's admission callback: a grant, None (deadline passed in the
     # queue) or an exception (drained at shutdown)

@@ -54,6 +54,7 @@ from shared.serving.wire import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
+from shared.serving.wire_images import images_from_proto
 from transfer import protocol
 from transfer.errors import retrieve_exception
 from transfer.protocol import TransferDestination
@@ -280,13 +281,17 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         assert self.thread is not None
         params = sampling_from_proto(request.sampling, seed=request.seed)
         prompt = list(request.prompt_token_ids)
+        try:
+            images = images_from_proto(request.images, self.info.loaded.image_processor)
+        except WireError as e:
+            raise RequestRejected(str(e)) from None
         job.check_destination(len(prompt), self.layout.block_size, self.layout.num_layers)
         # in a compile worker, stopped when the job's deadline cancels this task; invalid:
         # INVALID_ARGUMENT, no worker free in time: RESOURCE_EXHAUSTED
         if params.structured is not None:
             await compile_async(self.info.tokenizer, self.info.vocab_size, params.structured)
         job.push = push = self.sender.open(job.destination, self.info.kv_pool)
-        req = await self.thread.call(AddRequest(prompt, params, job.request_id))
+        req = await self.thread.call(AddRequest(prompt, params, job.request_id, images))
         sent_bytes, messages = await self._drain(job, push)
         job.sent = True
         first = await job.first_token
@@ -303,6 +308,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             cached_tokens=req.cached_tokens,
             stats=stats,
             instance_id=self.sender.instance_id,
+            mrope_delta=req.mrope_delta,
         )
         if first.logprobs:
             response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))

@@ -49,7 +49,7 @@ def test_early_first_delta_is_the_engines(
     for name, params in _cases(core, token).items():
         rid = f"r-{name}"
         reserve_now(core, prompt, params, rid)
-        early = early_first_delta(core.outputs, rid, prompt, params, (token, None, None, []))
+        early = early_first_delta(core.outputs, rid, prompt, params, (token, None, None, [], 0))
         engine = core.role.complete_transfer(rid, token)
         assert early is not None
         got = (early.token_ids, early.text, early.finish_reason, early.index)
@@ -69,7 +69,7 @@ def test_early_first_delta_is_the_engines(
 
 def test_n_greater_than_one_keeps_the_engines_path() -> None:
     params = SamplingParams(max_tokens=4, n=2)
-    assert early_first_delta(None, "r", [1, 2], params, (5, None, None, [(5, None)])) is None  # type: ignore[arg-type]
+    assert early_first_delta(None, "r", [1, 2], params, (5, None, None, [(5, None)], 0)) is None  # type: ignore[arg-type]
 
 
 def test_a_twin_that_differs_is_reported(caplog: pytest.LogCaptureFixture) -> None:

@@ -143,6 +143,12 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "destination": (5, _T.TYPE_MESSAGE, False),
         "layerwise": (6, _T.TYPE_BOOL, False),
         "deadline_unix": (7, _T.TYPE_DOUBLE, False),
+        "images": (8, _T.TYPE_MESSAGE, True),
+    },
+    "PromptImage": {
+        "rgb": (1, _T.TYPE_BYTES, False),
+        "height": (2, _T.TYPE_UINT32, False),
+        "width": (3, _T.TYPE_UINT32, False),
     },
     "TransferStats": {
         "bytes_sent": (1, _T.TYPE_UINT64, False),
@@ -164,6 +170,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "choice_first_token_ids": (7, _T.TYPE_UINT32, True),
         "choice_first_token_logprobs": (8, _T.TYPE_MESSAGE, True),
         "instance_id": (9, _T.TYPE_UINT64, False),
+        "mrope_delta": (10, _T.TYPE_SINT64, False),
     },
     "CancelPrefillRequest": {"request_id": (1, _T.TYPE_STRING, False)},
     "CancelPrefillResponse": {"found": (1, _T.TYPE_BOOL, False)},

@@ -1,6 +1,7 @@
-"""Images through the OpenAI API of a colocated node serving a tiny Qwen2-VL: PNG data URLs of
-different sizes in a chat, preprocessed by the node and answered token for token as
-transformers answers with its own processor; usage and /tokenize count the image tokens; bad
+"""Images through the OpenAI API of a tiny Qwen2-VL, colocated and split (a prefill node runs
+the vision tower and the prompt, the decode node the rest): PNG data URLs of different sizes in
+a chat, preprocessed by the decode node and answered token for token as transformers answers
+with its own processor; usage and /tokenize count the image tokens; bad
 images are 400 (413 past the byte limit) naming the image, and the node keeps serving with every
 seat, block and mRoPE delta row back."""
 
@@ -21,9 +22,12 @@ from PIL import Image
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.server import DecodeNode
+from prefill_node.config import PrefillNodeConfig
+from prefill_node.server import PrefillNode
 from shared.engine.config import EngineConfig
 from shared.model.loader import load_model
 from tests.engine_helpers import single_torch_thread
+from tests.support.cluster import PdCluster
 from tests.support.vision_checkpoints import (
     IMAGE_TOKEN,
     MAX_PIXELS,
@@ -107,18 +111,43 @@ def _expected(checkpoint: Path, text: str, images: list[Image.Image]) -> tuple[l
     return ids, tokenizer.decode(out[0, len(ids) :].tolist())
 
 
-async def _serve(checkpoint: Path, body) -> None:
+async def _serve(checkpoint: Path, body, split: bool = False) -> None:
+    """`body(client)` against a colocated node, or (`split`) a decode node whose every prompt
+    a prefill node computes; fp32 on both, so the answers can be compared to transformers'."""
     engine = EngineConfig(model=str(checkpoint), num_kv_blocks=256, block_size=8, dtype="float32")
-    config = DecodeNodeConfig(engine=engine, port=0, metrics_port=0, http_port=0, colocated=True)
-    node = DecodeNode(config, load_model(str(checkpoint), dtype=torch.float32))
-    await node.start()
+    cluster = PdCluster([], [])
     try:
-        url = f"http://127.0.0.1:{node.http_port}"
+        if split:
+            prefill = PrefillNode(
+                PrefillNodeConfig(engine=engine, port=0, metrics_port=0),
+                load_model(str(checkpoint), dtype=torch.float32),
+            )
+            cluster.prefills.append(prefill)
+            await prefill.start()
+        config = DecodeNodeConfig(
+            engine=engine,
+            prefill_targets=tuple(f"127.0.0.1:{p.port}" for p in cluster.prefills),
+            port=0,
+            metrics_port=0,
+            http_port=0,
+            colocated=not split,
+            local_prefill_tokens=0,
+            local_prefill_fallback=False,
+        )
+        decode = DecodeNode(config, load_model(str(checkpoint), dtype=torch.float32))
+        cluster.decodes.append(decode)
+        await decode.start()
+        url = f"http://127.0.0.1:{decode.http_port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             await body(client)
-        await node.thread.inspect(lambda core: core.check_conservation())
+        await cluster.assert_idle_and_conserved()
+        if split:  # every prompt went to the prefill node
+            decode_metrics = (await asyncio.to_thread(cluster.metrics))[1]
+            assert decode_metrics.get('pdserve_prefills_total{where="local"}', 0.0) == 0
+            assert decode_metrics['pdserve_prefills_total{where="remote"}'] > 0
     finally:
-        await node.stop(grace=1.0)
+        for node in [*cluster.decodes, *cluster.prefills]:
+            await node.stop(grace=1.0)
 
 
 def _chat(content: object, **fields: object) -> dict[str, object]:
@@ -132,7 +161,8 @@ def _chat(content: object, **fields: object) -> dict[str, object]:
     }
 
 
-def test_chat_with_two_images_matches_transformers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["colocated", "pd"])
+def test_chat_with_two_images_matches_transformers(checkpoint: Path, split: bool) -> None:
     pictures = [_png(40, 24, seed=1), _png(20, 28, seed=2)]
     content = [
         {"type": "text", "text": "Compare "},
@@ -157,7 +187,7 @@ def test_chat_with_two_images_matches_transformers(checkpoint: Path) -> None:
         assert again.json()["choices"][0]["message"]["content"] == answer
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
-    asyncio.run(_serve(checkpoint, body))
+    asyncio.run(_serve(checkpoint, body, split))
 
 
 def test_bad_images_are_client_errors(checkpoint: Path) -> None:

@@ -254,11 +254,11 @@ def test_first_token_the_grammar_rejects_is_refused(grammar_backend: str) -> Non
 
     core = EngineCore(ENGINE, role=DecodeSettings())
     params = SamplingParams(structured=StructuredOutput("choice", '["yes"]'))
-    check_first_tokens(core.info, [], params, (ord("y"), None, None, []))
+    check_first_tokens(core.info, [], params, (ord("y"), None, None, [], 0))
     with pytest.raises(GenerateError, match="not allowed"):
-        check_first_tokens(core.info, [], params, (ord("n"), None, None, []))
+        check_first_tokens(core.info, [], params, (ord("n"), None, None, [], 0))
     with pytest.raises(GenerateError, match="not allowed"):  # another completion's, n > 1
-        check_first_tokens(core.info, [], params, (ord("y"), None, None, [(ord("x"), None)]))
+        check_first_tokens(core.info, [], params, (ord("y"), None, None, [(ord("x"), None)], 0))
 
 
 class Pet(pydantic.BaseModel):
@@ -380,7 +380,7 @@ def test_a_continued_answer_resumes_its_grammar(grammar_backend: str) -> None:
             more, rest = params.continued(prompt, whole.token_ids[:cut])
             (tail,) = llm.generate([more], [rest])
             assert tail.token_ids == whole.token_ids[cut:], (cut, whole.text, tail.text)
-            check_first_tokens(llm.core.info, more, rest, (tail.token_ids[0], None, None, []))
+            check_first_tokens(llm.core.info, more, rest, (tail.token_ids[0], None, None, [], 0))
     llm.check_conservation()
 
 

@@ -97,6 +97,9 @@ class KvLanded:
     first_logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     choices: Sequence[tuple[int, TokenLogprobs | None]] = field(default=())
+    # mRoPE: position minus index after the prompt, as the prefill node laid its images out;
+    # written at the request's seat (it must agree with the request's own layout)
+    mrope_delta: int = 0
 
 
 @dataclass(frozen=True)

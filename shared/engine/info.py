@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.requests.multimodal import PromptImage
+from shared.engine.requests.multimodal import MultimodalPrompt, PromptImage
 from shared.engine.requests.request_limits import RequestLimits
 from shared.engine.resources.block_manager import BlockHash, lora_seed
 from shared.engine.runtime.kv_budget import PoolSize
@@ -50,11 +50,13 @@ class EngineInfo:
         """Raise RequestRejected naming the field; nothing is allocated before this passes."""
         self.limits.check(prompt_token_ids, params)
 
-    def hash_token_ids(self, prompt: list[int], images: Sequence[PromptImage]) -> list[int]:
-        """The prompt as the prefix cache hashes it: each image's placeholders keyed by its
-        pixels (RequestRejected when the placeholders and the images disagree)."""
-        multimodal = self.limits.multimodal(prompt, images)
-        return prompt if multimodal is None else multimodal.hash_token_ids(prompt)
+    def multimodal(
+        self, prompt: list[int], images: Sequence[PromptImage]
+    ) -> MultimodalPrompt | None:
+        """The prompt's images laid out: how the prefix cache keys their placeholders, the
+        mRoPE delta after the prompt (RequestRejected when placeholders and images disagree);
+        None for a text prompt."""
+        return self.limits.multimodal(prompt, images)
 
     def kv_seed(self, adapter: str | None) -> BlockHash:
         """Where the prefix hashes of a request of `adapter` start: its name and files."""

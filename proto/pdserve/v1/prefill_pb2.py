@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import generation_pb2 as proto_dot_pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a!proto/pdserve/v1/generation.proto\"\xec\x01\n\rKvDestination\x12\x13\n\x0bucx_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11\x66irst_block_index\x18\x05 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x06 \x01(\t\x12\x16\n\x0eskipped_blocks\x18\x07 \x03(\r\x12\x1b\n\x13prefill_instance_id\x18\x08 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\t \x01(\x04\"\xd4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\x12\x11\n\tlayerwise\x18\x06 \x01(\x08\x12\x15\n\rdeadline_unix\x18\x07 \x01(\x01\"\xe2\x01\n\rTransferStats\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x10\n\x08messages\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15transfer_tail_seconds\x18\x05 \x01(\x01\x12\x1d\n\x15\x66irst_layer_sent_unix\x18\x06 \x01(\x01\x12 \n\x18last_layer_computed_unix\x18\x07 \x01(\x01\x12\x1b\n\x13last_byte_sent_unix\x18\x08 \x01(\x01\"\xdd\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x36\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1e\n\x16\x63hoice_first_token_ids\x18\x07 \x03(\r\x12=\n\x1b\x63hoice_first_token_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0binstance_id\x18\t \x01(\x04\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x15\x43\x61ncelPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"-\n\x14LoraAdaptersResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t2\xa1\x03\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12W\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a .pdserve.v1.LoraAdaptersResponse\x12[\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a .pdserve.v1.LoraAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a!proto/pdserve/v1/generation.proto\"\xec\x01\n\rKvDestination\x12\x13\n\x0bucx_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x19\n\x11\x66irst_block_index\x18\x05 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x06 \x01(\t\x12\x16\n\x0eskipped_blocks\x18\x07 \x03(\r\x12\x1b\n\x13prefill_instance_id\x18\x08 \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\t \x01(\x04\"\xfd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\x12\x11\n\tlayerwise\x18\x06 \x01(\x08\x12\x15\n\rdeadline_unix\x18\x07 \x01(\x01\x12\'\n\x06images\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.PromptImage\"9\n\x0bPromptImage\x12\x0b\n\x03rgb\x18\x01 \x01(\x0c\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\"\xe2\x01\n\rTransferStats\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\x12\x10\n\x08messages\x18\x02 \x01(\r\x12\x15\n\rqueue_seconds\x18\x03 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15transfer_tail_seconds\x18\x05 \x01(\x01\x12\x1d\n\x15\x66irst_layer_sent_unix\x18\x06 \x01(\x01\x12 \n\x18last_layer_computed_unix\x18\x07 \x01(\x01\x12\x1b\n\x13last_byte_sent_unix\x18\x08 \x01(\x01\"\xf2\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x36\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1e\n\x16\x63hoice_first_token_ids\x18\x07 \x03(\r\x12=\n\x1b\x63hoice_first_token_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0binstance_id\x18\t \x01(\x04\x12\x13\n\x0bmrope_delta\x18\n \x01(\x12\"*\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x15\x43\x61ncelPrefillResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"-\n\x14LoraAdaptersResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t2\xa1\x03\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12T\n\rCancelPrefill\x12 .pdserve.v1.CancelPrefillRequest\x1a!.pdserve.v1.CancelPrefillResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12W\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a .pdserve.v1.LoraAdaptersResponse\x12[\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a .pdserve.v1.LoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVDESTINATION']._serialized_start=82
   _globals['_KVDESTINATION']._serialized_end=318
   _globals['_PREFILLREQUEST']._serialized_start=321
-  _globals['_PREFILLREQUEST']._serialized_end=533
-  _globals['_TRANSFERSTATS']._serialized_start=536
-  _globals['_TRANSFERSTATS']._serialized_end=762
-  _globals['_PREFILLRESPONSE']._serialized_start=765
-  _globals['_PREFILLRESPONSE']._serialized_end=1114
-  _globals['_CANCELPREFILLREQUEST']._serialized_start=1116
-  _globals['_CANCELPREFILLREQUEST']._serialized_end=1158
-  _globals['_CANCELPREFILLRESPONSE']._serialized_start=1160
-  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1198
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1200
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1262
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1264
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1309
-  _globals['_LORAADAPTERSRESPONSE']._serialized_start=1311
-  _globals['_LORAADAPTERSRESPONSE']._serialized_end=1356
-  _globals['_PREFILL']._serialized_start=1359
-  _globals['_PREFILL']._serialized_end=1776
+  _globals['_PREFILLREQUEST']._serialized_end=574
+  _globals['_PROMPTIMAGE']._serialized_start=576
+  _globals['_PROMPTIMAGE']._serialized_end=633
+  _globals['_TRANSFERSTATS']._serialized_start=636
+  _globals['_TRANSFERSTATS']._serialized_end=862
+  _globals['_PREFILLRESPONSE']._serialized_start=865
+  _globals['_PREFILLRESPONSE']._serialized_end=1235
+  _globals['_CANCELPREFILLREQUEST']._serialized_start=1237
+  _globals['_CANCELPREFILLREQUEST']._serialized_end=1279
+  _globals['_CANCELPREFILLRESPONSE']._serialized_start=1281
+  _globals['_CANCELPREFILLRESPONSE']._serialized_end=1319
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1321
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1383
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1385
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1430
+  _globals['_LORAADAPTERSRESPONSE']._serialized_start=1432
+  _globals['_LORAADAPTERSRESPONSE']._serialized_end=1477
+  _globals['_PREFILL']._serialized_start=1480
+  _globals['_PREFILL']._serialized_end=1897
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ class KvDestination(_message.Message):
     def __init__(self, ucx_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_block_index: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., skipped_blocks: _Optional[_Iterable[int]] = ..., prefill_instance_id: _Optional[int] = ..., decode_instance_id: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "destination", "layerwise", "deadline_unix")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "destination", "layerwise", "deadline_unix", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class PrefillRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -45,7 +46,18 @@ class PrefillRequest(_message.Message):
     destination: KvDestination
     layerwise: bool
     deadline_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., layerwise: _Optional[bool] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[PromptImage]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., layerwise: _Optional[bool] = ..., deadline_unix: _Optional[float] = ..., images: _Optional[_Iterable[_Union[PromptImage, _Mapping]]] = ...) -> None: ...
+
+class PromptImage(_message.Message):
+    __slots__ = ("rgb", "height", "width")
+    RGB_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    rgb: bytes
+    height: int
+    width: int
+    def __init__(self, rgb: _Optional[bytes] = ..., height: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("bytes_sent", "messages", "queue_seconds", "prefill_seconds", "transfer_tail_seconds", "first_layer_sent_unix", "last_layer_computed_unix", "last_byte_sent_unix")
@@ -68,7 +80,7 @@ class TransferStats(_message.Message):
     def __init__(self, bytes_sent: _Optional[int] = ..., messages: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_tail_seconds: _Optional[float] = ..., first_layer_sent_unix: _Optional[float] = ..., last_layer_computed_unix: _Optional[float] = ..., last_byte_sent_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "cached_tokens", "stats", "first_token_logprobs", "prompt_logprobs", "choice_first_token_ids", "choice_first_token_logprobs", "instance_id")
+    __slots__ = ("request_id", "first_token_id", "cached_tokens", "stats", "first_token_logprobs", "prompt_logprobs", "choice_first_token_ids", "choice_first_token_logprobs", "instance_id", "mrope_delta")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +90,7 @@ class PrefillResponse(_message.Message):
     CHOICE_FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     cached_tokens: int
@@ -87,7 +100,8 @@ class PrefillResponse(_message.Message):
     choice_first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     choice_first_token_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     instance_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., choice_first_token_ids: _Optional[_Iterable[int]] = ..., choice_first_token_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., instance_id: _Optional[int] = ...) -> None: ...
+    mrope_delta: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stats: _Optional[_Union[TransferStats, _Mapping]] = ..., first_token_logprobs: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., choice_first_token_ids: _Optional[_Iterable[int]] = ..., choice_first_token_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., instance_id: _Optional[int] = ..., mrope_delta: _Optional[int] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -76,7 +76,12 @@ class DecodeRole:
         return {
             PlacePrompt: self.place,
             KvLanded: lambda c: self.complete_transfer(
-                c.request_id, c.first_token, c.first_logprobs, c.prompt_logprobs, c.choices
+                c.request_id,
+                c.first_token,
+                c.first_logprobs,
+                c.prompt_logprobs,
+                c.choices,
+                c.mrope_delta,
             ),
             TransferFailed: lambda c: self.fail_transfer(c.request_id),
             Drain: lambda c: self.admission.drain(),
@@ -93,12 +98,14 @@ class DecodeRole:
     def place(self, c: PlacePrompt) -> LlmRequest | None:
         """Local (the request) or queued for a transfer (None, its grant comes as an
         `Admitted` event)."""
-        if c.fallback or c.images:
+        if c.fallback:
             return self.placement.start_local(c.prompt, c.params, c.request_id, c.hashes, c.images)
         queued = len(self.admission)
-        request = self.placement.try_local(c.prompt, c.params, c.request_id, c.hashes, queued)
+        request = self.placement.try_local(
+            c.prompt, c.params, c.request_id, c.hashes, queued, c.images
+        )
         if request is None:
-            self.admission.enqueue(c.prompt, c.params, c.request_id, c.deadline, c.hashes)
+            self.admission.enqueue(c.prompt, c.params, c.request_id, c.deadline, c.hashes, c.images)
         return request
 
     # ---- tokens ---------------------------------------------------------------------------
@@ -134,8 +141,10 @@ class DecodeRole:
         first_logprobs: TokenLogprobs | None = None,
         prompt_logprobs: list[TokenLogprobs | None] | None = None,
         choices: Sequence[tuple[int, TokenLogprobs | None]] = (),
+        mrope_delta: int = 0,
     ) -> list[TokenDelta]:
-        """All KV landed: the request becomes schedulable (its seat comes at the next prepare);
+        """All KV landed: the request becomes schedulable (its seat comes at the next prepare,
+        with `mrope_delta`, the prefill node's, in the seat's delta row);
         the first token, sampled on the prefill node, is processed at once, with the logprobs
         the prefill node computed for it and for the prompt. n > 1: `choices` are the other
         completions' first tokens; they are forked off the landed KV here (deltas after the
@@ -146,6 +155,7 @@ class DecodeRole:
             request.prompt_logprobs = prompt_logprobs
         # transition first: an illegal call must not drop the pins of a transfer in flight
         request.transition(S.DISAGG_GENERATION_TRANS_COMPLETE)
+        request.mrope_delta = mrope_delta
         self.parts.connector.finish_load(request)
         request.first_token_time = time.monotonic()
         request.choice_first_tokens = list(choices)

@@ -57,6 +57,7 @@ class Placement:
         request_id: str,
         hashes: Sequence[BlockHash],
         queued_for_transfer: int,
+        images: Sequence[PromptImage] = (),
     ) -> LlmRequest | None:
         """Add the request to this engine when it is short enough and fits now; else None.
 
@@ -75,7 +76,7 @@ class Placement:
             or not self._has_room(uncached, queued_for_transfer)
         ):
             return None
-        return self._add(prompt, params, request_id, hashes)
+        return self._add(prompt, params, request_id, hashes, images)
 
     def start_local(
         self,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from shared.cdiv import cdiv
 from shared.engine.connector.base import KvConnector
 from shared.engine.errors import ResourcesExhausted
+from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.request import FinishReason, LlmRequest, LlmRequestState
 from shared.engine.resources.block_manager import BlockHash
 from shared.engine.resources.resource_manager import KVCacheManager
@@ -87,8 +88,10 @@ class TransferAdmission:
         request_id: str,
         deadline: float | None = None,
         prompt_hashes: Sequence[BlockHash] = (),
+        images: Sequence[PromptImage] = (),
     ) -> LlmRequest:
-        """Validate, create the request QUEUED and queue it (then try to admit at once).
+        """Validate, create the request QUEUED and queue it (then try to admit at once). Its
+        images stay with it: a preempted request computes its prompt here.
         Raises RequestRejected (bad input, or a request the pool could never hold) or
         ResourcesExhausted (queue full, or its TTFT target out of reach: `retry_after_s`)."""
         if self.closed:
@@ -97,7 +100,7 @@ class TransferAdmission:
         table.limits.check(prompt_token_ids, params)
         now = time.monotonic()
         self.predict_ttft(request_id, len(prompt_token_ids), params, now)
-        request = table.new(prompt_token_ids, params, request_id, S.QUEUED)
+        request = table.new(prompt_token_ids, params, request_id, S.QUEUED, images)
         request.prompt_block_hashes = list(prompt_hashes)  # the prefix match hashes nothing
         request.remote_prefill = True  # a prefill node computes it: the connector loads it
         entry = QueueEntry(request_id, request, now, deadline)
