@@ -49,7 +49,7 @@ def family_tokens(path: Path, graphs: bool, prompts: list[list[int]]) -> tuple[l
 def one_family(arch: str, root: Path) -> dict[str, Any]:
     import random
 
-    from pdserve.bench.support.checkpoints import cached_checkpoint, load_hf_model
+    from tests.support.checkpoints import cached_checkpoint, load_hf_model
 
     path = cached_checkpoint(root, arch)
     rng = random.Random(90)

@@ -33,7 +33,7 @@ def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def checkpoint(checkpoint_root: Path) -> Callable[..., Path]:
     """checkpoint("llama" | "llama3" | "qwen2" | "mistral", **overrides) -> a built HF dir."""
-    from pdserve.bench.support.checkpoints import cached_checkpoint
+    from tests.support.checkpoints import cached_checkpoint
 
     def build(arch: str, **kwargs: object) -> Path:
         return cached_checkpoint(checkpoint_root, arch, **kwargs)

@@ -36,7 +36,7 @@ def random_max_tokens(n: int, *, lo: int = 1, hi: int = 64, seed: int = 1) -> li
 
 @cache
 def _hf_model(path: str):
-    from pdserve.bench.support.checkpoints import load_hf_model
+    from tests.support.checkpoints import load_hf_model
 
     return load_hf_model(Path(path))
 
@@ -95,7 +95,7 @@ def chat_checkpoint(src: Path, dest: Path) -> Path:
     import json
     import shutil
 
-    from pdserve.bench.support.checkpoints import BOS_TOKEN, EOS_TOKEN
+    from tests.support.checkpoints import BOS_TOKEN, EOS_TOKEN
 
     shutil.copytree(src, dest)
     config = {

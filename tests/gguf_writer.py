@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, TokenType
 from safetensors.numpy import load_file
 
-from pdserve.bench.support.checkpoints import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, build_tokenizer
+from tests.support.checkpoints import BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, build_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ bos_token if loop.first else '' }}<|{{ m['role'] }}|>"

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import load_hf_model
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -17,6 +16,7 @@ from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from tests.cuda_facts import CUDA_MARKS, record
 from tests.engine_helpers import hf_greedy_with, random_max_tokens, random_prompts
+from tests.support.checkpoints import load_hf_model
 
 pytestmark = CUDA_MARKS
 CUDA = torch.device("cuda")

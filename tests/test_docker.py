@@ -56,7 +56,7 @@ pytestmark = pytest.mark.skipif(
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("PDSERVE_DOCKER_CACHE", "/var/cache/pdserve-docker"))
 IMAGE = os.environ.get("PDSERVE_DOCKER_IMAGE", "pdserve:ci")
-MODEL_NAME = "qwen2"  # built by pdserve/bench/support/checkpoints.py, mounted at /models/qwen2
+MODEL_NAME = "qwen2"  # built by tests/support/checkpoints.py, mounted at /models/qwen2
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -265,7 +265,7 @@ def chat_over_http(port: int) -> dict[str, object]:
 
 def make_model_dir(root: Path) -> Path:
     """A small qwen2 checkpoint under root/qwen2, readable by the image's non-root user."""
-    from pdserve.bench.support.checkpoints import build_checkpoint
+    from tests.support.checkpoints import build_checkpoint
 
     build_checkpoint(MODEL_NAME, root / MODEL_NAME)
     # a chat template, for the chat request through the proxy's HTTP port

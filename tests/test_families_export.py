@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import load_hf_model
 from pdserve.export_hf import export_hf
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
+from tests.support.checkpoints import load_hf_model
 from tests.test_families_parity import VARIANTS
 
 

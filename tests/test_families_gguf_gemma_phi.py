@@ -20,7 +20,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from pdserve.bench.support.checkpoints import load_hf_model
 from pdserve.export_hf import export_hf
 from shared.engine.llm import LLM
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -29,6 +28,7 @@ from shared.model.gguf_loader import gguf_model_config
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy, hf_greedy_with, single_torch_thread
 from tests.gguf_family_writer import write_family_gguf
+from tests.support.checkpoints import load_hf_model
 from tests.test_families_parity import FULL, SLIDING, WINDOW, engine_config, family_prompts
 
 MAX_TOKENS = 8

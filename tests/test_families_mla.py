@@ -3,7 +3,7 @@ logits, greedy generation through `LLM`, P/D with two prefill nodes pushing late
 latent space against the expanded computation, the latent pool's size, yarn rope and the V2
 router alone.
 
-Tiny random checkpoints built with transformers (pdserve/bench/support/checkpoints.py): q LoRA on
+Tiny random checkpoints built with transformers (tests/support/checkpoints.py): q LoRA on
 and off, grouped sigmoid routing (V3) and greedy / group-limited softmax routing (V2), shared
 experts, a dense first layer, interleaved and half-split rope pairs, yarn with mscale_all_dim.
 """
@@ -19,7 +19,6 @@ import grpc
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import load_hf_model
 from pdserve.client import generate
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
@@ -31,6 +30,7 @@ from shared.model.mla import LatentAttention
 from shared.model.registry import config_from_hf
 from tests.engine_helpers import hf_greedy, random_max_tokens, random_prompts, single_torch_thread
 from tests.sampling_reference import pd_generate
+from tests.support.checkpoints import load_hf_model
 from tests.support.cluster import pd_cluster
 from tests.test_families_moe import nearest_router_tie
 from tests.test_families_parity import (

@@ -3,7 +3,7 @@ logits, greedy generation through `LLM`, P/D with two prefill nodes, seeded samp
 colocated, export round trip), and the routers alone against transformers' modules on random
 inputs, DeepSeek-V3's grouped sigmoid router and its shared experts included.
 
-Tiny random checkpoints built with transformers (pdserve/bench/support/checkpoints.py): several
+Tiny random checkpoints built with transformers (tests/support/checkpoints.py): several
 expert counts and top-k, windows, a dense first layer (`mlp_only_layers`), a sparse step,
 `norm_topk_prob` on and off, and Qwen2-MoE's gated shared expert.
 """
@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import load_hf_model
 from pdserve.client import generate
 from pdserve.export_hf import export_hf
 from shared.engine.config import EngineConfig
@@ -28,6 +27,7 @@ from shared.model.moe import SparseMoe
 from shared.model.moe_hf import deepseek_moe
 from tests.engine_helpers import hf_greedy, random_max_tokens
 from tests.sampling_reference import pd_generate
+from tests.support.checkpoints import load_hf_model
 from tests.support.cluster import pd_cluster
 from tests.test_families_parity import (
     WINDOW,

@@ -2,7 +2,7 @@
 through `LLM` (chunked prefill, prefix-cache hits, windows shorter than the prompts), and the
 engine's sampling features (penalties, logprobs, n > 1) on every family.
 
-Tiny random checkpoints built with transformers from a config (pdserve/bench/support/
+Tiny random checkpoints built with transformers from a config (tests/support/
 checkpoints.py), each variant exercising what its family changes: head_dim != hidden / heads,
 GQA and MQA, tied and untied embeddings, several sliding / global layer patterns, score and
 logit soft-capping, per-layer rope bases and partial rotary.
@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import load_hf_model
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling.sampling_params import SamplingParams
@@ -30,6 +29,7 @@ from tests.engine_helpers import (
     random_prompts,
     single_torch_thread,
 )
+from tests.support.checkpoints import load_hf_model
 
 VOCAB = 512
 WINDOW = 24  # shorter than the longer prompts and than two prefill chunks

@@ -113,7 +113,7 @@ def test_directory_with_one_gguf_loads(gguf_file: Callable[[str, Q], Path]) -> N
 
 
 def test_every_declared_eos_stops(gguf_file: Callable[[str, Q], Path]) -> None:
-    from pdserve.bench.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
+    from tests.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
 
     loaded = load_model(str(gguf_file("qwen2", Q.F32)), dtype=torch.float32)
     ids = special_ids()
@@ -135,8 +135,8 @@ def test_sampling_defaults_from_metadata(checkpoint: Callable[..., Path], tmp_pa
 def test_run_prompt_applies_the_chat_template_with_one_bos(
     gguf_file: Callable[[str, Q], Path],
 ) -> None:
-    from pdserve.bench.support.checkpoints import BOS_TOKEN, special_ids
     from pdserve.cli.up_command import run_prompt
+    from tests.support.checkpoints import BOS_TOKEN, special_ids
 
     # the file adds BOS when encoding, and its template writes bos_token itself
     file = gguf_file("llama", Q.F32)

@@ -58,7 +58,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdserve.bench.support.checkpoints import cached_checkpoint
+    from tests.support.checkpoints import cached_checkpoint
 
     src = cached_checkpoint(checkpoint_root, "llama")
     path = chat_checkpoint(src, tmp_path_factory.mktemp("chat") / "llama-chat")

@@ -21,7 +21,7 @@ from tests.sampling_reference import pd_generate
 from tests.support.cluster import pd_cluster
 
 CONTEXT = 8192  # SmolLM2's
-VOCAB = 512  # the small checkpoints' (pdserve/bench/support/checkpoints.py)
+VOCAB = 512  # the small checkpoints' (tests/support/checkpoints.py)
 # an 8k-token prefill on a loaded two-core machine may outlast the default 30 s / 60 s
 SLOW_MACHINE = {"http_port": 0, "kv_transfer_timeout": 120.0, "prefill_timeout": 120.0}
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.bench.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
 from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import load_model
 from shared.model.registry import config_from_hf
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer
+from tests.support.checkpoints import EOS_TOKEN, EOT_TOKEN, special_ids
 
 
 def tiny_logits(ids: list[int]) -> torch.Tensor:

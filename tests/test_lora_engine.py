@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import cached_checkpoint, load_hf_model
 from shared.engine.config import EngineConfig
 from shared.engine.errors import RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import hf_greedy_with, random_prompts, single_torch_thread
+from tests.support.checkpoints import cached_checkpoint, load_hf_model
 from tests.support.lora_files import AdapterSpec, peft_hooks, write_adapter
 
 VOCAB = 512

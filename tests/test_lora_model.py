@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import cached_checkpoint, load_hf_model
 from shared.kv.pool import allocate_kv_pool
 from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel, load_model
@@ -20,6 +19,7 @@ from shared.model.lora_adapter import AdapterError
 from shared.model.lora_batch import lora_batch
 from shared.model.lora_install import install_lora
 from tests.engine_helpers import random_prompts, single_torch_thread
+from tests.support.checkpoints import cached_checkpoint, load_hf_model
 from tests.support.lora_files import AdapterSpec, peft_hooks, write_adapter
 
 VOCAB = 512

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.support.checkpoints import cached_checkpoint, load_hf_model
 from pdserve.client import generate
 from shared.engine.sampling.sampling_params import SamplingParams
+from tests.support.checkpoints import cached_checkpoint, load_hf_model
 from tests.support.lora_files import AdapterSpec, write_adapter
 from tests.test_lora_engine import MAX_TOKENS, setup  # noqa: F401  (the fixture)
 from tests.test_lora_http import node_with

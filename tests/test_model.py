@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import load_hf_model
 from shared.cdiv import cdiv
 from shared.kv.pool import allocate_kv_pool
 from shared.model.config import RopeScaling
@@ -18,6 +17,7 @@ from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.llama import rope_inv_freq
 from shared.model.loader import LoadedModel, load_model
 from shared.model.registry import config_from_hf
+from tests.support.checkpoints import load_hf_model
 
 ATOL = 1e-4
 VOCAB = 512

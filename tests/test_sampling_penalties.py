@@ -13,7 +13,6 @@ import grpc
 import pytest
 import torch
 
-from pdserve.bench.support.checkpoints import EOS_TOKEN, special_ids
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.requests.request import FinishReason
@@ -21,6 +20,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import _hf_model, hf_greedy, random_prompts
 from tests.sampling_reference import pd_generate
+from tests.support.checkpoints import EOS_TOKEN, special_ids
 from tests.support.cluster import pd_cluster
 
 EOS = special_ids()[EOS_TOKEN]

@@ -8,7 +8,6 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from pdserve.bench.support.checkpoints import EOS_TOKEN, special_ids
 from shared.engine.config import EngineConfig
 from shared.engine.core import RequestOutput
 from shared.engine.llm import LLM
@@ -16,6 +15,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from tests.engine_helpers import random_prompts
 from tests.sampling_reference import Completion, pd_generate, same_logprobs
+from tests.support.checkpoints import EOS_TOKEN, special_ids
 from tests.support.cluster import pd_cluster
 
 EOS = special_ids()[EOS_TOKEN]

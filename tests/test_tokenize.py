@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
-from pdserve.bench.support.checkpoints import BOS_TOKEN, EOS_TOKEN, special_ids
 from shared.serving.http import create_app
 from shared.serving.http.service import HttpApiConfig
 from shared.serving.metrics import AsgiServer
 from tests.fuzz_loop import LiveHttp
+from tests.support.checkpoints import BOS_TOKEN, EOS_TOKEN, special_ids
 
 TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -9,19 +9,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.bench.support.checkpoints import (
-    BOS_TOKEN,
-    EOS_TOKEN,
-    EOT_TOKEN,
-    build_tokenizer,
-    special_ids,
-)
 from shared.model.tokenizer import (
     REPLACEMENT_CHAR,
     ByteTokenizer,
     HfTokenizer,
     IncrementalDetokenizer,
     Tokenizer,
+)
+from tests.support.checkpoints import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    EOT_TOKEN,
+    build_tokenizer,
+    special_ids,
 )
 
 TEXTS = [

@@ -1,13 +1,13 @@
-"""Tiny Hugging Face checkpoints (built offline with transformers + tokenizers): the models of the
-benchmarks' quick runs and of the parity tests, and `load_hf_model`, their transformers reference.
+"""Tiny Llama checkpoints with random weights (built offline with transformers + tokenizers): the
+models of the benchmarks' quick runs, and `load_hf_model`, their transformers reference. The
+tests build their other families with the same writer (tests/support/checkpoints.py).
 
-`build_checkpoint("llama" | "llama3" | "qwen2" | "mistral", out_dir)` writes a directory that both
+`build_checkpoint("llama", out_dir)` writes a directory that both
 `transformers.AutoModelForCausalLM.from_pretrained` and `shared.model.loader.load_model` accept:
 config.json, model.safetensors (or shards + index with `max_shard_size`), generation_config.json
 and a byte-level BPE tokenizer.json. The same arguments always give the same files.
 
-`cached_checkpoint(root, arch, ...)` builds once per distinct argument set under `root`; a
-session-scoped fixture wrapping it keeps suites fast.
+`cached_checkpoint(root, arch, ...)` builds once per distinct argument set under `root`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,6 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from shared.model.gguf_tokenizer import byte_alphabet
-
-ARCHES: tuple[str, ...] = ("llama", "llama3", "qwen2", "mistral")
-# the other families' tiny checkpoints (tests/test_families_parity.py, test_families_moe.py)
-FAMILY_ARCHES: tuple[str, ...] = (
-    *("qwen3", "gemma2", "gemma3", "phi3"),
-    *("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"),
-)
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -45,16 +39,6 @@ _SMALL: dict[str, Any] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-6,
-}
-# The band boundaries fall inside head_dim 16's wavelength range, so all three llama3 regimes
-# (kept, smoothed, divided) occur.
-LLAMA3_ROPE: dict[str, Any] = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 128,
 }
 _MERGES: list[tuple[str, str]] = [
     ("Ġ", "t"),
@@ -91,62 +75,21 @@ def special_ids() -> dict[str, int]:
     return {name: tok.token_to_id(name) for name in (BOS_TOKEN, EOS_TOKEN, EOT_TOKEN)}
 
 
-def _hf_config(arch: str, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
+def base_config() -> dict[str, Any]:
+    """The small shape and this tokenizer's special ids, what every tiny config starts from."""
     ids = special_ids()
-    base: dict[str, Any] = {
-        **_SMALL,
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": ids[EOS_TOKEN],
-    }
-    if arch == "llama":
-        return LlamaConfig(**{**base, **overrides})
-    if arch == "llama3":
-        return LlamaConfig(**{**base, "rope_parameters": dict(LLAMA3_ROPE), **overrides})
-    if arch == "qwen2":
-        # Tied embeddings like the small real Qwen2 models; qkv bias is built into Qwen2. With
-        # tied embeddings and std-0.02 weights the residual stream is dominated by the input
-        # token's own embedding, so greedy decoding repeats it forever; a larger init makes
-        # decode-parity tests see varied tokens.
-        qwen2 = {"tie_word_embeddings": True, "initializer_range": 0.2}
-        return Qwen2Config(**{**base, **qwen2, **overrides})
-    if arch == "mistral":
-        return MistralConfig(**{**base, "sliding_window": None, **overrides})
-    return _family_config(arch, base, overrides)
+    return {**_SMALL, "bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN]}
 
 
-def _family_config(arch: str, base: dict[str, Any], overrides: dict[str, Any]) -> Any:
-    from transformers import (
-        DeepseekV2Config,
-        DeepseekV3Config,
-        Gemma2Config,
-        Gemma3TextConfig,
-        MixtralConfig,
-        Phi3Config,
-        Qwen2MoeConfig,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
+def llama_config(arch: str, overrides: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig
 
-    classes = {
-        "mixtral": (MixtralConfig, "MixtralForCausalLM"),
-        "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
-        "qwen2_moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM"),
-        "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
-        "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
-        "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
-        "phi3": (Phi3Config, "Phi3ForCausalLM"),
-        "deepseek_v2": (DeepseekV2Config, "DeepseekV2ForCausalLM"),
-        "deepseek_v3": (DeepseekV3Config, "DeepseekV3ForCausalLM"),
-    }
-    if arch not in classes:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES + FAMILY_ARCHES}")
-    config_class, architecture = classes[arch]
-    # a larger init than transformers' 0.02 so greedy decoding varies (see qwen2 above); no
-    # pad id (Phi-3's default lies outside the small vocabulary)
-    family = {"initializer_range": 0.2, "pad_token_id": None, "architectures": [architecture]}
-    return config_class(**{**base, **family, **overrides})
+    if arch != "llama":
+        raise ValueError(f"unknown arch {arch!r}: the benchmarks build llama")
+    return LlamaConfig(**{**base_config(), **overrides})
+
+
+ConfigFor = Callable[[str, dict[str, Any]], Any]
 
 
 def _perturb_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
@@ -172,6 +115,7 @@ def build_checkpoint(
     seed: int = 0,
     max_shard_size: str | int | None = None,
     with_tokenizer: bool = True,
+    config_for: ConfigFor = llama_config,
     **overrides: Any,
 ) -> Path:
     """Write a small random `arch` checkpoint to `out_dir` and return `out_dir`.
@@ -184,7 +128,7 @@ def build_checkpoint(
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    config = _hf_config(arch, overrides)
+    config = config_for(arch, overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -205,7 +149,9 @@ def build_checkpoint(
     return out_dir
 
 
-def cached_checkpoint(root: Path, arch: str, **kwargs: Any) -> Path:
+def cached_checkpoint(
+    root: Path, arch: str, config_for: ConfigFor = llama_config, **kwargs: Any
+) -> Path:
     """`build_checkpoint` into `root/<arch>-<hash of kwargs>`, reusing it if already built."""
     key = hashlib.sha256(repr(sorted(kwargs.items())).encode()).hexdigest()[:12]
     target = Path(root) / f"{arch}-{key}"
@@ -214,7 +160,7 @@ def cached_checkpoint(root: Path, arch: str, **kwargs: Any) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
     try:
-        build_checkpoint(arch, staging, **kwargs)
+        build_checkpoint(arch, staging, config_for=config_for, **kwargs)
         staging.rename(target)  # atomic: a half-written checkpoint is never visible
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
