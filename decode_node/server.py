@@ -38,6 +38,7 @@ from decode_node.first_token import engine_took_first, release_first
 from decode_node.grammar_check import with_grammar
 from decode_node.health import decode_health
 from decode_node.remote_prefill import RemotePrefill
+from decode_node.request_images import request_images, widen
 from decode_node.responses import generate_response
 from decode_node.startup import build_parts
 from decode_node.stream import PrefillFailed, Stream
@@ -61,6 +62,7 @@ from shared.model.loader import LoadedModel
 from shared.serving import lora_admin
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
+from shared.serving.images.image_limits import ImageLimits
 from shared.serving.metrics import AsgiServer
 from shared.serving.request_outcomes import DECODE_OUTCOMES, RequestOutcomes
 from shared.serving.status import Status
@@ -264,9 +266,12 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self, rid: str, request: generation_pb2.GenerateRequest, time_left: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
-        prompt, params = await with_grammar(self.info, *self._parse(request), deadline)
+        images = await asyncio.to_thread(request_images, self.info, request, ImageLimits())
+        parsed = self._parse(request, images)
+        prompt, params = await with_grammar(self.info, *parsed, deadline)
         # closed explicitly: a cancelled call releases the request now, not when collected
-        async with contextlib.aclosing(self.generate(rid, prompt, params, deadline)) as gen:
+        gen = self.generate(rid, prompt, params, deadline, images)
+        async with contextlib.aclosing(gen) as gen:
             async for stream, delta in gen:
                 yield generate_response(stream, delta)
 
@@ -450,7 +455,9 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self.metrics.itl.observe(time.monotonic() - prev)
         return delta
 
-    def _parse(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    def _parse(
+        self, request: generation_pb2.GenerateRequest, images: tuple[PromptImage, ...] = ()
+    ) -> tuple[list[int], SamplingParams]:
         which = request.WhichOneof("prompt")
         if which == "text":
             if not request.text:
@@ -460,6 +467,7 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
             prompt = list(request.token_ids.ids)
         else:
             raise GenerateError(Status.INVALID_ARGUMENT, "prompt is missing: set text or token_ids")
+        prompt = widen(self.info, prompt, images)
         try:
             prompt, params = continue_answer(request, prompt, generate_params_from_proto(request))
         except WireError as e:

@@ -40,6 +40,11 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "ttft_slo_ms": (6, _T.TYPE_UINT32, False),
         "itl_slo_ms": (7, _T.TYPE_UINT32, False),
         "continuation": (8, _T.TYPE_MESSAGE, False),
+        "images": (9, _T.TYPE_MESSAGE, True),
+    },
+    "ImageInput": {
+        "data": (1, _T.TYPE_BYTES, False),
+        "url": (2, _T.TYPE_STRING, False),
     },
     "TokenIds": {"ids": (1, _T.TYPE_UINT32, True)},
     "SamplingParams": {

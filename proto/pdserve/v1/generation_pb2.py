@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!proto/pdserve/v1/generation.proto\x12\npdserve.v1\"\xa8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x0bttft_slo_ms\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nitl_slo_ms\x18\x07 \x01(\rH\x02\x88\x01\x01\x12*\n\x0c\x63ontinuation\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsB\x08\n\x06promptB\x0e\n\x0c_ttft_slo_msB\r\n\x0b_itl_slo_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x96\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\r\x12\t\n\x01n\x18\x10 \x01(\r\x12\r\n\x05min_p\x18\x11 \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x30\n\nstructured\x18\x13 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1b\n\x13output_index_offset\x18\x14 \x01(\r\x12\x14\n\x0clora_adapter\x18\x15 \x01(\t\x12\x18\n\x10\x63ontinued_tokens\x18\x16 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"J\n\x10StructuredOutput\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xac\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8f\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x05 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\xa1\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\'\n\tnode_role\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.NodeRole\x12+\n\tkv_layout\x18\x07 \x01(\x0b\x32\x18.pdserve.v1.KvLayoutInfo\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_offload_blocks\x18\t \x01(\r\x12\x13\n\x0binstance_id\x18\n \x01(\x04\x12\x15\n\rlora_adapters\x18\x0b \x03(\t\"\x82\x01\n\x0cKvLayoutInfo\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t*\xc7\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x05*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03*k\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x17\n\x13NODE_ROLE_COLOCATED\x10\x03\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!proto/pdserve/v1/generation.proto\x12\npdserve.v1\"\xd0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x18\n\x0bttft_slo_ms\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nitl_slo_ms\x18\x07 \x01(\rH\x02\x88\x01\x01\x12*\n\x0c\x63ontinuation\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.TokenIds\x12&\n\x06images\x18\t \x03(\x0b\x32\x16.pdserve.v1.ImageInputB\x08\n\x06promptB\x0e\n\x0c_ttft_slo_msB\r\n\x0b_itl_slo_ms\"5\n\nImageInput\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x96\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\r\x12\t\n\x01n\x18\x10 \x01(\r\x12\r\n\x05min_p\x18\x11 \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x30\n\nstructured\x18\x13 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1b\n\x13output_index_offset\x18\x14 \x01(\r\x12\x14\n\x0clora_adapter\x18\x15 \x01(\t\x12\x18\n\x10\x63ontinued_tokens\x18\x16 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"J\n\x10StructuredOutput\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xac\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8f\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x05 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\xa1\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\'\n\tnode_role\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.NodeRole\x12+\n\tkv_layout\x18\x07 \x01(\x0b\x32\x18.pdserve.v1.KvLayoutInfo\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_offload_blocks\x18\t \x01(\r\x12\x13\n\x0binstance_id\x18\n \x01(\x04\x12\x15\n\rlora_adapters\x18\x0b \x03(\t\"\x82\x01\n\x0cKvLayoutInfo\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t*\xc7\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x05*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03*k\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x17\n\x13NODE_ROLE_COLOCATED\x10\x03\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,38 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STRUCTUREDKIND']._serialized_start=2240
-  _globals['_STRUCTUREDKIND']._serialized_end=2439
-  _globals['_FINISHREASON']._serialized_start=2441
-  _globals['_FINISHREASON']._serialized_end=2563
-  _globals['_NODEROLE']._serialized_start=2565
-  _globals['_NODEROLE']._serialized_end=2672
+  _globals['_STRUCTUREDKIND']._serialized_start=2335
+  _globals['_STRUCTUREDKIND']._serialized_end=2534
+  _globals['_FINISHREASON']._serialized_start=2536
+  _globals['_FINISHREASON']._serialized_end=2658
+  _globals['_NODEROLE']._serialized_start=2660
+  _globals['_NODEROLE']._serialized_end=2767
   _globals['_GENERATEREQUEST']._serialized_start=50
-  _globals['_GENERATEREQUEST']._serialized_end=346
-  _globals['_TOKENIDS']._serialized_start=348
-  _globals['_TOKENIDS']._serialized_end=371
-  _globals['_SAMPLINGPARAMS']._serialized_start=374
-  _globals['_SAMPLINGPARAMS']._serialized_end=1036
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=946
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=994
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1038
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1112
-  _globals['_TOPLOGPROB']._serialized_start=1114
-  _globals['_TOPLOGPROB']._serialized_end=1161
-  _globals['_TOKENLOGPROB']._serialized_start=1163
-  _globals['_TOKENLOGPROB']._serialized_end=1258
-  _globals['_GENERATERESPONSE']._serialized_start=1261
-  _globals['_GENERATERESPONSE']._serialized_end=1561
-  _globals['_USAGE']._serialized_start=1563
-  _globals['_USAGE']._serialized_end=1643
-  _globals['_TIMING']._serialized_start=1646
-  _globals['_TIMING']._serialized_end=1789
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1791
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1812
-  _globals['_MODELINFO']._serialized_start=1815
-  _globals['_MODELINFO']._serialized_end=2104
-  _globals['_KVLAYOUTINFO']._serialized_start=2107
-  _globals['_KVLAYOUTINFO']._serialized_end=2237
-  _globals['_GENERATION']._serialized_start=2675
-  _globals['_GENERATION']._serialized_end=2832
+  _globals['_GENERATEREQUEST']._serialized_end=386
+  _globals['_IMAGEINPUT']._serialized_start=388
+  _globals['_IMAGEINPUT']._serialized_end=441
+  _globals['_TOKENIDS']._serialized_start=443
+  _globals['_TOKENIDS']._serialized_end=466
+  _globals['_SAMPLINGPARAMS']._serialized_start=469
+  _globals['_SAMPLINGPARAMS']._serialized_end=1131
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1041
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1089
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1133
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1207
+  _globals['_TOPLOGPROB']._serialized_start=1209
+  _globals['_TOPLOGPROB']._serialized_end=1256
+  _globals['_TOKENLOGPROB']._serialized_start=1258
+  _globals['_TOKENLOGPROB']._serialized_end=1353
+  _globals['_GENERATERESPONSE']._serialized_start=1356
+  _globals['_GENERATERESPONSE']._serialized_end=1656
+  _globals['_USAGE']._serialized_start=1658
+  _globals['_USAGE']._serialized_end=1738
+  _globals['_TIMING']._serialized_start=1741
+  _globals['_TIMING']._serialized_end=1884
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1886
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1907
+  _globals['_MODELINFO']._serialized_start=1910
+  _globals['_MODELINFO']._serialized_end=2199
+  _globals['_KVLAYOUTINFO']._serialized_start=2202
+  _globals['_KVLAYOUTINFO']._serialized_end=2332
+  _globals['_GENERATION']._serialized_start=2770
+  _globals['_GENERATION']._serialized_end=2927
 # @@protoc_insertion_point(module_scope)

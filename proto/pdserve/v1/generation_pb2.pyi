@@ -45,7 +45,7 @@ NODE_ROLE_DECODE: NodeRole
 NODE_ROLE_COLOCATED: NodeRole
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "priority", "ttft_slo_ms", "itl_slo_ms", "continuation")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "priority", "ttft_slo_ms", "itl_slo_ms", "continuation", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class GenerateRequest(_message.Message):
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     ITL_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -62,7 +63,16 @@ class GenerateRequest(_message.Message):
     ttft_slo_ms: int
     itl_slo_ms: int
     continuation: TokenIds
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., ttft_slo_ms: _Optional[int] = ..., itl_slo_ms: _Optional[int] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., ttft_slo_ms: _Optional[int] = ..., itl_slo_ms: _Optional[int] = ..., continuation: _Optional[_Union[TokenIds, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("data", "url")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    url: str
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

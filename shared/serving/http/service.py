@@ -26,7 +26,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.model.chat_template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from shared.model.loader import LoadedModel
 from shared.serving.connection_limits import ConnectionLimits
-from shared.serving.http.chat_images import Prompt, request_images, widen_placeholders
+from shared.serving.http.chat_images import Prompt, request_images, widen_chat_placeholders
 from shared.serving.http.errors import ApiError
 from shared.serving.http.logprobs import TokenTexts
 from shared.serving.http.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
@@ -255,18 +255,12 @@ class OpenAIService:
         """The rendered conversation's ids and text, and its images (decoded and preprocessed
         here: CPU work, which the routes run off the event loop)."""
         loaded = self.backend.info.loaded
-        images = request_images(
-            req.messages, loaded.image_processor, self.config.image_limits, self.model_name
-        )
+        images = request_images(req.messages, loaded, self.config.image_limits, self.model_name)
         # the template already wrote BOS and the role markers: no second set of specials unless
         # the client asks (vLLM's add_special_tokens)
         text = self.render_chat(req, tool_definitions(req))
         ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-        vision = loaded.config.vision
-        if images and vision is not None and loaded.config.image_token_id is not None:
-            token, merge = loaded.config.image_token_id, vision.spatial_merge_size
-            ids = widen_placeholders(ids, images, token, merge)
-        return Prompt(ids, text, images)
+        return Prompt(widen_chat_placeholders(ids, images, loaded), text, images)
 
     def jobs(
         self,

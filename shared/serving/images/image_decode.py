@@ -60,6 +60,13 @@ def decode_image_url(
     return _to_rgb(_open(data, limits, index), index)
 
 
+def decode_image_bytes(data: bytes, limits: ImageLimits, index: int) -> Image.Image:
+    """The RGB picture an encoded file holds (gRPC's ImageInput.data), or an ImageError."""
+    if len(data) > limits.max_image_bytes:
+        raise _too_large(index, limits)
+    return _to_rgb(_open(data, limits, index), index)
+
+
 def _remote_refusal(url: str, index: int, allowed_domains: frozenset[str]) -> ImageError:
     try:
         parts = urlsplit(url)

@@ -1,9 +1,9 @@
-"""Images through the OpenAI API of a tiny Qwen2-VL, colocated and split (a prefill node runs
-the vision tower and the prompt, the decode node the rest): PNG data URLs of different sizes in
-a chat, preprocessed by the decode node and answered token for token as transformers answers
-with its own processor; usage and /tokenize count the image tokens; bad
-images are 400 (413 past the byte limit) naming the image, and the node keeps serving with every
-seat, block and mRoPE delta row back."""
+"""Images through the OpenAI API and gRPC of a tiny Qwen2-VL, colocated and split (a prefill
+node runs the vision tower and the prompt, the decode node the rest): PNG images of different
+sizes (data URLs, a file's bytes), preprocessed by the decode node and answered token for token
+as transformers answers with its own processor; usage and /tokenize count the image tokens; bad
+images are 400 (413 past the byte limit) naming the image, INVALID_ARGUMENT over gRPC; the node
+keeps serving with every seat, block and mRoPE delta row back on every node."""
 
 from __future__ import annotations
 
@@ -14,16 +14,20 @@ import struct
 import zlib
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tokenizers import Tokenizer
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.server import DecodeNode
+from pdserve.client import create_channel
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.server import PrefillNode
+from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from shared.engine.config import EngineConfig
 from shared.model.loader import load_model
 from tests.engine_helpers import single_torch_thread
@@ -73,10 +77,11 @@ def _bomb_url() -> str:
     return "data:image/png;base64," + base64.b64encode(png + chunk(b"IEND", b"")).decode()
 
 
-def _expected(checkpoint: Path, text: str, images: list[Image.Image]) -> tuple[list[int], str]:
+def _expected(
+    checkpoint: Path, text: str, images: list[Image.Image]
+) -> tuple[list[int], list[int]]:
     """transformers' prompt ids (its processor widens the placeholders) and greedy answer."""
     import transformers
-    from tokenizers import Tokenizer
 
     processor = transformers.Qwen2VLImageProcessorPil(
         patch_size=PATCH,
@@ -108,7 +113,7 @@ def _expected(checkpoint: Path, text: str, images: list[Image.Image]) -> tuple[l
             max_new_tokens=NEW_TOKENS,
             min_new_tokens=NEW_TOKENS,
         )
-    return ids, tokenizer.decode(out[0, len(ids) :].tolist())
+    return ids, out[0, len(ids) :].tolist()
 
 
 async def _serve(checkpoint: Path, body, split: bool = False) -> None:
@@ -139,7 +144,7 @@ async def _serve(checkpoint: Path, body, split: bool = False) -> None:
         await decode.start()
         url = f"http://127.0.0.1:{decode.http_port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            await body(client)
+            await body(client, f"127.0.0.1:{decode.port}")
         await cluster.assert_idle_and_conserved()
         if split:  # every prompt went to the prefill node
             decode_metrics = (await asyncio.to_thread(cluster.metrics))[1]
@@ -173,9 +178,10 @@ def test_chat_with_two_images_matches_transformers(checkpoint: Path, split: bool
     text = "Compare <|vision_start|><|image_pad|><|vision_end|> with "
     text += "<|vision_start|><|image_pad|><|vision_end|>"
     with single_torch_thread():
-        ids, answer = _expected(checkpoint, text, pictures)
+        ids, tokens = _expected(checkpoint, text, pictures)
+    answer = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode(tokens)
 
-    async def body(client: httpx.AsyncClient) -> None:
+    async def body(client: httpx.AsyncClient, _: str) -> None:
         reply = await client.post("/v1/chat/completions", json=_chat(content))
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == answer
@@ -186,6 +192,42 @@ def test_chat_with_two_images_matches_transformers(checkpoint: Path, split: bool
         again = await client.post("/v1/chat/completions", json=_chat(content))
         assert again.json()["choices"][0]["message"]["content"] == answer
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    asyncio.run(_serve(checkpoint, body, split))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["colocated", "pd"])
+def test_grpc_generate_with_images_matches_transformers(checkpoint: Path, split: bool) -> None:
+    """gRPC's ImageInput (a file's bytes, a data URL): the answer's token ids are
+    transformers'; a prompt without its placeholder and a text-only use of images are refused."""
+    pictures = [_png(24, 40, seed=4), _png(32, 16, seed=5)]
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = f"Look {image} and {image}"
+    with single_torch_thread():
+        _, expected = _expected(checkpoint, text, pictures)
+    buffer = io.BytesIO()
+    pictures[0].save(buffer, format="PNG")
+    inputs = [
+        generation_pb2.ImageInput(data=buffer.getvalue()),
+        generation_pb2.ImageInput(url=_data_url(pictures[1])),
+    ]
+    prompt = "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n"
+    sampling = generation_pb2.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    async def body(_: httpx.AsyncClient, target: str) -> None:
+        async with create_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = generation_pb2.GenerateRequest(text=prompt, sampling=sampling, images=inputs)
+            got = [t async for r in stub.Generate(request, timeout=60) for t in r.token_ids]
+            assert got == expected
+            short = generation_pb2.GenerateRequest(
+                text="no placeholder", sampling=sampling, images=inputs[:1]
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Generate(short, timeout=60):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "image placeholder" in (refused.value.details() or "")
 
     asyncio.run(_serve(checkpoint, body, split))
 
@@ -208,7 +250,7 @@ def test_bad_images_are_client_errors(checkpoint: Path) -> None:
         ),
     }
 
-    async def body(client: httpx.AsyncClient) -> None:
+    async def body(client: httpx.AsyncClient, _: str) -> None:
         for name, (content, status, words) in cases.items():
             reply = await client.post("/v1/chat/completions", json=_chat(content))
             assert reply.status_code == status, (name, reply.text)
