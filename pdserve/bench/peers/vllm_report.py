@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.support.util import bar_plot, pyplot, write_json
+from pdserve.bench.support.util import bar_plot, figure, pyplot, write_json
 
 
 def write(out: Path, result: dict[str, Any]) -> None:
@@ -37,24 +37,17 @@ def engine_plot(path: Path, rows: list[dict[str, Any]]) -> None:
 def _lines(
     path: Path, title: str, panels: list[tuple[str, dict[str, tuple[list, list]]]], xlabel: str
 ) -> None:
-    plt = pyplot()
-    if plt is None:
+    if pyplot() is None:
         return
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    for ax, (ylabel, series) in zip(axes[0], panels, strict=True):
-        for name, (xs, ys) in series.items():
-            ax.plot(xs, ys, marker="o", label=name)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    with figure(path, ncols=len(panels), width=4.2) as (fig, axes):
+        for ax, (ylabel, series) in zip(axes, panels, strict=True):
+            for name, (xs, ys) in series.items():
+                ax.plot(xs, ys, marker="o", label=name)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(title)
 
 
 def serve_plot(path: Path, serve: dict[str, Any]) -> None:
@@ -155,17 +148,6 @@ def _pd_table(ttft: dict[str, list[dict[str, Any]]]) -> str:
         cells = " | ".join(f"{v:.0f}" for v in vals)
         lines.append(f"| {n} | {cells} | **{ratio:.2f}x** |")
     return "\n".join(lines)
-
-
-def goodput(saved: dict[str, Any], ttft_ms: float, tpot_ms: float) -> float:
-    """Requests/s that met TTFT <= ttft_ms and TPOT <= tpot_ms, from a `vllm bench serve
-    --save-detailed` result (its per-request `ttfts` and `itls`, seconds): the goodput at another
-    SLO than the one the run was given."""
-    good = 0
-    for ttft, itls in zip(saved["ttfts"], saved["itls"], strict=True):
-        tpot = sum(itls) / len(itls) if itls else 0.0
-        good += bool(ttft and ttft * 1000 <= ttft_ms and tpot * 1000 <= tpot_ms)
-    return good / saved["duration"]
 
 
 if __name__ == "__main__":

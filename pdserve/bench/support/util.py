@@ -272,21 +272,13 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 def bar_plot(
     path: Path, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str
 ) -> None:
-    plt = pyplot()
-    if plt is None:
+    if pyplot() is None:
         return
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / max(1, len(series))
-    for i, (name, values) in enumerate(series.items()):
-        xs = [g + i * width for g in range(len(groups))]
-        ax.bar(xs, values, width, label=name)
-    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    with figure(path) as (_, (ax,)):
+        width = 0.8 / max(1, len(series))
+        for i, (name, values) in enumerate(series.items()):
+            ax.bar([g + i * width for g in range(len(groups))], values, width, label=name)
+        ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
