@@ -80,6 +80,7 @@ COPY transfer /src/transfer
 COPY proto /src/proto
 COPY prefill_node /src/prefill_node
 COPY decode_node /src/decode_node
+COPY encode_node /src/encode_node
 RUN /opt/pdserve/bin/pip install -q --no-deps --no-build-isolation --no-index --prefix /pkg /src
 
 # -------------------------------------------------------------------------------- kernels

@@ -172,6 +172,8 @@ class Cluster:
         decode_extra: list[str] | None = None,
         prefill_extra: list[str] | None = None,
         front_door: bool = False,
+        num_encode: int = 0,
+        encode_extra: list[str] | None = None,
     ):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
@@ -181,6 +183,9 @@ class Cluster:
         self.prefill_extra = list(prefill_extra or [])
         self.num_prefill = num_prefill
         self.num_decode = num_decode
+        # encoder nodes (E/P/D): started first, their targets given to every prefill node
+        self.num_encode = num_encode
+        self.encode_extra = list(encode_extra or [])
         self.front_door = front_door and num_decode > 1
         self.port = port
         self.extra = extra
@@ -189,15 +194,24 @@ class Cluster:
         self.relay: StderrRelay | None = None  # the nodes' stderr, one loading bar at a time
 
     def start(self, timeout: float = 120.0, echo: bool = True) -> list[str]:
-        env = shared_host_env(self.num_prefill + self.num_decode)
+        env = shared_host_env(self.num_encode + self.num_prefill + self.num_decode)
         # Every node is on this host: UCX's own tcp sockets (a prefill node's too, which has no
         # listener of its own) stay on loopback like the decode nodes' KV listeners, which bind
         # --ucx-host, 127.0.0.1 by default. An operator's UCX_NET_DEVICES wins.
         env.setdefault("UCX_NET_DEVICES", "lo")
         # each node's stderr through one relay: two nodes loading at once draw one bar at a time
-        self.relay = StderrRelay(self.num_prefill + self.num_decode + self.front_door)
+        nodes = self.num_encode + self.num_prefill + self.num_decode + self.front_door
+        self.relay = StderrRelay(nodes)
         fds = iter(self.relay.fds)
         prefill_args = ("--model", self.model, "--port", "0", *self.extra, *self.prefill_extra)
+        if self.num_encode:
+            encode_args = ("--model", self.model, "--port", "0", *self.encode_extra)
+            specs = [
+                NodeSpec("encode", encode_args, env, echo, next(fds))
+                for _ in range(self.num_encode)
+            ]
+            encoders = self._start_nodes(specs, timeout)
+            prefill_args += ("--encoder", ",".join(f"127.0.0.1:{e.info['port']}" for e in encoders))
         specs = [
             NodeSpec("prefill", prefill_args, env, echo, next(fds)) for _ in range(self.num_prefill)
         ]

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import uvloop
 
 from decode_node.config import DecodeNodeConfig
+from encode_node.config import EncodeNodeConfig
 from pdserve import lifeline
 from pdserve.restart_count import export_restarts
 from prefill_node.config import PrefillNodeConfig
@@ -82,6 +83,25 @@ def run_prefill(config: PrefillNodeConfig) -> int:
             await node.start()
             announce(
                 "prefill",
+                port=node.port,
+                metrics_port=node.serving.metrics_port if node.serving else None,
+            )
+
+        return await _serve_until_signal(start, node.stop, config.drain_grace)
+
+    return uvloop.run(main())
+
+
+def run_encoder(config: EncodeNodeConfig) -> int:
+    from encode_node.server import EncodeNode
+
+    async def main() -> int:
+        node = EncodeNode(config)
+
+        async def start() -> None:
+            await node.start()
+            announce(
+                "encode",
                 port=node.port,
                 metrics_port=node.serving.metrics_port if node.serving else None,
             )

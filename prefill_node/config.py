@@ -29,6 +29,8 @@ class PrefillNodeConfig:
     drain_grace: float = DRAIN_GRACE_S  # on SIGTERM, for in-flight prefills to finish
     # LoadLoraAdapter / UnloadLoraAdapter, as decode nodes pass their runtime updates on
     allow_runtime_lora: bool = False
+    # encoder nodes (E/P/D, --encoder): a prompt's images are encoded there, else here
+    encoder_targets: tuple[str, ...] = ()
     # KV tiers below the pool (--kv-offload-*: pdserve/cli/offload_args.py)
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str = ""

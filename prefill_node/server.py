@@ -24,6 +24,7 @@ from prometheus_client import Counter
 
 from prefill_node import lora_rpc
 from prefill_node.config import PrefillNodeConfig
+from prefill_node.encoders import EncoderClients
 from prefill_node.job import FINAL, PrefillJob
 from prefill_node.job_table import JobFailed, JobTable
 from prefill_node.outcome import counted_prefill
@@ -95,6 +96,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         self.jobs = JobTable(self._release, expired)  # read by the layer hook too
         self.serving: NodeServing | None = None
         self.port = 0
+        self.encoders: EncoderClients | None = None  # opened at start, on the serving loop
+        if config.encoder_targets and self.info.loaded.config.vision is None:
+            raise ValueError(f"--encoder: {self.info.loaded.name} is a text model")
 
     def _snapshot(self):
         assert self.thread is not None
@@ -115,6 +119,12 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         await self.thread.start_warm()
         native.log_states()  # each C kernel on (variant, path) or off and why
         self.sender.start(self.info.kv_pool.device)  # not inside the first request's push
+        vision = self.info.loaded.config.vision
+        if self.config.encoder_targets and vision is not None:
+            hidden = self.info.loaded.config.hidden_size
+            self.encoders = EncoderClients(
+                self.config.encoder_targets, hidden, vision.spatial_merge_size
+            )
         self.serving = await NodeServing.serve(
             self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry
         )
@@ -134,6 +144,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             self.thread.stop()
         self.jobs.close()
         await self.sender.close()
+        if self.encoders is not None:
+            await self.encoders.close()
         if self.serving is not None:
             await self.serving.close_metrics()
         return conserved
@@ -285,6 +297,8 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             images = images_from_proto(request.images, self.info.loaded.image_processor)
         except WireError as e:
             raise RequestRejected(str(e)) from None
+        if self.encoders is not None:
+            images = await self.encoders.encode(job.request_id, images)
         job.check_destination(len(prompt), self.layout.block_size, self.layout.num_layers)
         # in a compile worker, stopped when the job's deadline cancels this task; invalid:
         # INVALID_ARGUMENT, no worker free in time: RESOURCE_EXHAUSTED

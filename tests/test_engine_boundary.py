@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ("shared", "transfer", "prefill_node", "decode_node", "pdserve", "proto")
+SHIPPED = ("shared", "transfer", "prefill_node", "decode_node", "encode_node", "pdserve", "proto")
 
 # What a node package may take from shared.engine: the door (commands, the thread, the engine's
 # facts, the role settings it builds its engine with) and the plain values that cross it.
@@ -79,7 +79,7 @@ def _imports(tree: ast.AST) -> Iterator[tuple[str, str | None]]:
             yield from ((node.module, alias.name) for alias in node.names)
 
 
-@pytest.mark.parametrize("package", ["decode_node", "prefill_node"])
+@pytest.mark.parametrize("package", ["decode_node", "prefill_node", "encode_node"])
 def test_nodes_take_only_the_engines_public_api(package: str) -> None:
     bad = []
     for path in _files(package):
@@ -92,7 +92,7 @@ def test_nodes_take_only_the_engines_public_api(package: str) -> None:
     assert bad == [], "node code reaches into the engine; add a command instead"
 
 
-@pytest.mark.parametrize("package", ["decode_node", "prefill_node"])
+@pytest.mark.parametrize("package", ["decode_node", "prefill_node", "encode_node"])
 def test_nodes_never_dereference_their_engine(package: str) -> None:
     """`something.core.x` or `core.x`: the engine's state read or changed from a node."""
     bad = []

@@ -45,7 +45,7 @@ def test_engine_and_model_import_no_serving_layer(package: str) -> None:
     forbidden = ("grpc", "grpc_health", "grpc_reflection", "proto", "transfer", "shared.serving")
     forbidden += ("ucp", "ucxx")  # what moves KV bytes is the node's, handed in to a connector
     assert violations(package, forbidden) == []
-    for layer in ("decode_node", "prefill_node", "pdserve", "tests"):
+    for layer in ("decode_node", "prefill_node", "encode_node", "pdserve", "tests"):
         assert violations(package, (layer,)) == []
 
 
@@ -60,19 +60,27 @@ def test_transfer_takes_only_the_kv_layout_from_shared() -> None:
 
 
 @pytest.mark.parametrize(
-    ("package", "other"), [("decode_node", "prefill_node"), ("prefill_node", "decode_node")]
+    ("package", "other"),
+    [
+        ("decode_node", "prefill_node"),
+        ("prefill_node", "decode_node"),
+        ("encode_node", "prefill_node"),
+        ("encode_node", "decode_node"),
+        ("prefill_node", "encode_node"),
+        ("decode_node", "encode_node"),
+    ],
 )
 def test_node_packages_meet_only_through_proto_and_transfer(package: str, other: str) -> None:
     assert violations(package, (other,)) == []
 
 
-@pytest.mark.parametrize("package", ["pdserve", "decode_node", "prefill_node"])
+@pytest.mark.parametrize("package", ["pdserve", "decode_node", "prefill_node", "encode_node"])
 def test_nothing_shipped_imports_the_tests(package: str) -> None:
     assert violations(package, ("tests",)) == []
 
 
 # ---- fixtures live under tests/: nothing shipped is there only for the tests ----------------
-SHIPPED = ("pdserve", "shared", "transfer", "proto", "prefill_node", "decode_node")
+SHIPPED = ("pdserve", "shared", "transfer", "proto", "prefill_node", "decode_node", "encode_node")
 
 
 def module_name(path: Path) -> str:

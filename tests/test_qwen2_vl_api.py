@@ -24,10 +24,18 @@ from tokenizers import Tokenizer
 
 from decode_node.config import DecodeNodeConfig
 from decode_node.server import DecodeNode
+from encode_node.config import EncodeNodeConfig
+from encode_node.server import EncodeNode
 from pdserve.client import create_channel
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.server import PrefillNode
-from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from proto.pdserve.v1 import (
+    encoder_pb2,
+    encoder_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+)
 from shared.engine.config import EngineConfig
 from shared.model.loader import load_model
 from tests.engine_helpers import single_torch_thread
@@ -43,6 +51,7 @@ from tests.support.vision_checkpoints import (
     build_vl_checkpoint,
     write_chat_files,
 )
+from tests.up_process import start_up
 
 NEW_TOKENS = 5
 
@@ -116,43 +125,68 @@ def _expected(
     return ids, out[0, len(ids) :].tolist()
 
 
-async def _serve(checkpoint: Path, body, split: bool = False) -> None:
-    """`body(client)` against a colocated node, or (`split`) a decode node whose every prompt
-    a prefill node computes; fp32 on both, so the answers can be compared to transformers'."""
+COLOCATED, PD, EPD = "colocated", "pd", "epd"
+SPLITS = [COLOCATED, PD, EPD]
+
+
+async def _serve(checkpoint: Path, body, split: str = COLOCATED) -> None:
+    """`body(client, grpc target)` against a colocated node, or a decode node whose every
+    prompt a prefill node computes (`pd`), that one's images encoded by an encoder node
+    (`epd`); fp32 everywhere, so the answers can be compared to transformers'."""
     engine = EngineConfig(model=str(checkpoint), num_kv_blocks=256, block_size=8, dtype="float32")
     cluster = PdCluster([], [])
+    encoder = None
     try:
-        if split:
+        if split == EPD:
+            encoder = EncodeNode(EncodeNodeConfig(model=str(checkpoint), dtype="float32", port=0))
+            await encoder.start()
+        if split != COLOCATED:
+            targets = () if encoder is None else (f"127.0.0.1:{encoder.port}",)
             prefill = PrefillNode(
-                PrefillNodeConfig(engine=engine, port=0, metrics_port=0),
+                PrefillNodeConfig(engine=engine, port=0, metrics_port=0, encoder_targets=targets),
                 load_model(str(checkpoint), dtype=torch.float32),
             )
             cluster.prefills.append(prefill)
             await prefill.start()
-        config = DecodeNodeConfig(
-            engine=engine,
-            prefill_targets=tuple(f"127.0.0.1:{p.port}" for p in cluster.prefills),
-            port=0,
-            metrics_port=0,
-            http_port=0,
-            colocated=not split,
-            local_prefill_tokens=0,
-            local_prefill_fallback=False,
-        )
-        decode = DecodeNode(config, load_model(str(checkpoint), dtype=torch.float32))
-        cluster.decodes.append(decode)
-        await decode.start()
+        decode = await _decode_node(checkpoint, engine, cluster)
         url = f"http://127.0.0.1:{decode.http_port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             await body(client, f"127.0.0.1:{decode.port}")
         await cluster.assert_idle_and_conserved()
-        if split:  # every prompt went to the prefill node
-            decode_metrics = (await asyncio.to_thread(cluster.metrics))[1]
-            assert decode_metrics.get('pdserve_prefills_total{where="local"}', 0.0) == 0
-            assert decode_metrics['pdserve_prefills_total{where="remote"}'] > 0
+        await _check_where(cluster, split, encoder)
     finally:
-        for node in [*cluster.decodes, *cluster.prefills]:
+        for node in [*cluster.decodes, *cluster.prefills, *([encoder] if encoder else [])]:
             await node.stop(grace=1.0)
+
+
+async def _decode_node(checkpoint: Path, engine: EngineConfig, cluster: PdCluster) -> DecodeNode:
+    config = DecodeNodeConfig(
+        engine=engine,
+        prefill_targets=tuple(f"127.0.0.1:{p.port}" for p in cluster.prefills),
+        port=0,
+        metrics_port=0,
+        http_port=0,
+        colocated=not cluster.prefills,
+        local_prefill_tokens=0,
+        local_prefill_fallback=False,
+    )
+    decode = DecodeNode(config, load_model(str(checkpoint), dtype=torch.float32))
+    cluster.decodes.append(decode)
+    await decode.start()
+    return decode
+
+
+async def _check_where(cluster: PdCluster, split: str, encoder: EncodeNode | None) -> None:
+    """Every prompt went to the prefill node (split); every image to the encoder (E/P/D)."""
+    if split == COLOCATED:
+        return
+    decode_metrics = (await asyncio.to_thread(cluster.metrics))[1]
+    assert decode_metrics.get('pdserve_prefills_total{where="local"}', 0.0) == 0
+    assert decode_metrics['pdserve_prefills_total{where="remote"}'] > 0
+    clients = cluster.prefills[0].encoders
+    if encoder is not None:
+        assert clients is not None and clients.remote_images > 0 and clients.local_images == 0
+        assert encoder.cache.encoded_images > 0
 
 
 def _chat(content: object, **fields: object) -> dict[str, object]:
@@ -166,8 +200,8 @@ def _chat(content: object, **fields: object) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["colocated", "pd"])
-def test_chat_with_two_images_matches_transformers(checkpoint: Path, split: bool) -> None:
+@pytest.mark.parametrize("split", SPLITS)
+def test_chat_with_two_images_matches_transformers(checkpoint: Path, split: str) -> None:
     pictures = [_png(40, 24, seed=1), _png(20, 28, seed=2)]
     content = [
         {"type": "text", "text": "Compare "},
@@ -196,8 +230,8 @@ def test_chat_with_two_images_matches_transformers(checkpoint: Path, split: bool
     asyncio.run(_serve(checkpoint, body, split))
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["colocated", "pd"])
-def test_grpc_generate_with_images_matches_transformers(checkpoint: Path, split: bool) -> None:
+@pytest.mark.parametrize("split", SPLITS)
+def test_grpc_generate_with_images_matches_transformers(checkpoint: Path, split: str) -> None:
     """gRPC's ImageInput (a file's bytes, a data URL): the answer's token ids are
     transformers'; a prompt without its placeholder and a text-only use of images are refused."""
     pictures = [_png(24, 40, seed=4), _png(32, 16, seed=5)]
@@ -230,6 +264,78 @@ def test_grpc_generate_with_images_matches_transformers(checkpoint: Path, split:
             assert "image placeholder" in (refused.value.details() or "")
 
     asyncio.run(_serve(checkpoint, body, split))
+
+
+def test_encoder_down_or_refusing_falls_back_to_the_prefill_node(checkpoint: Path) -> None:
+    """An encoder that is not there costs the prompt nothing but its images' local encoding;
+    one that is asked for malformed images says INVALID_ARGUMENT naming the image."""
+    pictures = [_png(16, 24, seed=6)]
+    content = [
+        {"type": "image_url", "image_url": {"url": _data_url(pictures[0])}},
+        {"type": "text", "text": "?"},
+    ]
+    text = "<|vision_start|><|image_pad|><|vision_end|>?"
+    with single_torch_thread():
+        _, tokens = _expected(checkpoint, text, pictures)
+    answer = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode(tokens)
+
+    async def main() -> None:
+        engine = EngineConfig(
+            model=str(checkpoint), num_kv_blocks=64, block_size=8, dtype="float32"
+        )
+        dead = "127.0.0.1:1"  # nothing listens there
+        config = PrefillNodeConfig(engine=engine, port=0, metrics_port=0, encoder_targets=(dead,))
+        prefill = PrefillNode(config, load_model(str(checkpoint), dtype=torch.float32))
+        cluster = PdCluster([prefill], [])
+        await prefill.start()
+        try:
+            decode = await _decode_node(checkpoint, engine, cluster)
+            url = f"http://127.0.0.1:{decode.http_port}"
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                reply = await client.post("/v1/chat/completions", json=_chat(content))
+            assert reply.json()["choices"][0]["message"]["content"] == answer, reply.text
+            assert prefill.encoders is not None and prefill.encoders.local_images == 1
+            await cluster.assert_idle_and_conserved()
+        finally:
+            for node in [*cluster.decodes, prefill]:
+                await node.stop(grace=1.0)
+        encoder = EncodeNode(EncodeNodeConfig(model=str(checkpoint), dtype="float32", port=0))
+        await encoder.start()
+        try:
+            async with create_channel(f"127.0.0.1:{encoder.port}") as channel:
+                stub = encoder_pb2_grpc.EncoderStub(channel)
+                bad = prefill_pb2.PromptImage(rgb=b"\0" * 10, height=8, width=8)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Encode(encoder_pb2.EncodeRequest(images=[bad]), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "image 1" in (refused.value.details() or "")
+        finally:
+            await encoder.stop(grace=1.0)
+
+    asyncio.run(main())
+
+
+def test_up_with_an_encoder_node(checkpoint: Path, tmp_path: Path) -> None:
+    """`pdserve up --encode 1`: an encoder process beside the prefill and decode nodes, a
+    chat with an image answered as transformers answers it, every node stopped cleanly."""
+    picture = _png(24, 24, seed=7)
+    content = [
+        {"type": "text", "text": "A "},
+        {"type": "image_url", "image_url": {"url": _data_url(picture)}},
+    ]
+    with single_torch_thread():
+        _, tokens = _expected(
+            checkpoint, "A <|vision_start|><|image_pad|><|vision_end|>", [picture]
+        )
+    answer = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode(tokens)
+    up = start_up(tmp_path, "--model", str(checkpoint), "--dtype", "float32", "--encode", "1")
+    try:
+        assert len(up.nodes("encode")) == 1, up.tail()
+        assert "1 encoder + 1 prefill + 1 decode node(s)" in "".join(up.stdout)
+        reply = httpx.post(f"{up.http}/v1/chat/completions", json=_chat(content), timeout=60)
+        assert reply.json()["choices"][0]["message"]["content"] == answer, reply.text
+    finally:
+        assert up.stop() == 0, up.tail()
 
 
 def test_bad_images_are_client_errors(checkpoint: Path) -> None:

@@ -10,9 +10,11 @@ import copy
 from pdserve.cli import node_args
 
 # The node flags `up` sets itself, per node: the ports (the first decode node's, then counting
-# up; ephemeral elsewhere), the prefill targets (its own --prefill is a count) and the listening
-# host (its nodes find each other on loopback).
-UP_SETS = frozenset({"--port", "--http-port", "--metrics-port", "--prefill", "--host", "--help"})
+# up; ephemeral elsewhere), the prefill and encoder targets (its own --prefill and --encode are
+# counts) and the listening host (its nodes find each other on loopback).
+UP_SETS = frozenset(
+    {"--port", "--http-port", "--metrics-port", "--prefill", "--encoder", "--host", "--help"}
+)
 NODE_ROLES = ("prefill", "decode")
 
 
@@ -91,6 +93,13 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start a local cluster (separate processes)")
     up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    up.add_argument(
+        "--encode",
+        type=int,
+        default=0,
+        help="number of encoder nodes: a vision model's images are encoded there for the prefill "
+        "nodes (E/P/D; 0: each prefill node encodes its own)",
+    )
     up.add_argument(
         "--max-restarts-per-minute",
         type=int,

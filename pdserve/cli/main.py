@@ -54,6 +54,7 @@ COMMANDS = {
     "plan": "pdserve.plan:run",
     "build-kernels": "shared.model.kernel_build:run",
     "prefill": "pdserve.cli.node_command:run_node",
+    "encode": "pdserve.cli.encode_args:run_encode",
     "decode": "pdserve.cli.node_command:run_node",
     "colocated": "pdserve.cli.node_command:run_node",
 }

@@ -18,6 +18,12 @@ def add_prefill(sub: argparse._SubParsersAction) -> None:
     pf.add_argument("--host", default="127.0.0.1")
     pf.add_argument("--port", type=int, default=50061)
     pf.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
+    pf.add_argument(
+        "--encoder",
+        default="",
+        help="HOST:PORT[,HOST:PORT...] of encoder nodes (pdserve encode) for a vision model's "
+        "images; without one (or when it fails) images are encoded here",
+    )
     _drain_arg(pf)
     server_tls_args(pf)
 

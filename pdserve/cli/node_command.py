@@ -45,7 +45,10 @@ def push_mode(a: argparse.Namespace) -> str:
 
 def prefill_config(a: argparse.Namespace) -> PrefillNodeConfig:
     engine = engine_config(a, PREFILL_MAX_NUM_TOKENS)
-    return from_args(PrefillNodeConfig, a, engine=engine, tls=server_tls(a))
+    encoders = tuple(t.strip() for t in a.encoder.split(",") if t.strip())
+    return from_args(
+        PrefillNodeConfig, a, engine=engine, tls=server_tls(a), encoder_targets=encoders
+    )
 
 
 def decode_config(a: argparse.Namespace) -> DecodeNodeConfig:

@@ -1,11 +1,12 @@
 """The `pdserve` parser: each subcommand's flags live with their group, in a module named after
-it: node_args (prefill, decode, colocated), cluster_args (up), tool_args (the rest)."""
+it: node_args (prefill, decode, colocated), encode_args (encode), cluster_args (up), tool_args
+(the rest)."""
 
 from __future__ import annotations
 
 import argparse
 
-from pdserve.cli import cluster_args, node_args, tool_args
+from pdserve.cli import cluster_args, encode_args, node_args, tool_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_args.add_up(sub)
     tool_args.add_export_hf(sub)
     node_args.add_prefill(sub)
+    encode_args.add_encode(sub)
     node_args.add_colocated(sub, node_args.add_decode(sub))
     tool_args.add_proxy(sub)
     tool_args.add_plan(sub)

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 def cmd_up(a: argparse.Namespace) -> int:
     """Without --run, what it says goes to stdout; with --run, only the answer and its summary
     line do (the rest goes to stderr)."""
-    from pdserve.cluster import Cluster
     from pdserve.supervisor import RestartPolicy, Supervisor
 
     prompt: str | list[int] | None = None
@@ -33,12 +32,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             print(f"pdserve up: model {a.model!r}: {e}", file=sys.stderr)
             return 2
     out = sys.stdout if prompt is None else sys.stderr
-    port, http_port = up_ports(a)
-    front_door = up_front_door(a)
-    cluster = Cluster(
-        a.model, a.prefill, a.decode, port, [], http_port=http_port, front_door=front_door
-    )
-    cluster.prefill_extra, cluster.decode_extra = node_argv(a, "prefill"), node_argv(a, "decode")
+    cluster = _cluster(a)
     stop = False
     gave_up: str | None = None  # why the supervisor stopped restarting nodes
 
@@ -50,7 +44,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     try:
         endpoints = cluster.start()
         print(
-            f"pdserve is up: {a.prefill} prefill + {a.decode} decode node(s), model {a.model}",
+            f"pdserve is up: {_roles(a)}, model {a.model}",
             file=out,
         )
         _print_endpoints(cluster, endpoints, out)
@@ -118,3 +112,28 @@ def run_prompt(model: str, text: str) -> str | list[int]:
         return text
     rendered = template.render([{"role": "user", "content": text}], add_generation_prompt=True)
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _cluster(a: argparse.Namespace) -> Cluster:
+    from pdserve.cluster import Cluster
+
+    port, http_port = up_ports(a)
+    return Cluster(
+        a.model,
+        a.prefill,
+        a.decode,
+        port,
+        [],
+        http_port=http_port,
+        front_door=up_front_door(a),
+        prefill_extra=node_argv(a, "prefill"),
+        decode_extra=node_argv(a, "decode"),
+        num_encode=a.encode,
+        # an encoder's tower computes as the prefill nodes' does: in their dtype
+        encode_extra=[] if a.dtype == "auto" else ["--dtype", a.dtype],
+    )
+
+
+def _roles(a: argparse.Namespace) -> str:
+    encoders = f"{a.encode} encoder + " if a.encode else ""
+    return f"{encoders}{a.prefill} prefill + {a.decode} decode node(s)"

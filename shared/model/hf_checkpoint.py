@@ -153,6 +153,25 @@ def load_weights(model: Model, path: Path) -> None:
                 param.copy_(part.to(param.dtype))
 
 
+def load_module_weights(module: torch.nn.Module, path: Path, prefix: str) -> None:
+    """Fill `module`'s parameters from the checkpoint tensors named `prefix` + their names (an
+    encoder node's vision tower: `visual.`), ignoring every other tensor."""
+    files = _weight_files(path)
+    params = dict(module.named_parameters())
+    missing = sorted(prefix + n for n in params if prefix + n not in files)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensor(s) {missing[:5]}")
+    with torch.no_grad():
+        for name, tensor, file in _iter_tensors([prefix + n for n in params], files):
+            param = params[name.removeprefix(prefix)]
+            if tensor.shape != param.shape:
+                raise ValueError(
+                    f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                    f"config.json implies {tuple(param.shape)}"
+                )
+            param.copy_(tensor.to(param.dtype))
+
+
 def _check_tensor_names(
     wanted: Collection[str], files: dict[str, Path], path: Path, tied: bool
 ) -> None:

@@ -38,6 +38,7 @@ from shared.model.gguf_loader import (
 from shared.model.gguf_tokenizer import GgufTokenizerInfo, build_gguf_tokenizer
 from shared.model.registry import build_model, config_from_hf
 from shared.model.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+from shared.model.vision.image_encoder import checkpoint_processor
 from shared.model.vision.image_processor import ImageProcessorConfig
 
 log = logging.getLogger(__name__)
@@ -237,22 +238,4 @@ def _load_directory(path: Path, device: torch.device, dtype: torch.dtype) -> Loa
 
 
 def _image_processor(path: Path, config: ModelConfig) -> ImageProcessorConfig | None:
-    if config.vision is None:
-        return None
-    vision = config.vision
-    # without the file, images are cut as the tower takes them, the rest as transformers does
-    tower_settings = {
-        "patch_size": vision.patch_size,
-        "temporal_patch_size": vision.temporal_patch_size,
-        "merge_size": vision.spatial_merge_size,
-    }
-    settings = hf_checkpoint.read_json(path / "preprocessor_config.json", required=False)
-    processor = ImageProcessorConfig.from_preprocessor_config(tower_settings | settings)
-    tower = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
-    mine = (processor.patch_size, processor.temporal_patch_size, processor.merge_size)
-    if mine != tower:
-        raise ValueError(
-            f"{path}/preprocessor_config.json cuts images into (patch, temporal, merge) {mine} "
-            f"but the vision tower takes {tower}"
-        )
-    return processor
+    return None if config.vision is None else checkpoint_processor(path, config.vision)

@@ -33,7 +33,7 @@ def images_from_proto(
     if not messages:
         return []
     if processor is None:
-        raise WireError("images: this node's model takes text only")
+        raise WireError("images", "images: this node's model takes text only")
     return [_image(i, m, processor) for i, m in enumerate(messages)]
 
 
@@ -43,11 +43,13 @@ def _image(
     height, width = msg.height, msg.width
     if height * width > processor.max_pixels:
         raise WireError(
+            "images",
             f"image {index + 1}: {width}x{height} is over the model's {processor.max_pixels} "
             "pixels (the decode node resizes images to fit)"
         )
     if len(msg.rgb) != height * width * 3:
         raise WireError(
+            "images",
             f"image {index + 1}: {len(msg.rgb)} bytes for {width}x{height} RGB "
             f"({height * width * 3} expected)"
         )
@@ -55,5 +57,5 @@ def _image(
     try:
         grid = grid_of(rgb, processor)
     except ValueError as e:
-        raise WireError(f"image {index + 1}: {e}") from None
+        raise WireError("images", f"image {index + 1}: {e}") from None
     return PromptImage(rgb, grid, image_digest(rgb, grid))

@@ -13,7 +13,7 @@ of the same size is not.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,10 +27,17 @@ class PromptImage:
     rgb: np.ndarray
     grid: Grid  # its (t, h, w) patches
     digest: bytes  # of the bytes and the grid: equal images, equal digests
+    # [tokens, hidden] float32 made by an encoder node (E/P/D): the tower's output, which the
+    # engine then takes instead of running its own; None: the engine encodes it
+    embeddings: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
         return int(self.rgb.nbytes)
+
+    def encoded(self, embeddings: np.ndarray) -> PromptImage:
+        """This image with the encoder node's embeddings."""
+        return replace(self, embeddings=embeddings)
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,7 +15,6 @@ from shared.engine.config import EngineConfig
 from shared.engine.requests.multimodal import PromptImage
 from shared.engine.requests.request import LlmRequest
 from shared.engine.resources.mrope_deltas import MropeDeltaPool
-from shared.engine.runtime.encoder_cache import EncoderCache
 from shared.engine.sampling.prompt_logprobs import fill_prompt_logprobs
 from shared.engine.scheduling.scheduler import ScheduledRequest
 from shared.kv.layout import KvLayout
@@ -29,6 +28,7 @@ from shared.model.lora_batch import lora_batch
 from shared.model.lora_install import install_lora
 from shared.model.mrope import image_token_count
 from shared.model.step_context import LayerHook
+from shared.model.vision.embedding_cache import EmbeddingCache
 from shared.model.vision.image_processor import pixel_values
 
 
@@ -57,7 +57,7 @@ class ModelRunner:
         # mRoPE models read each seated request's delta (seat-indexed) for its rope positions;
         # vision models encode a prompt's images into the encoder cache as its chunks need them
         self.mrope_deltas = mrope_deltas if loaded.config.mrope_section is not None else None
-        self.encoder = None if loaded.config.vision is None else EncoderCache(self._encode)
+        self.encoder = None if loaded.config.vision is None else EmbeddingCache(self._encode)
         # decode rows as one attention group where the paged decode kernel runs them (K/V
         # pools only: a latent pool's rows would be padded to the longest context)
         self.ragged = layout.planes == 2 and paged_decode.reads_ragged(device, layout.torch_dtype)
@@ -173,7 +173,19 @@ class ModelRunner:
         return out
 
     def _encode(self, images: Sequence[PromptImage]) -> list[torch.Tensor]:
-        """Each image's embeddings, from one vision tower call over all of them."""
+        """Each image's embeddings: an encoder node's where it sent them, the others' from one
+        vision tower call over all of them."""
+        dtype = self.model.dtype
+        local = [image for image in images if image.embeddings is None]
+        computed = iter(self._run_tower(local) if local else [])
+        return [
+            next(computed)
+            if image.embeddings is None
+            else torch.from_numpy(image.embeddings).to(self.device, dtype)
+            for image in images
+        ]
+
+    def _run_tower(self, images: Sequence[PromptImage]) -> list[torch.Tensor]:
         processor = self.loaded.image_processor
         assert processor is not None  # the loader sets one for every vision model
         patches = [pixel_values(image.rgb, processor).pixel_values for image in images]
