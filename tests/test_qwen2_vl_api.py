@@ -46,6 +46,7 @@ from tests.support.vision_checkpoints import (
     MERGE,
     MIN_PIXELS,
     PATCH,
+    QWEN2_5_VL,
     QWEN2_VL,
     TEMPORAL,
     build_vl_checkpoint,
@@ -57,10 +58,17 @@ NEW_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = build_vl_checkpoint(tmp_path_factory.mktemp("vl-http"), QWEN2_VL)
-    write_chat_files(path)
-    return path
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vl-api")
+    paths = {arch: build_vl_checkpoint(root, arch) for arch in (QWEN2_VL, QWEN2_5_VL)}
+    for path in paths.values():
+        write_chat_files(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints[QWEN2_VL]
 
 
 def _png(width: int, height: int, seed: int) -> Image.Image:
@@ -99,25 +107,28 @@ def _expected(
         min_pixels=MIN_PIXELS,
         max_pixels=MAX_PIXELS,
     )
-    inputs = processor(images=images, return_tensors="pt")
-    grids = inputs["image_grid_thw"]
-    pads = iter(int(g.prod()) // MERGE**2 for g in grids)
+    vision: dict[str, torch.Tensor] = {}
+    if images:
+        inputs = processor(images=images, return_tensors="pt")
+        vision = {
+            "pixel_values": inputs["pixel_values"],
+            "image_grid_thw": inputs["image_grid_thw"],
+        }
+    pads = iter(int(g.prod()) // MERGE**2 for g in vision.get("image_grid_thw", []))
     chat = "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n"
     parts = chat.split("<|image_pad|>")
     widened = parts[0] + "".join("<|image_pad|>" * next(pads) + p for p in parts[1:])
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     ids = tokenizer.encode(widened, add_special_tokens=False).ids
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
-        checkpoint, dtype=torch.float32
-    )
+    model = getattr(transformers, checkpoint.name).from_pretrained(checkpoint, dtype=torch.float32)
     prompt = torch.tensor([ids])
+    if images:
+        vision["mm_token_type_ids"] = (prompt == IMAGE_TOKEN).int()
     with torch.inference_mode():
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            pixel_values=inputs["pixel_values"],
-            image_grid_thw=grids,
-            mm_token_type_ids=(prompt == IMAGE_TOKEN).int(),
+            **vision,
             do_sample=False,
             max_new_tokens=NEW_TOKENS,
             min_new_tokens=NEW_TOKENS,
@@ -189,9 +200,9 @@ async def _check_where(cluster: PdCluster, split: str, encoder: EncodeNode | Non
         assert encoder.cache.encoded_images > 0
 
 
-def _chat(content: object, **fields: object) -> dict[str, object]:
+def _chat(content: object, model: str = QWEN2_VL, **fields: object) -> dict[str, object]:
     return {
-        "model": QWEN2_VL,
+        "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": NEW_TOKENS,
         "temperature": 0.0,
@@ -200,31 +211,45 @@ def _chat(content: object, **fields: object) -> dict[str, object]:
     }
 
 
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _parts(pictures: list[Image.Image]) -> tuple[list[dict[str, object]], str]:
+    """Chat content with a text part before each picture and one after, and its rendering."""
+    content: list[dict[str, object]] = []
+    text = ""
+    for i, picture in enumerate(pictures):
+        url = {"url": _data_url(picture), **({"detail": "low"} if i else {})}
+        content += [{"type": "text", "text": f"see {i} "}, {"type": "image_url", "image_url": url}]
+        text += f"see {i} {IMAGE}"
+    return [*content, {"type": "text", "text": " compare"}], text + " compare"
+
+
+@pytest.mark.parametrize("arch", [QWEN2_VL, QWEN2_5_VL])
 @pytest.mark.parametrize("split", SPLITS)
-def test_chat_with_two_images_matches_transformers(checkpoint: Path, split: str) -> None:
+def test_chat_with_images_matches_transformers(
+    checkpoints: dict[str, Path], arch: str, split: str
+) -> None:
+    """0, 1 and 2 images of different sizes in a chat; the same images again hit the cache."""
+    checkpoint = checkpoints[arch]
     pictures = [_png(40, 24, seed=1), _png(20, 28, seed=2)]
-    content = [
-        {"type": "text", "text": "Compare "},
-        {"type": "image_url", "image_url": {"url": _data_url(pictures[0])}},
-        {"type": "text", "text": " with "},
-        {"type": "image_url", "image_url": {"url": _data_url(pictures[1]), "detail": "low"}},
-    ]
-    text = "Compare <|vision_start|><|image_pad|><|vision_end|> with "
-    text += "<|vision_start|><|image_pad|><|vision_end|>"
+    chats = [_parts(pictures[:n]) for n in (0, 1, 2)]
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     with single_torch_thread():
-        ids, tokens = _expected(checkpoint, text, pictures)
-    answer = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode(tokens)
+        expected = [_expected(checkpoint, text, pictures[:n]) for n, (_, text) in enumerate(chats)]
 
     async def body(client: httpx.AsyncClient, _: str) -> None:
-        reply = await client.post("/v1/chat/completions", json=_chat(content))
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["message"]["content"] == answer
-        assert reply.json()["usage"]["prompt_tokens"] == len(ids)
-        counted = await client.post("/tokenize", json={"model": QWEN2_VL, **_chat(content)})
-        assert counted.json()["tokens"] == ids
-        # the same picture again: its blocks come from the prefix cache
-        again = await client.post("/v1/chat/completions", json=_chat(content))
-        assert again.json()["choices"][0]["message"]["content"] == answer
+        for (content, _), (ids, tokens) in zip(chats, expected, strict=True):
+            request = _chat(content, model=arch)
+            reply = await client.post("/v1/chat/completions", json=request)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == tokenizer.decode(tokens)
+            assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+            counted = await client.post("/tokenize", json=request)
+            assert counted.json()["tokens"] == ids
+        # the same pictures again: their blocks come from the prefix cache
+        again = await client.post("/v1/chat/completions", json=_chat(chats[2][0], model=arch))
+        assert again.json()["choices"][0]["message"]["content"] == tokenizer.decode(expected[2][1])
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
     asyncio.run(_serve(checkpoint, body, split))
