@@ -50,7 +50,6 @@ from tests.support.vision_checkpoints import (
     QWEN2_VL,
     TEMPORAL,
     build_vl_checkpoint,
-    write_chat_files,
 )
 from tests.up_process import start_up
 
@@ -60,10 +59,7 @@ NEW_TOKENS = 5
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vl-api")
-    paths = {arch: build_vl_checkpoint(root, arch) for arch in (QWEN2_VL, QWEN2_5_VL)}
-    for path in paths.values():
-        write_chat_files(path)
-    return paths
+    return {arch: build_vl_checkpoint(root, arch) for arch in (QWEN2_VL, QWEN2_5_VL)}
 
 
 @pytest.fixture(scope="module")

@@ -17,4 +17,5 @@ BENCHMARKS = {
     "speculative": "pdserve.bench.speculative",
     "lora": "pdserve.bench.lora",
     "offload": "pdserve.bench.offload",
+    "encoder": "pdserve.bench.encoder",
 }
