@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # FastAPI and pydantic load with the node, not with every CLI
     from shared.model.loader import LoadedModel
     from shared.serving.connection_limits import ConnectionLimits
     from shared.serving.http.service import HttpApiConfig
+    from shared.serving.images.image_limits import ImageLimits
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class DecodeNodeConfig:
     # how "auto" tool choice reads calls out of the text (hermes, llama3_json); None: refused
     tool_call_parser: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024  # HTTP request bodies over this get 413
+    # hosts whose image URLs the node fetches (--allowed-media-domains); none: data URLs only
+    allowed_media_domains: tuple[str, ...] = ()
     # stored Responses API answers (GET /v1/responses/{id}, previous_response_id): at most this
     # many MiB and entries in memory, least recently used evicted first (0: keep none)
     responses_store_mb: int = 64
@@ -163,7 +166,16 @@ class DecodeNodeConfig:
             responses_store_entries=self.responses_store_entries,
             connection=self.http_connection,
             runtime_lora=self.allow_runtime_lora,
+            image_limits=self.image_limits,
         )
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """What one request's images may be (both APIs)."""
+        from shared.serving.images.image_limits import ImageLimits
+
+        domains = frozenset(host.lower() for host in self.allowed_media_domains)
+        return ImageLimits(allowed_domains=domains)
 
     @property
     def http_connection(self) -> ConnectionLimits:

@@ -62,7 +62,6 @@ from shared.model.loader import LoadedModel
 from shared.serving import lora_admin
 from shared.serving.grpc_server import GenerateError, NodeServing, layout_info, model_info
 from shared.serving.http import serve_http_api
-from shared.serving.images.image_limits import ImageLimits
 from shared.serving.metrics import AsgiServer
 from shared.serving.request_outcomes import DECODE_OUTCOMES, RequestOutcomes
 from shared.serving.status import Status
@@ -266,7 +265,8 @@ class DecodeNode(generation_pb2_grpc.GenerationServicer):
         self, rid: str, request: generation_pb2.GenerateRequest, time_left: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         deadline = None if time_left is None else time.monotonic() + time_left
-        images = await asyncio.to_thread(request_images, self.info, request, ImageLimits())
+        limits = self.config.image_limits
+        images = await asyncio.to_thread(request_images, self.info, request, limits)
         parsed = self._parse(request, images)
         prompt, params = await with_grammar(self.info, *parsed, deadline)
         # closed explicitly: a cancelled call releases the request now, not when collected

@@ -4,12 +4,15 @@ Qwen2-VL preprocessing bit for bit against transformers' PIL processor, and the 
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import resource
 import struct
+import threading
 import time
 import warnings
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -219,9 +222,9 @@ def test_smart_resize_refuses_extreme_aspect_ratio_like_transformers() -> None:
 
 
 # ---- decoding and its refusals ---------------------------------------------------------------
-def refusal(url: str, limits: ImageLimits = LIMITS, **kwargs: object) -> ImageError:
+def refusal(url: str, limits: ImageLimits = LIMITS) -> ImageError:
     with pytest.raises(ImageError) as caught:
-        decode_image_url(url, limits, 1, **kwargs)
+        decode_image_url(url, limits, 1)
     assert str(caught.value).startswith("image 2: ")  # says which image, counting from 1
     return caught.value
 
@@ -284,11 +287,54 @@ def test_truncated_file_is_refused(fmt: str) -> None:
 
 
 def test_remote_urls_are_refused_with_what_to_send() -> None:
-    assert "does not fetch remote images" in str(refusal("https://example.com/cat.png"))
+    assert "does not fetch images from that host" in str(refusal("https://example.com/cat.png"))
     assert "data URL" in str(refusal("http://example.com/cat.png"))
-    allowed = frozenset({"example.com"})
-    error = refusal("HTTPS://Example.com/cat.png", allowed_domains=allowed)
-    assert "not enabled on this node" in str(error)
+    other = ImageLimits(allowed_domains=frozenset({"images.example.org"}))
+    assert "that host" in str(refusal("https://example.com/cat.png", other))
+
+
+@pytest.fixture
+def image_server() -> Iterator[str]:
+    """http://127.0.0.1:PORT serving /cat.png (a PNG), /moved (a redirect to it), /big (2 MiB)
+    and /gone (404)."""
+    png = encode(rng_image(40, 30, seed=5), "PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            routes = {"/cat.png": (200, png), "/big": (200, b"x" * (2 << 20))}
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+                return
+            status, body = routes.get(self.path, (404, b""))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_allowed_hosts_are_fetched_within_bounds(image_server: str) -> None:
+    """The operator's hosts only; no redirect followed; the byte limit stops the download."""
+    limits = ImageLimits(max_image_bytes=1 << 20, allowed_domains=frozenset({"127.0.0.1"}))
+    fetched = decode_image_url(f"{image_server}/cat.png", limits, 0)
+    assert fetched.size == (40, 30) and fetched.mode == "RGB"
+    assert "answered 302" in str(refusal(f"{image_server}/moved", limits))
+    assert "answered 404" in str(refusal(f"{image_server}/gone", limits))
+    assert "over 1048576 bytes" in str(refusal(f"{image_server}/big", limits))
+    assert "that host" in str(refusal(f"{image_server}/cat.png"))  # not allowed: not fetched
 
 
 def test_too_many_bytes_is_a_413() -> None:

@@ -21,6 +21,14 @@ def http_args(p: argparse.ArgumentParser) -> None:
     tool_call_parser_arg(p)
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="hosts whose http(s) image URLs this node fetches (vision models); none by "
+        "default: images come inline as data URLs",
+    )
+    p.add_argument(
         "--responses-store-mb",
         type=int,
         default=64,

@@ -62,6 +62,7 @@ def decode_config(a: argparse.Namespace) -> DecodeNodeConfig:
         tls=server_tls(a),
         prefill_tls=client_tls(a, "prefill_"),
         colocated=a.command == "colocated",
+        allowed_media_domains=tuple(a.allowed_media_domains),
     )
 
 

@@ -19,6 +19,7 @@ from PIL import Image, ImageOps
 
 from shared.model.vision.image_processor import convert_rgb
 from shared.serving.images.image_errors import ImageError, ImageTooLargeError
+from shared.serving.images.image_fetch import fetch_allowed
 from shared.serving.images.image_limits import ImageLimits
 
 # The media types a data URL may declare, and the decoders PIL may use on any of them: PIL is
@@ -32,17 +33,17 @@ EXAMPLE = "data:image/png;base64,<the file's bytes in base64>"
 SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
 
 
-def decode_image_url(
-    url: str, limits: ImageLimits, index: int, allowed_domains: frozenset[str] = frozenset()
-) -> Image.Image:
-    """The RGB picture a data URL carries (an animation's first frame), or an ImageError.
+def decode_image_url(url: str, limits: ImageLimits, index: int) -> Image.Image:
+    """The RGB picture a data URL carries (an animation's first frame), or one fetched from a
+    host the operator allows (`limits.allowed_domains`), or an ImageError.
 
     index is the image's position among the request's images, from 0 (messages count from 1).
-    allowed_domains names hosts an operator may later let this node fetch from; fetching is not
-    enabled yet, so a URL on them is refused too, but with a message saying so.
     """
     if url[:5].lower() != "data:":
-        raise _remote_refusal(url, index, allowed_domains)
+        fetched = fetch_allowed(url, limits, index)
+        if fetched is None:
+            raise _remote_refusal(url, index)
+        return decode_image_bytes(fetched, limits, index)
     payload = _base64_payload(url, index)
     # Refuse an oversized image from the encoded length alone, before decoding a byte of it.
     if len(payload) > 4 * -(-limits.max_image_bytes // 3):
@@ -67,23 +68,16 @@ def decode_image_bytes(data: bytes, limits: ImageLimits, index: int) -> Image.Im
     return _to_rgb(_open(data, limits, index), index)
 
 
-def _remote_refusal(url: str, index: int, allowed_domains: frozenset[str]) -> ImageError:
+def _remote_refusal(url: str, index: int) -> ImageError:
     try:
-        parts = urlsplit(url)
-        scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+        scheme = urlsplit(url).scheme.lower()
     except ValueError:
-        scheme, host = "", ""
+        scheme = ""
     if scheme not in ("http", "https"):
         return ImageError(index, f"image_url must be a data URL ({EXAMPLE})")
-    if host in allowed_domains:
-        return ImageError(
-            index,
-            f"fetching remote images is not enabled on this node; send the image inline as a "
-            f"data URL ({EXAMPLE})",
-        )
     return ImageError(
         index,
-        f"this server does not fetch remote images; send the image inline as a data URL "
+        f"this server does not fetch images from that host; send the image inline as a data URL "
         f"({EXAMPLE})",
     )
 

@@ -21,6 +21,9 @@ class ImageLimits:
     max_images: int = 8  # per request
     max_image_bytes: int = 20 * MIB  # per image, after base64 decoding
     max_pixels: int = 40_000_000  # per image, width * height
+    # hosts whose http(s) image URLs the node fetches (--allowed-media-domains); none: data
+    # URLs only
+    allowed_domains: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for name in ("max_images", "max_image_bytes", "max_pixels"):
