@@ -1,5 +1,6 @@
-"""Container entry point: `<image> prefill|decode|colocated|proxy [pdserve options]`, anything
-else is run as given (e.g. `<image> pdserve generate "Hello" --target proxy:50051`, `<image> bash`).
+"""Container entry point: `<image> prefill|decode|colocated|encode|proxy [pdserve options]`,
+anything else is run as given (e.g. `<image> pdserve generate "Hello" --target proxy:50051`,
+`<image> bash`).
 
 Fills in what a container needs and the CLI defaults do not give, unless the command line (or
 the environment) already says otherwise:
@@ -19,7 +20,7 @@ import sys
 
 # Every server the `pdserve` command starts (a colocated node prefills its own prompts: no
 # prefill service, no KV listener to place); `up` is a whole cluster on loopback, not a role.
-ROLES = ("prefill", "decode", "colocated", "proxy")
+ROLES = ("prefill", "decode", "colocated", "encode", "proxy")
 
 
 def has_option(args: list[str], name: str) -> bool:

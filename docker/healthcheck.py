@@ -16,6 +16,7 @@ DEFAULT_PORTS = {
     "prefill": 50061,
     "decode": 50051,
     "colocated": 50051,
+    "encode": 50071,
     "pdserve.proxy": 50051,
     "proxy": 50051,
 }

@@ -16,7 +16,7 @@ PORT_FLAGS = {
     "ucx": "--ucx-port",
 }
 UP_PORT, UP_HTTP_PORT = 50051, 8000  # `pdserve up`'s first decode node's, without --run
-_NODES = ("prefill", "decode", "colocated")
+_NODES = ("prefill", "decode", "colocated", "encode")
 
 
 def up_ports(a: argparse.Namespace) -> tuple[int, int]:
@@ -53,7 +53,7 @@ def bound_ports(a: argparse.Namespace) -> list[tuple[str, str, int]]:
     if a.command not in _NODES:
         return []
     ports = [("grpc", a.host, a.port), ("metrics", a.host, a.metrics_port)]
-    if a.command != "prefill":
+    if a.command not in ("prefill", "encode"):
         ports += [("http", a.host, a.http_port), ("ucx", a.ucx_bind or a.ucx_host, a.ucx_port)]
     return ports
 
