@@ -41,7 +41,6 @@ from shared.model.loader import load_model
 from tests.engine_helpers import single_torch_thread
 from tests.support.cluster import PdCluster
 from tests.support.vision_checkpoints import (
-    IMAGE_TOKEN,
     MAX_PIXELS,
     MERGE,
     MIN_PIXELS,
@@ -50,6 +49,7 @@ from tests.support.vision_checkpoints import (
     QWEN2_VL,
     TEMPORAL,
     build_vl_checkpoint,
+    hf_vl_generate,
 )
 from tests.up_process import start_up
 
@@ -117,19 +117,8 @@ def _expected(
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     ids = tokenizer.encode(widened, add_special_tokens=False).ids
     model = getattr(transformers, checkpoint.name).from_pretrained(checkpoint, dtype=torch.float32)
-    prompt = torch.tensor([ids])
-    if images:
-        vision["mm_token_type_ids"] = (prompt == IMAGE_TOKEN).int()
-    with torch.inference_mode():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            **vision,
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-        )
-    return ids, out[0, len(ids) :].tolist()
+    pixels, grids = vision.get("pixel_values"), vision.get("image_grid_thw")
+    return ids, hf_vl_generate(model, ids, pixels, grids, NEW_TOKENS)
 
 
 COLOCATED, PD, EPD = "colocated", "pd", "epd"

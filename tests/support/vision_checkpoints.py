@@ -65,12 +65,27 @@ def hf_vl_greedy(
     model: torch.nn.Module, prompt: list[int], images: list[PromptImage], max_new_tokens: int
 ) -> list[int]:
     """transformers' greedy continuation of `prompt` with `images`."""
+    if not images:
+        return hf_vl_generate(model, prompt, None, None, max_new_tokens)
+    grids = torch.tensor([i.grid for i in images])
+    return hf_vl_generate(model, prompt, tower_input(images), grids, max_new_tokens)
+
+
+def hf_vl_generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    pixel_values: torch.Tensor | None,
+    grids: torch.Tensor | None,
+    max_new_tokens: int,
+) -> list[int]:
+    """transformers' greedy continuation of `prompt` with the processor's output for its
+    images (None, None: a text prompt)."""
     ids = torch.tensor([prompt])
     kwargs: dict[str, Any] = {}
-    if images:
+    if pixel_values is not None:
         kwargs = {
-            "pixel_values": tower_input(images),
-            "image_grid_thw": torch.tensor([i.grid for i in images]),
+            "pixel_values": pixel_values,
+            "image_grid_thw": grids,
             "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),
         }
     with torch.inference_mode():
