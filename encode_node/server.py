@@ -68,7 +68,8 @@ class EncodeNode:
         if self.serving is not None:
             await self.serving.stop_admitting(grace)
             await self.serving.close_metrics()
-        self._worker.shutdown(wait=True)
+        # the encode in flight (if any) finishes on the worker; the loop keeps running meanwhile
+        await asyncio.to_thread(self._worker.shutdown, True)
         return True
 
     async def Encode(

@@ -45,13 +45,13 @@ def _image(
         raise WireError(
             "images",
             f"image {index + 1}: {width}x{height} is over the model's {processor.max_pixels} "
-            "pixels (the decode node resizes images to fit)"
+            "pixels (the decode node resizes images to fit)",
         )
     if len(msg.rgb) != height * width * 3:
         raise WireError(
             "images",
             f"image {index + 1}: {len(msg.rgb)} bytes for {width}x{height} RGB "
-            f"({height * width * 3} expected)"
+            f"({height * width * 3} expected)",
         )
     rgb = np.frombuffer(msg.rgb, dtype=np.uint8).reshape(height, width, 3)
     try:
