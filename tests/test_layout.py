@@ -83,6 +83,16 @@ def test_nothing_shipped_imports_the_tests(package: str) -> None:
 SHIPPED = ("pdserve", "shared", "transfer", "proto", "prefill_node", "decode_node", "encode_node")
 
 
+def test_the_image_carries_every_shipped_package() -> None:
+    """The Dockerfile copies each package and .dockerignore (a whitelist) lets it through: a new
+    package missing from either builds an image that fails at its first import."""
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in SHIPPED:
+        assert f"!{package}/" in ignore, f".dockerignore does not let {package}/ through"
+        assert f"COPY {package} " in dockerfile, f"the Dockerfile does not copy {package}/"
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
