@@ -133,3 +133,27 @@ def test_placeholders_and_images_must_agree(checkpoint: Path) -> None:
     with pytest.raises(RequestRejected, match="2 image placeholders for 1 images"):
         llm.add_request([IMAGE_TOKEN] * 4 + [1] + [IMAGE_TOKEN] * 4, params, images=[image])
     llm.check_conservation()
+
+
+def test_preempted_image_requests_recompute_exactly(
+    checkpoint: Path, reference: torch.nn.Module
+) -> None:
+    """A pool too small for three image requests at once: the newest is preempted (its blocks
+    and seat released, its delta row cleared) and recomputes its prompt, images included, on
+    readmission; every answer is still transformers'."""
+    new_tokens = 40
+    images = [random_image((1, 6, 6), seed=20 + i) for i in range(3)]
+    prompts = [
+        image_prompt([[70 + i, 71], [72, 73 + i]], [image]) for i, image in enumerate(images)
+    ]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    with single_torch_thread():
+        pairs = list(zip(prompts, images, strict=True))
+        expected = [hf_vl_greedy(reference, p, [im], new_tokens) for p, im in pairs]
+        llm = _llm(checkpoint, num_kv_blocks=14, max_batch_size=3)  # 112 tokens: two fit, not three
+        requests = [llm.add_request(p, params, images=[im]) for p, im in pairs]
+        while not all(r.is_finished for r in requests):
+            llm.step()
+    assert [list(r.output_token_ids) for r in requests] == expected
+    assert any(r.num_preemptions for r in requests)
+    llm.check_conservation()
