@@ -45,7 +45,7 @@ def widen(info: EngineInfo, prompt: list[int], images: tuple[PromptImage, ...]) 
     try:
         return widen_placeholders(prompt, images, token, vision.spatial_merge_size)
     except ValueError as e:
-        text = info.tokenizer.decode([token])
+        text = info.tokenizer.decode([token], skip_special_tokens=False)
         raise GenerateError(
             Status.INVALID_ARGUMENT,
             f"{e}: put the model's image placeholder ({text!r}, token id {token}) in the "

@@ -120,6 +120,7 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
         "num_offload_blocks": (9, _T.TYPE_UINT32, False),
         "instance_id": (10, _T.TYPE_UINT64, False),
         "lora_adapters": (11, _T.TYPE_STRING, True),
+        "image_placeholder": (12, _T.TYPE_STRING, False),
     },
     "KvLayoutInfo": {
         "num_layers": (1, _T.TYPE_UINT32, False),

@@ -261,6 +261,8 @@ def test_grpc_generate_with_images_matches_transformers(checkpoint: Path, split:
     async def body(_: httpx.AsyncClient, target: str) -> None:
         async with create_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
+            info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+            assert info.image_placeholder == "<|image_pad|>"  # what a client's prompt holds
             request = generation_pb2.GenerateRequest(text=prompt, sampling=sampling, images=inputs)
             got = [t async for r in stub.Generate(request, timeout=60) for t in r.token_ids]
             assert got == expected

@@ -45,3 +45,12 @@ def test_a_text_model_takes_no_images() -> None:
     with pytest.raises(WireError, match="text only"):
         images_from_proto(images_to_proto([random_image((1, 2, 2), seed=4)]), None)
     assert images_from_proto([], None) == []
+
+
+def test_model_info_names_the_image_placeholder_of_vision_models_only() -> None:
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm import LLM
+    from shared.serving.grpc_server import image_placeholder
+
+    text_model = LLM(EngineConfig(model="tiny", num_kv_blocks=16)).core.info
+    assert image_placeholder(text_model) == ""

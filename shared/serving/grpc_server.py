@@ -92,7 +92,14 @@ def model_info(info: EngineInfo, role: int, instance_id: int = 0) -> generation_
         num_offload_blocks=info.num_offload_blocks,
         instance_id=instance_id,
         lora_adapters=sorted(info.lora_adapters),
+        image_placeholder=image_placeholder(info),
     )
+
+
+def image_placeholder(info: EngineInfo) -> str:
+    """The text of the model's image placeholder token; "" for a text model."""
+    token = info.loaded.config.image_token_id
+    return "" if token is None else info.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def create_grpc_server(

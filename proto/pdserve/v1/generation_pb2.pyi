@@ -212,7 +212,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout", "num_kv_blocks", "num_offload_blocks", "instance_id", "lora_adapters")
+    __slots__ = ("name", "architecture", "vocab_size", "max_context", "block_size", "node_role", "kv_layout", "num_kv_blocks", "num_offload_blocks", "instance_id", "lora_adapters", "image_placeholder")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class ModelInfo(_message.Message):
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_PLACEHOLDER_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -235,7 +236,8 @@ class ModelInfo(_message.Message):
     num_offload_blocks: int
     instance_id: int
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., instance_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    image_placeholder: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., node_role: _Optional[_Union[NodeRole, str]] = ..., kv_layout: _Optional[_Union[KvLayoutInfo, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., instance_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., image_placeholder: _Optional[str] = ...) -> None: ...
 
 class KvLayoutInfo(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "fingerprint")
