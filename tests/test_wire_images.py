@@ -52,5 +52,5 @@ def test_model_info_names_the_image_placeholder_of_vision_models_only() -> None:
     from shared.engine.llm import LLM
     from shared.serving.grpc_server import image_placeholder
 
-    text_model = LLM(EngineConfig(model="tiny", num_kv_blocks=16)).core.info
+    text_model = LLM(EngineConfig(model="tiny", num_kv_blocks=64)).core.info
     assert image_placeholder(text_model) == ""
