@@ -13,6 +13,7 @@ from shared.engine.scheduling import wait_policy
 os.environ.update(wait_policy.node_defaults(sys.argv[1:2], os.environ))
 
 import argparse
+import faulthandler
 import importlib
 import logging
 
@@ -71,6 +72,8 @@ def setup_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     setup_logging(a.log_level)
+    # a crash in native code (torch, UCX) leaves the Python stack of every thread on stderr
+    faulthandler.enable()
     try:
         check_bound_ports(a)  # before anything slow starts
         if a.command == "bench":
