@@ -8,8 +8,6 @@ their checkpoints say how to split them (shared/model/family.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -21,7 +19,6 @@ from shared.model.forward_batch import ForwardBatch
 from shared.model.gemm import PackedGemm
 from shared.model.linear import Embedding, Linear
 from shared.model.lora_bank import LoraBank, LoraStep
-from shared.model.mrope import Grid
 from shared.model.norms import make_norm
 from shared.model.rotary import RotaryEmbedding
 from shared.model.step_context import LayerHook, StepContext
@@ -144,14 +141,6 @@ class Model(nn.Module):
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap
             return logits.float()
-
-    def encode_images(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        """The merged embeddings of images preprocessed to `pixel_values` (images concatenated,
-        `grids` their patch grids): [sum of their token counts, hidden], images in order."""
-        if self.visual is None:
-            raise ValueError(f"{self.config.architecture} takes no images")
-        with torch.inference_mode():
-            return self.visual(pixel_values.to(self.device, self.dtype), grids)
 
     def lora_names(self) -> frozenset[str]:
         """The LoRA adapters this model serves now."""

@@ -26,10 +26,9 @@ from shared.model.forward_batch import ForwardBatch, SeqEntry
 from shared.model.loader import LoadedModel
 from shared.model.lora_batch import lora_batch
 from shared.model.lora_install import install_lora
-from shared.model.mrope import image_token_count
 from shared.model.step_context import LayerHook
 from shared.model.vision.embedding_cache import EmbeddingCache
-from shared.model.vision.image_processor import pixel_values
+from shared.model.vision.image_encoder import run_tower
 
 
 class ModelRunner:
@@ -186,14 +185,10 @@ class ModelRunner:
         ]
 
     def _run_tower(self, images: Sequence[PromptImage]) -> list[torch.Tensor]:
-        processor = self.loaded.image_processor
-        assert processor is not None  # the loader sets one for every vision model
-        patches = [pixel_values(image.rgb, processor).pixel_values for image in images]
-        merged = self.model.encode_images(
-            torch.from_numpy(np.concatenate(patches)), [image.grid for image in images]
-        )
-        sizes = [image_token_count(image.grid, processor.merge_size) for image in images]
-        return list(merged.split(sizes))
+        processor, tower = self.loaded.image_processor, self.model.visual
+        assert processor is not None and tower is not None  # the loader sets both for vision
+        pictures = [(image.rgb, image.grid) for image in images]
+        return run_tower(tower, processor, pictures, self.device, self.model.dtype)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V): (source, destination) pairs."""

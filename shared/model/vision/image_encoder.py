@@ -61,10 +61,23 @@ class ImageEncoder:
     def encode(self, images: Sequence[tuple[np.ndarray, Grid]]) -> list[np.ndarray]:
         """[tokens, hidden] float32 embeddings of each resized RGB image (exact for a bf16
         tower: its values are bf16's), from one tower call over all of them."""
-        patches = [pixel_values(rgb, self.processor).pixel_values for rgb, _ in images]
-        grids = [grid for _, grid in images]
-        with torch.inference_mode():
-            pixels = torch.from_numpy(np.concatenate(patches)).to(self.dtype)
-            merged = self.tower(pixels, grids)
-        sizes = [image_token_count(grid, self.vision.spatial_merge_size) for grid in grids]
-        return [part.float().numpy() for part in merged.split(sizes)]
+        cpu = torch.device("cpu")
+        embeddings = run_tower(self.tower, self.processor, images, cpu, self.dtype)
+        return [e.float().numpy() for e in embeddings]
+
+
+def run_tower(
+    tower: torch.nn.Module,
+    processor: ImageProcessorConfig,
+    images: Sequence[tuple[np.ndarray, Grid]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Each resized RGB image's [tokens, hidden] embeddings in `dtype`, from one call of
+    `tower` over all of them: what an encoder node and a prefill engine both compute."""
+    patches = [pixel_values(rgb, processor).pixel_values for rgb, _ in images]
+    grids = [grid for _, grid in images]
+    with torch.inference_mode():
+        merged = tower(torch.from_numpy(np.concatenate(patches)).to(device, dtype), grids)
+    sizes = [image_token_count(grid, processor.merge_size) for grid in grids]
+    return list(merged.split(sizes))
