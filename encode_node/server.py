@@ -43,8 +43,8 @@ class EncodeNode:
         self.cache: EmbeddingCache[PromptImage, np.ndarray] = EmbeddingCache(
             self._encode_now, config.cache_bytes
         )
+        # one worker: the tower runs one call at a time, and the cache is read and filled there
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="encode")
-        self._lock = asyncio.Lock()  # the cache is read and filled on the worker, one call at once
         self._pending = 0
         self.registry = CollectorRegistry()
         self.images = Counter(
@@ -92,11 +92,8 @@ class EncodeNode:
         self._pending += 1
         try:
             with self.seconds.time():
-                async with self._lock:
-                    before = self.cache.encoded_images
-                    loop = asyncio.get_running_loop()
-                    arrays = await loop.run_in_executor(self._worker, self.cache.embeddings, images)
-                    fresh = self.cache.encoded_images - before
+                loop = asyncio.get_running_loop()
+                arrays, fresh = await loop.run_in_executor(self._worker, self._embeddings, images)
         finally:
             self._pending -= 1
         self.images.labels(source="encoded").inc(fresh)
@@ -112,6 +109,12 @@ class EncodeNode:
             ],
             cached=len(images) - fresh,
         )
+
+    def _embeddings(self, images: list[PromptImage]) -> tuple[list[np.ndarray], int]:
+        """On the worker: the images' embeddings, and how many of them the tower computed."""
+        before = self.cache.encoded_images
+        arrays = self.cache.embeddings(images)
+        return arrays, self.cache.encoded_images - before
 
     def _encode_now(self, images: list[PromptImage]) -> list[np.ndarray]:
         return self.encoder.encode([(image.rgb, image.grid) for image in images])
