@@ -7,7 +7,7 @@ from __future__ import annotations
 from proto.pdserve.v1 import generation_pb2
 from shared.engine.info import EngineInfo
 from shared.engine.requests.multimodal import PromptImage
-from shared.serving.grpc_server import GenerateError
+from shared.serving.grpc_server import GenerateError, image_placeholder
 from shared.serving.images.image_errors import ImageError
 from shared.serving.images.image_limits import ImageLimits
 from shared.serving.images.prompt_images import ImageSource, prompt_images, widen_placeholders
@@ -39,15 +39,12 @@ def request_images(
 
 def widen(info: EngineInfo, prompt: list[int], images: tuple[PromptImage, ...]) -> list[int]:
     """The prompt with each image's placeholder widened to the image's tokens."""
-    vision, token = info.loaded.config.vision, info.loaded.config.image_token_id
-    if not images or vision is None or token is None:
-        return prompt
     try:
-        return widen_placeholders(prompt, images, token, vision.spatial_merge_size)
+        return widen_placeholders(prompt, images, info.loaded.config)
     except ValueError as e:
-        text = info.tokenizer.decode([token], skip_special_tokens=False)
+        token = info.loaded.config.image_token_id
         raise GenerateError(
             Status.INVALID_ARGUMENT,
-            f"{e}: put the model's image placeholder ({text!r}, token id {token}) in the "
-            "prompt once per image",
+            f"{e}: put the model's image placeholder ({image_placeholder(info)!r}, token id "
+            f"{token}) in the prompt once per image",
         ) from None

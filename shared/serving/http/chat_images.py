@@ -50,11 +50,8 @@ def widen_chat_placeholders(
 ) -> list[int]:
     """The rendered chat's ids with each image's placeholder widened; 400 when the chat
     template wrote another number of placeholders than there are images."""
-    vision, token = loaded.config.vision, loaded.config.image_token_id
-    if not images or vision is None or token is None:
-        return ids
     try:
-        return widen_placeholders(ids, images, token, vision.spatial_merge_size)
+        return widen_placeholders(ids, images, loaded.config)
     except ValueError as e:
         raise ApiError(
             400,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shared.engine.requests.multimodal import PromptImage
+from shared.model.config import ModelConfig
 from shared.model.mrope import image_token_count
 from shared.model.vision.image_processor import ImageProcessorConfig, grid_of, resized_rgb
 from shared.serving.images.image_decode import decode_image_bytes, decode_image_url
@@ -47,10 +48,15 @@ def _image(
 
 
 def widen_placeholders(
-    ids: list[int], images: Sequence[PromptImage], image_token_id: int, merge: int
+    ids: list[int], images: Sequence[PromptImage], config: ModelConfig
 ) -> list[int]:
-    """`ids` with the i-th image placeholder repeated as often as image i has tokens;
-    ValueError when the prompt holds another number of placeholders than there are images."""
+    """`ids` with the i-th image placeholder repeated as often as image i has tokens (as is,
+    without images); ValueError when the prompt holds another number of placeholders than
+    there are images."""
+    image_token_id, vision = config.image_token_id, config.vision
+    if not images or image_token_id is None or vision is None:
+        return ids
+    merge = vision.spatial_merge_size
     found = ids.count(image_token_id)
     if found != len(images):
         raise ValueError(f"the prompt holds {found} image placeholders for {len(images)} images")
