@@ -68,9 +68,8 @@ class MultimodalPrompt:
             if span.start >= len(ids):
                 break
             key = -1 - int.from_bytes(image.digest[:7], "little")
-            ids[span.start : min(span.end, len(ids))] = [key] * (
-                min(span.end, len(ids)) - span.start
-            )
+            stop = min(span.end, len(ids))
+            ids[span.start : stop] = [key] * (stop - span.start)
         return ids
 
     def prompt_positions(self, start: int, stop: int) -> np.ndarray:

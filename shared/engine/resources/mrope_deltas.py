@@ -35,10 +35,6 @@ class MropeDeltaPool:
         self._owners[seat] = None
         self._deltas[seat] = 0
 
-    @property
-    def rows_in_use(self) -> int:
-        return sum(owner is not None for owner in self._owners)
-
     def check_conservation(self) -> None:
         """Every row back (no owner, delta 0), the scratch row never owned."""
         held = [(seat, owner) for seat, owner in enumerate(self._owners) if owner is not None]

@@ -183,6 +183,9 @@ class SeqSlotManager(BaseResourceManager):
         self.mrope_deltas.check_conservation()
 
     def shutdown(self) -> None:
+        # force-free, as the seats are: the rows of the seats still held go with them
+        for seat in self.slot_manager.slot_mapping.values():
+            self.mrope_deltas.clear(seat)
         self.slot_manager.shutdown()
         self.mrope_deltas.check_conservation()
 

@@ -68,7 +68,3 @@ class EmbeddingCache(Generic[ImageT, EmbeddingsT]):
             self.bytes_used -= old.nbytes
         self._entries[digest] = value
         self.bytes_used += value.nbytes
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes_used = 0
