@@ -142,7 +142,10 @@ def _install_tokenizer_routes(app: FastAPI, service: OpenAIService) -> None:
 
     @app.post("/tokenize")
     async def tokenize_text(body: dict[str, Any]) -> dict[str, object]:
-        return tokenize(service, parse_tokenize(body)).model_dump()
+        # a chat's images are decoded and resized to count their tokens: off the event loop,
+        # as the chat route does it
+        counted = await asyncio.to_thread(tokenize, service, parse_tokenize(body))
+        return counted.model_dump()
 
     @app.post("/detokenize")
     async def detokenize_ids(body: DetokenizeRequest) -> dict[str, object]:
