@@ -69,11 +69,21 @@ def setup_logging(level: str) -> None:
     )
 
 
+def enable_crash_stacks() -> None:
+    """A crash in native code (torch, UCX) leaves the Python stack of every thread on stderr.
+
+    The process's own stderr, not `sys.stderr`: an embedding program (or pytest's capture) may
+    have replaced the latter with an object that has no file descriptor.
+    """
+    stderr = sys.__stderr__
+    if stderr is not None and not stderr.closed:
+        faulthandler.enable(file=stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     setup_logging(a.log_level)
-    # a crash in native code (torch, UCX) leaves the Python stack of every thread on stderr
-    faulthandler.enable()
+    enable_crash_stacks()
     try:
         check_bound_ports(a)  # before anything slow starts
         if a.command == "bench":
