@@ -16,7 +16,7 @@ import asyncio
 import logging
 
 from decode_node.grammar_check import check_first_tokens
-from decode_node.remote_prefill import FirstTokens
+from decode_node.prefill_answer import FirstTokens
 from decode_node.stream import Stream
 from shared.engine.commands import KvLanded
 from shared.engine.info import EngineInfo
@@ -73,8 +73,9 @@ async def release_first(
     if first[4] != stream.mrope_delta:
         raise GenerateError(
             Status.INTERNAL,
-            f"the prefill node laid the prompt's images out with mRoPE delta {first[4]}, this "
-            f"node with {stream.mrope_delta}; refusing its KV (do both serve the same model?)",
+            f"the prefill node's KV headers carry mRoPE delta {first[4]} for the prompt's "
+            f"images, this node lays them out with {stream.mrope_delta}; refusing its KV (do "
+            "both serve the same model and image settings?)",
         )
     rid = stream.request_id
     completing = thread.submit(KvLanded(rid, *first))

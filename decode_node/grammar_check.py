@@ -7,7 +7,7 @@ refused with INTERNAL instead of being streamed: the output would silently break
 
 from __future__ import annotations
 
-from decode_node.remote_prefill import FirstTokens
+from decode_node.prefill_answer import FirstTokens
 from shared.engine.errors import ResourcesExhausted
 from shared.engine.info import EngineInfo
 from shared.engine.sampling.grammar_compiler import GrammarError, compile_async, compiler_for

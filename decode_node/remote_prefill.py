@@ -16,11 +16,11 @@ from grpc import aio
 from decode_node.config import DecodeNodeConfig
 from decode_node.kv_router import PrefixIndex, prefill_cost
 from decode_node.peers import LayoutMismatch, PrefillPeer
+from decode_node.prefill_answer import FirstTokens, first_tokens
 from decode_node.push_mode import pushes_layerwise
 from decode_node.stream import PrefillFailed, Stream
 from decode_node.tracing import PrefillAttempt
 from proto.pdserve.v1 import generation_pb2, prefill_pb2
-from shared.engine.sampling.logprobs import TokenLogprobs
 from shared.engine.sampling.sampling_params import SamplingParams
 from shared.engine.scheduling.transfer_admission import TransferGrant
 from shared.model.kv_window import skipped_blocks
@@ -28,27 +28,23 @@ from shared.serving.grpc_server import GenerateError, NodeMetrics
 from shared.serving.limits import MAX_REQUEST_ID_CHARS
 from shared.serving.replica_pool import ReplicaPool
 from shared.serving.status import Status
-from shared.serving.wire import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
+from shared.serving.wire import sampling_to_proto
 from shared.serving.wire_images import images_to_proto
 from transfer.errors import TransferSenderRestarted
 from transfer.protocol import TransferDestination
-from transfer.ucx import KvReceiver, TransferError, TransferReset, TransferTimeout
+from transfer.ucx import (
+    KvReceiver,
+    TransferError,
+    TransferReset,
+    TransferStats,
+    TransferTimeout,
+)
 
 log = logging.getLogger(__name__)
 
 # Re-asks, beyond --prefill-retries, after this node's KV receiver reset a transfer (a stalled
 # write ended by force, a listener restart): the prefill node was not at fault.
 _RESET_RETRIES = 2
-
-# the first token of each completion as the engine's KvLanded takes it, and the prompt's mRoPE
-# delta as the prefill node laid its images out
-FirstTokens = tuple[
-    int,
-    TokenLogprobs | None,
-    list[TokenLogprobs | None] | None,
-    list[tuple[int, TokenLogprobs | None]],
-    int,
-]
 
 
 class RemotePrefill:
@@ -102,7 +98,7 @@ class RemotePrefill:
             stream.prefill_id = attempt_id(stream.request_id, resets)
             predicted = self._predicted_blocks(peer, usable)
             try:
-                response = await self._prefill_once(
+                response, landed = await self._prefill_once(
                     stream, peer, prompt, params, grant, len(prompt) - predicted * block
                 )
             except PrefillFailed as e:
@@ -115,7 +111,7 @@ class RemotePrefill:
                 continue
             self.index.correct(peer.target, usable, response.cached_tokens // block)
             self.index.record(peer.target, hashes)
-            return first_tokens(response, params)
+            return first_tokens(response, params, landed.mrope_delta)
         raise PrefillFailed(last_error)
 
     def _predicted_blocks(self, peer: PrefillPeer, usable: list[bytes]) -> int:
@@ -168,15 +164,10 @@ class RemotePrefill:
         params: SamplingParams,
         grant: TransferGrant,
         load: int,
-    ) -> prefill_pb2.PrefillResponse:
-        """One Prefill RPC to `peer`, counting `load` (its predicted uncached tokens) there."""
-        try:
-            await peer.ensure_layout(self.layout_info)
-        except LayoutMismatch as e:
-            raise GenerateError(Status.FAILED_PRECONDITION, str(e)) from None
-        except (TimeoutError, grpc.RpcError) as e:
-            self._mark_unhealthy(peer, f"model info failed: {e}")
-            raise PrefillFailed(f"{peer.target}: {e}") from None
+    ) -> tuple[prefill_pb2.PrefillResponse, TransferStats]:
+        """One Prefill RPC to `peer`, counting `load` (its predicted uncached tokens) there: its
+        answer and what landed."""
+        await self._check_layout(peer)
         self._follow_instance(peer)
         budget = self.config.prefill_timeout
         if stream.deadline is not None:
@@ -207,7 +198,9 @@ class RemotePrefill:
         peer.load += load
         started = time.monotonic()
         try:
-            response = await self._await_both(call, landed, stream, peer, dest.sender_instance)
+            response, stats = await self._await_both(
+                call, landed, stream, peer, dest.sender_instance
+            )
         except BaseException as e:
             trace.fail(e)
             raise
@@ -217,7 +210,17 @@ class RemotePrefill:
                 landed.cancel()
         trace.done(response)
         self._record(stream, response, started)
-        return response
+        return response, stats
+
+    async def _check_layout(self, peer: PrefillPeer) -> None:
+        """`peer` serves this node's KV layout (its model info, asked once per instance)."""
+        try:
+            await peer.ensure_layout(self.layout_info)
+        except LayoutMismatch as e:
+            raise GenerateError(Status.FAILED_PRECONDITION, str(e)) from None
+        except (TimeoutError, grpc.RpcError) as e:
+            self._mark_unhealthy(peer, f"model info failed: {e}")
+            raise PrefillFailed(f"{peer.target}: {e}") from None
 
     def _follow_instance(self, peer: PrefillPeer) -> None:
         """A new instance of the node holds none of its predecessor's prefixes."""
@@ -253,13 +256,14 @@ class RemotePrefill:
     async def _await_both(
         self,
         call: aio.UnaryUnaryCall,
-        landed: asyncio.Future[object],
+        landed: asyncio.Future[TransferStats],
         stream: Stream,
         peer: PrefillPeer,
         granted: int,
-    ) -> prefill_pb2.PrefillResponse:
-        """The Prefill answer once its KV has landed; a failure of either ends both (cleanly:
-        the transfer released, the prefill node told) as a PrefillFailed or GenerateError."""
+    ) -> tuple[prefill_pb2.PrefillResponse, TransferStats]:
+        """The Prefill answer once its KV has landed, with what landed; a failure of either ends
+        both (cleanly: the transfer released, the prefill node told) as a PrefillFailed or
+        GenerateError."""
         rpc = asyncio.ensure_future(call)
         try:
             await asyncio.wait({rpc, landed}, return_when=asyncio.FIRST_EXCEPTION)
@@ -269,8 +273,7 @@ class RemotePrefill:
             if response.instance_id not in (0, granted):  # another process answered
                 peer.forget()  # its model info is relearnt (and the change seen) next time
                 raise TransferSenderRestarted(f"answered by instance {response.instance_id:#x}")
-            await landed
-            return response
+            return response, await landed
         except grpc.RpcError as e:
             await self.forget_transfer(stream)
             raise self._rpc_failure(e, stream, peer) from None
@@ -368,25 +371,3 @@ def attempt_id(request_id: str, resets: int) -> str:
         return request_id
     suffix = f"#{resets}"
     return request_id[: MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
-
-
-def first_tokens(response: prefill_pb2.PrefillResponse, params: SamplingParams) -> FirstTokens:
-    """The prefill node's first token with its logprobs and the prompt's (when asked), and
-    the other completions' first tokens (n > 1)."""
-    first = None
-    if params.logprobs is not None and response.HasField("first_token_logprobs"):
-        first = logprob_from_proto(response.first_token_logprobs)
-    prompt = None
-    if params.prompt_logprobs is not None:
-        prompt = prompt_logprobs_from_proto(response.prompt_logprobs)
-    tokens = list(response.choice_first_token_ids)
-    if len(tokens) != params.n - 1:
-        raise GenerateError(
-            Status.INTERNAL,
-            f"prefill node returned {len(tokens)} first tokens for n={params.n} completions",
-        )
-    lps: list[TokenLogprobs | None] = [None] * len(tokens)
-    if params.logprobs is not None and len(response.choice_first_token_logprobs) == len(tokens):
-        lps = [logprob_from_proto(m) for m in response.choice_first_token_logprobs]
-    choices = list(zip(tokens, lps, strict=True))
-    return response.first_token_id, first, prompt, choices, response.mrope_delta

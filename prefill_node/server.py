@@ -304,7 +304,10 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         # INVALID_ARGUMENT, no worker free in time: RESOURCE_EXHAUSTED
         if params.structured is not None:
             await compile_async(self.info.tokenizer, self.info.vocab_size, params.structured)
-        job.push = push = self.sender.open(job.destination, self.info.kv_pool)
+        # the delta rides in the KV headers: known before the first layer is pushed
+        layout = self.info.multimodal(prompt, images)
+        delta = 0 if layout is None else layout.delta
+        job.push = push = self.sender.open(job.destination, self.info.kv_pool, delta)
         req = await self.thread.call(AddRequest(prompt, params, job.request_id, images))
         sent_bytes, messages = await self._drain(job, push)
         job.sent = True
@@ -322,7 +325,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             cached_tokens=req.cached_tokens,
             stats=stats,
             instance_id=self.sender.instance_id,
-            mrope_delta=req.mrope_delta,
+            mrope_delta=req.mrope_delta,  # for decode nodes that predate the header's
         )
         if first.logprobs:
             response.first_token_logprobs.CopyFrom(logprob_to_proto(first.logprobs[0]))

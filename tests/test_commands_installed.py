@@ -69,9 +69,18 @@ def test_help(command: str | None, installed: dict[str, str], tmp_path: Path) ->
 
 
 # each of these also runs --quick in-process in its own test (tests/test_benchmarks_quick.py,
-# test_roofline_quick.py, test_bench_structured.py, test_bench_profile.py): the installed
-# command runs the rest
-IN_PROCESS = {"ttft", "serve", "transfer", "roofline", "structured", "profile", "plan-check"}
+# test_roofline_quick.py, test_bench_structured.py, test_bench_profile.py,
+# test_bench_peer_quick.py): the installed command runs the rest
+IN_PROCESS = {
+    "ttft",
+    "serve",
+    "transfer",
+    "roofline",
+    "structured",
+    "profile",
+    "plan-check",
+    "peer",
+}
 BENCH_CASES = sorted(set(BENCHMARKS) - IN_PROCESS)
 
 

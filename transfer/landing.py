@@ -47,6 +47,8 @@ class TransferStats:
     last_message_at: float | None = None
     layer_completed_at: list[float | None] = field(default_factory=list)
     completed_at: float | None = None
+    # the request's mRoPE delta its sender's headers carried (0: none carried)
+    mrope_delta: int = 0
 
 
 class LandingState(enum.Enum):
@@ -115,7 +117,7 @@ class Landing:
         self.on_layer = on_layer
         self.done = done
         self.quiesced = quiesced  # no write into the pool (or staging) is posted any more
-        self.max_header = protocol.header_size(len(block_ids), instance != 0)
+        self.max_header = protocol.header_size(len(block_ids), instance != 0, mrope=True)
         self.state = LandingState.LIVE
         self.deadline: asyncio.TimerHandle | None = None  # set by the receiver's `wait`
         self.writing = 0  # payload receives posted and not completed: the fence
@@ -142,6 +144,7 @@ class Landing:
         self._announced: dict[int, Announced] = {}  # seq -> header awaiting its payload
         self.early: dict[int, object] = {}  # seq -> payload probe that came before its header
         self._next_layer_callback = 0
+        self._delta_from: int | None = None  # the seq of the first header, which set the delta
 
     @property
     def live(self) -> bool:
@@ -172,6 +175,18 @@ class Landing:
                 if self._claimed[layer][pos]:
                     raise ProtocolError(protocol.REJECT_DUPLICATE, f"layer {layer} block {b}")
         return Announced(prefix.layer, prefix.n_layers, ids, prefix.payload_bytes, prefix.last)
+
+    def check_delta(self, seq: int, delta: int) -> None:
+        """Every message of a push carries the same mRoPE delta (the first sets it); raises
+        ProtocolError(bad_mrope_delta) otherwise."""
+        if self._delta_from is None:
+            self._delta_from, self.stats.mrope_delta = seq, delta
+        elif delta != self.stats.mrope_delta:
+            raise ProtocolError(
+                protocol.REJECT_BAD_DELTA,
+                f"message {seq} carries mRoPE delta {delta}, message {self._delta_from} "
+                f"carried {self.stats.mrope_delta}",
+            )
 
     def claim(self, seq: int, announced: Announced) -> None:
         """Record a validated header: its (layer, block) pairs are taken, its payload awaited."""

@@ -12,6 +12,7 @@ back:
                payload_bytes u64 | seq u32
     offset 64  n_blocks x u32 destination block ids (pool order of the payload's block axis)
     then       u64 sender instance id, when flags has FLAG_INSTANCE
+    then       i64 the request's mRoPE position delta, when flags has FLAG_MROPE
     ...        zero padding up to header_len = header_size(n_blocks, instance)
 
 2. the payload, tag = `payload_tag(token, transfer_id, seq)`: exactly payload_bytes of raw KV,
@@ -35,6 +36,12 @@ instance stamps its id in every header (FLAG_INSTANCE) and the receiver drops a 
 with any other id, so nothing a restarted node's predecessor sent, nor a replay of it, lands in
 blocks granted to its successor. A destination naming no instance (0) gets unstamped headers,
 which is what a decode node that predates instance ids reads.
+
+The mRoPE delta (Qwen2-VL family): how far the positions of the tokens after the prompt sit
+from their indices, once the prompt's images took fewer positions than tokens. The decode node
+writes it at the request's seat, so it travels with the KV it belongs to, under the same token;
+every message of a push carries the same value, and a push without it (FLAG_MROPE clear) means
+delta 0, which is what a text prompt has and what a decode node that predates it reads.
 """
 
 from __future__ import annotations
@@ -56,11 +63,13 @@ MAGIC = b"PDKV"
 VERSION = 2
 FLAG_LAST = 0x1  # the sender's final message of the whole transfer
 FLAG_INSTANCE = 0x2  # the sender's instance id (u64) follows the block ids
+FLAG_MROPE = 0x4  # the request's mRoPE delta (i64) follows the block ids and instance id
 TOKEN_BYTES = 16
 FINGERPRINT_BYTES = 8
 HEADER_ALIGN = 64
 MAX_U64 = (1 << 64) - 1
 MAX_BLOCK_ID = (1 << 32) - 1
+MIN_I64, MAX_I64 = -(1 << 63), (1 << 63) - 1
 
 _FIXED = struct.Struct("<4sHHIQ16s8sHHIQI")
 MAX_LAYERS = (1 << 16) - 1
@@ -80,6 +89,7 @@ REJECT_BAD_LENGTH = "bad_length"  # message/payload size inconsistent with heade
 REJECT_RECV_ERROR = "recv_error"  # UCX failed the receive (peer died mid-message)
 REJECT_BAD_SEQ = "bad_seq"  # a message number used twice, or too far ahead
 REJECT_STALE_INSTANCE = "stale_instance"  # stamped by another instance than the one granted
+REJECT_BAD_DELTA = "bad_mrope_delta"  # a push's messages disagree on the request's mRoPE delta
 MAX_SEQ = (1 << 32) - 1
 # Rejections of a message that does not carry the transfer's token, or comes from another
 # instance than the one its blocks were granted to: noise (forged, misrouted, replayed, a dead
@@ -89,10 +99,10 @@ NOISE_REASONS = frozenset(
 )
 
 
-def header_size(n_blocks: int, instance: bool = False) -> int:
-    """Bytes of the header (fixed part, block ids, instance id if stamped, padding) for a
-    message of `n_blocks`."""
-    raw = FIXED_HEADER_BYTES + 4 * n_blocks + (8 if instance else 0)
+def header_size(n_blocks: int, instance: bool = False, mrope: bool = False) -> int:
+    """Bytes of the header (fixed part, block ids, instance id if stamped, mRoPE delta if
+    carried, padding) for a message of `n_blocks`."""
+    raw = FIXED_HEADER_BYTES + 4 * n_blocks + (8 if instance else 0) + (8 if mrope else 0)
     return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
 
 
@@ -206,6 +216,7 @@ class HeaderPrefix:
     header_len: int
     seq: int
     stamped: bool = False  # FLAG_INSTANCE: the sender's instance id follows the block ids
+    has_mrope: bool = False  # FLAG_MROPE: the request's mRoPE delta follows
 
 
 def encode_header(
@@ -219,24 +230,28 @@ def encode_header(
     seq: int = 0,
     n_layers: int = 1,
     instance_id: int = 0,
+    mrope_delta: int = 0,
 ) -> bytes:
-    """The header bytes (length header_size(len(block_ids), stamped)) of one KV message;
-    stamped with `instance_id` unless it is 0."""
+    """The header bytes (length header_size(len(block_ids), stamped, carried)) of one KV
+    message; stamped with `instance_id` unless it is 0, carrying `mrope_delta` unless it is 0."""
     if not 0 <= seq <= MAX_SEQ:
         raise ValueError(f"seq {seq} is not a 32-bit unsigned value")
     if not (0 <= layer <= MAX_LAYERS and 1 <= n_layers <= MAX_LAYERS):
         raise ValueError(f"layers {layer}+{n_layers} do not fit the header's u16 fields")
     if not 0 <= instance_id <= MAX_U64:
         raise ValueError(f"instance id {instance_id} is not a 64-bit unsigned value")
+    if not MIN_I64 <= mrope_delta <= MAX_I64:
+        raise ValueError(f"mRoPE delta {mrope_delta} is not a 64-bit signed value")
     n = len(block_ids)
-    size = header_size(n, instance_id != 0)
+    size = header_size(n, instance_id != 0, mrope_delta != 0)
+    flags = (FLAG_LAST if last else 0) | (FLAG_INSTANCE if instance_id else 0)
     out = bytearray(size)
     _FIXED.pack_into(
         out,
         0,
         MAGIC,
         VERSION,
-        (FLAG_LAST if last else 0) | (FLAG_INSTANCE if instance_id else 0),
+        flags | (FLAG_MROPE if mrope_delta else 0),
         size,
         transfer_id,
         token,
@@ -248,8 +263,12 @@ def encode_header(
         seq,
     )
     struct.pack_into(f"<{n}I", out, FIXED_HEADER_BYTES, *block_ids)
+    tail = FIXED_HEADER_BYTES + 4 * n
     if instance_id:
-        struct.pack_into("<Q", out, FIXED_HEADER_BYTES + 4 * n, instance_id)
+        struct.pack_into("<Q", out, tail, instance_id)
+        tail += 8
+    if mrope_delta:
+        struct.pack_into("<q", out, tail, mrope_delta)
     return bytes(out)
 
 
@@ -264,7 +283,7 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
         raise ProtocolError(REJECT_BAD_HEADER, f"bad magic {magic!r}")
     if version != VERSION:
         raise ProtocolError(REJECT_BAD_HEADER, f"unsupported version {version}")
-    if header_len != header_size(n, bool(flags & FLAG_INSTANCE)):
+    if header_len != header_size(n, bool(flags & FLAG_INSTANCE), bool(flags & FLAG_MROPE)):
         raise ProtocolError(REJECT_BAD_HEADER, f"header_len {header_len} for {n} blocks")
     return HeaderPrefix(
         transfer_id=transfer_id,
@@ -278,6 +297,7 @@ def decode_prefix(buf: bytes | memoryview) -> HeaderPrefix:
         header_len=header_len,
         seq=seq,
         stamped=bool(flags & FLAG_INSTANCE),
+        has_mrope=bool(flags & FLAG_MROPE),
     )
 
 
@@ -298,6 +318,17 @@ def decode_instance(buf: bytes | memoryview, prefix: HeaderPrefix) -> int:
         raise ProtocolError(REJECT_BAD_HEADER, f"header needs {at + 8} bytes, have {len(buf)}")
     (instance_id,) = struct.unpack_from("<Q", buf, at)
     return instance_id
+
+
+def decode_mrope_delta(buf: bytes | memoryview, prefix: HeaderPrefix) -> int:
+    """The request's mRoPE delta the header carries (0: none carried)."""
+    if not prefix.has_mrope:
+        return 0
+    at = FIXED_HEADER_BYTES + 4 * prefix.n_blocks + (8 if prefix.stamped else 0)
+    if len(buf) < at + 8:
+        raise ProtocolError(REJECT_BAD_HEADER, f"header needs {at + 8} bytes, have {len(buf)}")
+    (delta,) = struct.unpack_from("<q", buf, at)
+    return delta
 
 
 def validate_header(

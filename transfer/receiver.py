@@ -285,6 +285,7 @@ class KvReceiver(ReceiverCounts):
                 instance_id=t.instance,
             )
             announced = t.check_claims(prefix, ids)
+            t.check_delta(prefix.seq, protocol.decode_mrope_delta(buf, prefix))
         except ProtocolError as e:
             self._count_reject(e.reason)
             if e.reason not in protocol.NOISE_REASONS:  # from this transfer's own sender

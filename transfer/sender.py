@@ -79,11 +79,16 @@ class KvPush:
     still reads. Several messages may be in flight; the receiver lands them in any order."""
 
     def __init__(
-        self, sender: KvSender, dest: TransferDestination, kv_pool: torch.Tensor | None
+        self,
+        sender: KvSender,
+        dest: TransferDestination,
+        kv_pool: torch.Tensor | None,
+        mrope_delta: int = 0,
     ) -> None:
         self.sender = sender
         self.dest = dest
         self.kv_pool = kv_pool
+        self.mrope_delta = mrope_delta  # in every header: the KV's positions depend on it
         self.reading: set[asyncio.Future] = set()  # UCX operations still reading our buffers
         self._next_seq = 0
         self._last: _SameBlocks | None = None  # the ids of the block tuples last named
@@ -110,6 +115,7 @@ class KvPush:
             # stamped only when the decode node granted the blocks to an instance: one that
             # names none may predate instance ids and would not read a stamped header
             instance_id=self.sender.instance_id if self.dest.sender_instance else 0,
+            mrope_delta=self.mrope_delta,
         )
         send = Send(
             self,
@@ -236,9 +242,12 @@ class KvSender:
         that takes 5-200 ms, on the event loop, in the GIL, while the first prompt computes."""
         self._ensure_worker(device)
 
-    def open(self, dest: TransferDestination, kv_pool: torch.Tensor | None = None) -> KvPush:
-        """A push into `dest`, reading `src` blocks from `kv_pool`. Raises TransferError if the
-        decode node's KV layout is not this one, or it granted the blocks to another instance."""
+    def open(
+        self, dest: TransferDestination, kv_pool: torch.Tensor | None = None, mrope_delta: int = 0
+    ) -> KvPush:
+        """A push into `dest`, reading `src` blocks from `kv_pool`, its headers carrying the
+        request's `mrope_delta`. Raises TransferError if the decode node's KV layout is not this
+        one, or it granted the blocks to another instance."""
         if dest.sender_instance not in (0, self.instance_id):
             raise TransferError(
                 f"transfer {dest.transfer_id:#x} is granted to instance {dest.sender_instance:#x}"
@@ -251,7 +260,7 @@ class KvSender:
             )
         if kv_pool is not None:
             self.layout.check_pool(kv_pool)
-        return KvPush(self, dest, kv_pool)
+        return KvPush(self, dest, kv_pool, mrope_delta)
 
     async def close(self) -> None:
         """Close every endpoint (bounded wait), then the UCX worker."""
