@@ -29,6 +29,7 @@ from shared.serving.limits import MAX_REQUEST_ID_CHARS
 from shared.serving.replica_pool import ReplicaPool
 from shared.serving.status import Status
 from shared.serving.wire import sampling_to_proto
+from shared.serving.wire_destination import destination_to_proto
 from shared.serving.wire_images import images_to_proto
 from transfer.errors import TransferSenderRestarted
 from transfer.protocol import TransferDestination
@@ -349,17 +350,7 @@ class RemotePrefill:
             prompt_token_ids=prompt,
             sampling=sampling_to_proto(params),
             seed=params.seed or 0,
-            destination=prefill_pb2.KvDestination(
-                ucx_address=dest.address,
-                transfer_id=dest.transfer_id,
-                transfer_token=dest.token,
-                block_ids=list(dest.block_ids),
-                first_block_index=first_block,
-                layout_fingerprint=self.layout_info.fingerprint,
-                skipped_blocks=list(dest.skipped),
-                prefill_instance_id=dest.sender_instance,
-                decode_instance_id=dest.receiver_instance,
-            ),
+            destination=destination_to_proto(dest, first_block),
             images=images_to_proto(stream.images),
         )
 

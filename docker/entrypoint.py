@@ -6,9 +6,10 @@ Fills in what a container needs and the CLI defaults do not give, unless the com
 the environment) already says otherwise:
   --host 0.0.0.0          gRPC and /metrics listen on every interface ($PDSERVE_HOST)
   --metrics-port 9100     /metrics on a fixed port for scraping ($PDSERVE_METRICS_PORT)
-  --ucx-host <address>    decode only: the KV listener must bind an address the prefill
-                          containers can reach, so the container's own address on the network
-                          that leads to the prefill service ($PDSERVE_UCX_HOST)
+  --ucx-host <address>    decode, and prefill with --encoder: the UCX listener (KV, or the
+                          encoders' embeddings) must bind an address its peers can reach, so
+                          the container's own address on the network that leads to them (the
+                          --prefill, or --encoder, service) ($PDSERVE_UCX_HOST)
 Then it exec()s the node, so the node is PID 1 and receives SIGTERM from `docker stop`.
 """
 
@@ -63,9 +64,11 @@ def node_command(role: str, args: list[str]) -> list[str]:
         extra += ["--host", os.environ.get("PDSERVE_HOST", "0.0.0.0")]
     if not has_option(args, "--metrics-port"):
         extra += ["--metrics-port", os.environ.get("PDSERVE_METRICS_PORT", "9100")]
-    if role == "decode" and not has_option(args, "--ucx-host"):
+    peers = {"decode": "--prefill", "prefill": "--encoder"}.get(role)
+    listens = peers is not None and (role == "decode" or has_option(args, "--encoder"))
+    if listens and not has_option(args, "--ucx-host"):
         ucx_host = os.environ.get("PDSERVE_UCX_HOST") or own_address_towards(
-            option_value(args, "--prefill")
+            option_value(args, peers)
         )
         extra += ["--ucx-host", ucx_host]
     if role == "proxy":

@@ -5,6 +5,10 @@ The tower runs on one worker thread, one call at a time (a CPU runs one tower's 
 would share its cores), so the event loop keeps answering health checks and refusing excess
 calls (RESOURCE_EXHAUSTED past max_pending) while it computes. Recent images' embeddings are kept
 by content, bounded in bytes: a repeated image costs a lookup.
+
+A call that names a destination gets its embeddings pushed over UCX into the caller's landing
+area (one KV message under the call's token: transfer/embedding_rows.py) and an answer that
+carries their shapes only; one that names none, or whose push fails, gets them as bytes.
 """
 
 from __future__ import annotations
@@ -23,11 +27,17 @@ from encode_node.config import EncodeNodeConfig
 from proto.pdserve.v1 import encoder_pb2
 from shared.engine.requests.multimodal import PromptImage
 from shared.model.device import resolve_dtype
+from shared.model.mrope import image_token_count
 from shared.model.vision.embedding_cache import EmbeddingCache
 from shared.model.vision.image_encoder import ImageEncoder
 from shared.serving.grpc_server import NodeServing
 from shared.serving.wire import WireError
+from shared.serving.wire_destination import destination_from_proto
 from shared.serving.wire_images import images_from_proto
+from transfer.embedding_rows import blocks_for, embedding_layout, pack_rows
+from transfer.errors import TransferError
+from transfer.protocol import TransferDestination
+from transfer.ucx import KvMessage, KvSender
 
 log = logging.getLogger(__name__)
 SERVICE_DESCRIPTOR = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"]
@@ -58,6 +68,8 @@ class EncodeNode:
         )
         self.serving: NodeServing | None = None
         self.port = config.port
+        self._senders: dict[int, KvSender] = {}  # by the landing areas' rows per block
+        self.pushed = 0  # calls answered by a push
 
     async def start(self) -> None:
         self.serving = await NodeServing.serve(self, SERVICE_DESCRIPTOR, self.config, self.registry)
@@ -70,6 +82,8 @@ class EncodeNode:
             await self.serving.close_metrics()
         # the encode in flight (if any) finishes on the worker; the loop keeps running meanwhile
         await asyncio.to_thread(self._worker.shutdown, True)
+        for sender in self._senders.values():
+            await sender.close()
         return True
 
     async def Encode(
@@ -84,6 +98,12 @@ class EncodeNode:
             images = images_from_proto(request.images, self.encoder.processor)
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        dest = None
+        if request.HasField("destination"):
+            try:
+                dest = self._destination(request, images)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self._pending >= self.config.max_pending:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -98,6 +118,12 @@ class EncodeNode:
             self._pending -= 1
         self.images.labels(source="encoded").inc(fresh)
         self.images.labels(source="cached").inc(len(images) - fresh)
+        cached = len(images) - fresh
+        if dest is not None and await self._push(request, dest, arrays):
+            shapes = [
+                encoder_pb2.Embeddings(tokens=a.shape[0], hidden_size=a.shape[1]) for a in arrays
+            ]
+            return encoder_pb2.EncodeResponse(embeddings=shapes, cached=cached, pushed=True)
         return encoder_pb2.EncodeResponse(
             embeddings=[
                 encoder_pb2.Embeddings(
@@ -107,8 +133,45 @@ class EncodeNode:
                 )
                 for a in arrays
             ],
-            cached=len(images) - fresh,
+            cached=cached,
         )
+
+    def _destination(
+        self, request: encoder_pb2.EncodeRequest, images: list[PromptImage]
+    ) -> TransferDestination:
+        """The call's landing grant, checked against its images' rows (ValueError)."""
+        dest = destination_from_proto(request.destination)
+        merge = self.encoder.processor.merge_size
+        rows = sum(image_token_count(image.grid, merge) for image in images)
+        need = blocks_for(rows, max(1, request.landing_block_rows))
+        if request.landing_block_rows < 1 or len(dest.block_ids) != need:
+            raise ValueError(
+                f"a landing grant of {len(dest.block_ids)} blocks of "
+                f"{request.landing_block_rows} rows for {rows} rows of embeddings"
+            )
+        return dest
+
+    async def _push(
+        self,
+        request: encoder_pb2.EncodeRequest,
+        dest: TransferDestination,
+        arrays: list[np.ndarray],
+    ) -> bool:
+        """Push `arrays` into `dest`; False (the caller answers bytes) when that failed."""
+        rows = request.landing_block_rows
+        sender = self._senders.get(rows)
+        if sender is None:
+            layout = embedding_layout(self.encoder.vision.out_hidden_size, rows)
+            sender = self._senders[rows] = KvSender(layout)
+        try:
+            push = sender.open(dest)
+            payload = pack_rows(arrays, sender.layout)
+            await push.send(KvMessage(layer=0, blocks=dest.block_ids, payload=payload, last=True))
+        except TransferError as e:
+            log.warning("%s: pushing embeddings failed (%s); answering them", request.request_id, e)
+            return False
+        self.pushed += 1
+        return True
 
     def _embeddings(self, images: list[PromptImage]) -> tuple[list[np.ndarray], int]:
         """On the worker: the images' embeddings, and how many of them the tower computed."""

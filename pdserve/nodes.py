@@ -72,7 +72,8 @@ async def _serve_until_signal(
 
 
 def run_prefill(config: PrefillNodeConfig) -> int:
-    configure_ucx_env()
+    # with encoder nodes it listens for their pushes, as a decode node does for KV
+    configure_ucx_env(bind_host=config.kv_bind_host if config.encoder_targets else None)
     from prefill_node.server import PrefillNode
 
     async def main() -> int:

@@ -9,6 +9,7 @@ from shared.engine.connector.offload import OffloadStats
 from shared.engine.connector.offload_config import OffloadConfig
 from shared.serving.limits import DRAIN_GRACE_S, PREFILL_DEFAULT_DEADLINE_S
 from shared.serving.tls import ServerTls
+from transfer.protocol import resolve_bind_address
 
 # A prefill node's step budget: it runs no decode steps whose inter-token latency a big chunk
 # would stretch, so prompts up to this long go in one chunk (one fresh-prefill pass: no pool
@@ -31,6 +32,12 @@ class PrefillNodeConfig:
     allow_runtime_lora: bool = False
     # encoder nodes (E/P/D, --encoder): a prompt's images are encoded there, else here
     encoder_targets: tuple[str, ...] = ()
+    # where those encoders push embeddings: a UCX listener (as a decode node's for KV) over a
+    # landing area of this many bytes
+    ucx_host: str = "127.0.0.1"  # advertised to the encoders
+    ucx_port: int = 0
+    ucx_bind_host: str | None = None  # None: ucx_host
+    encoder_landing_bytes: int = 64 << 20
     # KV tiers below the pool (--kv-offload-*: pdserve/cli/offload_args.py)
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_dir: str = ""
@@ -46,11 +53,24 @@ class PrefillNodeConfig:
             self.engine.model,
         )
 
+    @property
+    def kv_bind_host(self) -> str:
+        return self.ucx_host if self.ucx_bind_host is None else self.ucx_bind_host
+
     def validate(self) -> None:
         self.engine.validate()
         self.offload()
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"prefill port must be in [0, 65535], got {self.port}")
+        for name in ("port", "ucx_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"prefill {name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.encoder_landing_bytes < 1 << 20:
+            raise ValueError(
+                f"--encoder-landing-mb must be >= 1, got {self.encoder_landing_bytes >> 20}"
+            )
+        try:
+            resolve_bind_address(self.kv_bind_host)
+        except ValueError as e:
+            raise ValueError(f"--ucx-bind / --ucx-host: {e}") from None
         if self.metrics_port < -1 or self.metrics_port > 65535:
             raise ValueError(
                 f"metrics port must be -1 (off) or in [0, 65535], got {self.metrics_port}"

@@ -24,6 +24,7 @@ from prometheus_client import Counter
 
 from prefill_node import lora_rpc
 from prefill_node.config import PrefillNodeConfig
+from prefill_node.embedding_landing import EmbeddingLanding
 from prefill_node.encoders import EncoderClients
 from prefill_node.job import FINAL, PrefillJob
 from prefill_node.job_table import JobFailed, JobTable
@@ -55,10 +56,10 @@ from shared.serving.wire import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
+from shared.serving.wire_destination import destination_from_proto
 from shared.serving.wire_images import images_from_proto
 from transfer import protocol
 from transfer.errors import retrieve_exception
-from transfer.protocol import TransferDestination
 from transfer.sender import SEND_WINDOW
 from transfer.ucx import KvMessage, KvPush, KvSender, TransferError
 
@@ -122,8 +123,13 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
         vision = self.info.loaded.config.vision
         if self.config.encoder_targets and vision is not None:
             hidden = self.info.loaded.config.hidden_size
+            c = self.config
+            landing = EmbeddingLanding(
+                hidden, c.encoder_landing_bytes, c.ucx_host, c.ucx_port, c.kv_bind_host
+            )
+            await landing.start()
             self.encoders = EncoderClients(
-                self.config.encoder_targets, hidden, vision.spatial_merge_size
+                c.encoder_targets, hidden, vision.spatial_merge_size, landing
             )
         self.serving = await NodeServing.serve(
             self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry
@@ -269,16 +275,7 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
 
     def _new_job(self, request: prefill_pb2.PrefillRequest, time_left: float) -> PrefillJob:
         d = request.destination
-        destination = TransferDestination(
-            address=d.ucx_address,
-            transfer_id=d.transfer_id,
-            token=bytes(d.transfer_token),
-            block_ids=tuple(d.block_ids),
-            layout_fingerprint=d.layout_fingerprint,
-            skipped=tuple(d.skipped_blocks),
-            sender_instance=d.prefill_instance_id,
-            receiver_instance=d.decode_instance_id,
-        )
+        destination = destination_from_proto(d)
         loop = asyncio.get_running_loop()
         job = PrefillJob(
             request.request_id, destination, d.first_block_index, request.layerwise, loop

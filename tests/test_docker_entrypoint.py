@@ -66,12 +66,24 @@ def test_role_routing_parses(role: str, monkeypatch: pytest.MonkeyPatch) -> None
     assert a.host == "0.0.0.0"
     assert a.metrics_port == 9100
     # only a decode node has prefill nodes to push it KV: only it places its KV listener
+    # (a prefill node places one for its encoders' pushes: below)
     assert ("--ucx-host" in command) == (role == "decode")
     if role == "decode":
         assert a.ucx_host == "10.0.0.7"
     # the health check finds the node's default port from the command the entry point runs
     assert healthcheck.node_port(command) == healthcheck.DEFAULT_PORTS[role]
     assert healthcheck.node_port([*command, "--port", "6001"]) == 6001
+
+
+def test_a_prefill_node_with_encoders_places_its_landing_listener(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its encoders push embeddings to it over UCX: its listener gets the container's address
+    (on the network that leads to them), as a decode node's does for KV."""
+    monkeypatch.setenv("PDSERVE_UCX_HOST", "10.0.0.8")
+    command = entrypoint.node_command("prefill", ["--encoder", "encode:50071"])
+    a = build_parser().parse_args(["prefill", *command[2:]])
+    assert a.ucx_host == "10.0.0.8" and a.encoder == "encode:50071"
 
 
 def test_an_unknown_first_word_runs_as_given() -> None:

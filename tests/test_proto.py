@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from proto.pdserve.v1 import (
+    encoder_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,6 +192,22 @@ EXPECTED_FIELDS: dict[str, dict[str, tuple[int, int, bool]]] = {
     },
     "UnloadLoraAdapterRequest": {"lora_name": (1, _T.TYPE_STRING, False)},
     "LoraAdaptersResponse": {"lora_adapters": (1, _T.TYPE_STRING, True)},
+    "EncodeRequest": {
+        "request_id": (1, _T.TYPE_STRING, False),
+        "images": (2, _T.TYPE_MESSAGE, True),
+        "destination": (3, _T.TYPE_MESSAGE, False),
+        "landing_block_rows": (4, _T.TYPE_UINT32, False),
+    },
+    "Embeddings": {
+        "data": (1, _T.TYPE_BYTES, False),
+        "tokens": (2, _T.TYPE_UINT32, False),
+        "hidden_size": (3, _T.TYPE_UINT32, False),
+    },
+    "EncodeResponse": {
+        "embeddings": (1, _T.TYPE_MESSAGE, True),
+        "cached": (2, _T.TYPE_UINT32, False),
+        "pushed": (3, _T.TYPE_BOOL, False),
+    },
 }
 
 EXPECTED_ENUMS: dict[str, dict[str, int]] = {
@@ -228,7 +250,7 @@ EXPECTED_SERVICES: dict[str, dict[str, tuple[str, str, bool]]] = {
 
 
 def _message_descriptor(name: str) -> Descriptor:
-    for module in (generation_pb2, prefill_pb2):
+    for module in (generation_pb2, prefill_pb2, encoder_pb2):
         if name in module.DESCRIPTOR.message_types_by_name:
             return module.DESCRIPTOR.message_types_by_name[name]
     raise KeyError(name)

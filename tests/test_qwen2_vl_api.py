@@ -182,6 +182,10 @@ async def _check_where(cluster: PdCluster, split: str, encoder: EncodeNode | Non
     clients = cluster.prefills[0].encoders
     if encoder is not None:
         assert clients is not None and clients.remote_images > 0 and clients.local_images == 0
+        # over UCX into the prefill node's landing area, every block of it back since
+        assert clients.pushed_images == clients.remote_images and encoder.pushed > 0
+        assert clients.landing is not None
+        clients.landing.blocks.check_conservation()
         assert encoder.cache.encoded_images > 0
 
 

@@ -24,6 +24,14 @@ def add_prefill(sub: argparse._SubParsersAction) -> None:
         help="HOST:PORT[,HOST:PORT...] of encoder nodes (pdserve encode) for a vision model's "
         "images; without one (or when it fails) images are encoded here",
     )
+    pf.add_argument(
+        "--encoder-landing-mb",
+        type=int,
+        default=64,
+        help="with --encoder: the memory encoder nodes push embeddings into over UCX (a call "
+        "that does not fit gets them in its answer)",
+    )
+    _ucx_args(pf, "with --encoder: this node's embedding landing address, given to encoder nodes")
     _drain_arg(pf)
     server_tls_args(pf)
 
@@ -34,7 +42,7 @@ def add_decode(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     dc.add_argument("--prefill", required=True, help="HOST:PORT[,HOST:PORT...] of prefill nodes")
     dc.add_argument("--host", default="127.0.0.1")
     dc.add_argument("--port", type=int, default=50051)
-    _ucx_args(dc)
+    _ucx_args(dc, "this node's KV transfer address, given to prefill nodes")
     dc.add_argument("--metrics-port", type=int, default=0, help="-1 disables /metrics")
     _drain_arg(dc)
     http_args(dc)
@@ -112,18 +120,15 @@ def _local_prefill_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _ucx_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ucx-host",
-        default="127.0.0.1",
-        help="this node's KV transfer address, given to prefill nodes (and bound, see --ucx-bind)",
-    )
-    p.add_argument("--ucx-port", type=int, default=0, help="KV listener port (0: ephemeral)")
+def _ucx_args(p: argparse.ArgumentParser, what: str) -> None:
+    """The UCX listener a node lands pushes on: `what` says whose pushes and who is told."""
+    p.add_argument("--ucx-host", default="127.0.0.1", help=f"{what} (and bound, see --ucx-bind)")
+    p.add_argument("--ucx-port", type=int, default=0, help="UCX listener port (0: ephemeral)")
     p.add_argument(
         "--ucx-bind",
         default=None,
         metavar="ADDR",
-        help="address the KV listener binds (default: --ucx-host; 0.0.0.0 for every interface)",
+        help="address the UCX listener binds (default: --ucx-host; 0.0.0.0 for every interface)",
     )
 
 

@@ -47,7 +47,13 @@ def prefill_config(a: argparse.Namespace) -> PrefillNodeConfig:
     engine = engine_config(a, PREFILL_MAX_NUM_TOKENS)
     encoders = tuple(t.strip() for t in a.encoder.split(",") if t.strip())
     return from_args(
-        PrefillNodeConfig, a, engine=engine, tls=server_tls(a), encoder_targets=encoders
+        PrefillNodeConfig,
+        a,
+        engine=engine,
+        tls=server_tls(a),
+        encoder_targets=encoders,
+        ucx_bind_host=a.ucx_bind,
+        encoder_landing_bytes=a.encoder_landing_mb << 20,
     )
 
 

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import prefill_pb2 as proto_dot_pdserve_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/encoder.proto\x12\npdserve.v1\x1a\x1eproto/pdserve/v1/prefill.proto\"L\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06images\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.PromptImage\"?\n\nEmbeddings\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\"L\n\x0e\x45ncodeResponse\x12*\n\nembeddings\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.Embeddings\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x01(\r2J\n\x07\x45ncoder\x12?\n\x06\x45ncode\x12\x19.pdserve.v1.EncodeRequest\x1a\x1a.pdserve.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/pdserve/v1/encoder.proto\x12\npdserve.v1\x1a\x1eproto/pdserve/v1/prefill.proto\"\x98\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06images\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.PromptImage\x12.\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.KvDestination\x12\x1a\n\x12landing_block_rows\x18\x04 \x01(\r\"?\n\nEmbeddings\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\"\\\n\x0e\x45ncodeResponse\x12*\n\nembeddings\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.Embeddings\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x01(\r\x12\x0e\n\x06pushed\x18\x03 \x01(\x08\x32J\n\x07\x45ncoder\x12?\n\x06\x45ncode\x12\x19.pdserve.v1.EncodeRequest\x1a\x1a.pdserve.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODEREQUEST']._serialized_start=78
-  _globals['_ENCODEREQUEST']._serialized_end=154
-  _globals['_EMBEDDINGS']._serialized_start=156
-  _globals['_EMBEDDINGS']._serialized_end=219
-  _globals['_ENCODERESPONSE']._serialized_start=221
-  _globals['_ENCODERESPONSE']._serialized_end=297
-  _globals['_ENCODER']._serialized_start=299
-  _globals['_ENCODER']._serialized_end=373
+  _globals['_ENCODEREQUEST']._serialized_start=79
+  _globals['_ENCODEREQUEST']._serialized_end=231
+  _globals['_EMBEDDINGS']._serialized_start=233
+  _globals['_EMBEDDINGS']._serialized_end=296
+  _globals['_ENCODERESPONSE']._serialized_start=298
+  _globals['_ENCODERESPONSE']._serialized_end=390
+  _globals['_ENCODER']._serialized_start=392
+  _globals['_ENCODER']._serialized_end=466
 # @@protoc_insertion_point(module_scope)
