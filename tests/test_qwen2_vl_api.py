@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 from PIL import Image
@@ -242,6 +243,48 @@ def test_chat_with_images_matches_transformers(
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
     asyncio.run(_serve(checkpoint, body, split))
+
+
+def _responses_input(content: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Chat content parts as a Responses API user message's (input_text, input_image)."""
+    parts = [
+        {"type": "input_text", "text": p["text"]}
+        if p["type"] == "text"
+        else {"type": "input_image", "image_url": p["image_url"]["url"]}  # type: ignore[index]
+        for p in content
+    ]
+    return [{"role": "user", "content": parts}]
+
+
+def test_responses_api_with_images_matches_transformers(checkpoint: Path) -> None:
+    """The official SDK's `responses.create` with input_image parts, across E/P/D: the chat
+    path's answer; a follow-up turn keeps the image in its history; a file_id image is a 400."""
+    content, text = _parts([_png(40, 24, seed=1)])
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    with single_torch_thread():
+        ids, tokens = _expected(checkpoint, text, [_png(40, 24, seed=1)])
+
+    async def body(client: httpx.AsyncClient, _: str) -> None:
+        sdk = openai.AsyncOpenAI(base_url=f"{client.base_url}/v1", api_key="-", max_retries=0)
+        kwargs = {"model": QWEN2_VL, "max_output_tokens": NEW_TOKENS, "temperature": 0.0}
+        extra = {"ignore_eos": True}
+        first = await sdk.responses.create(
+            input=_responses_input(content), extra_body=extra, **kwargs
+        )
+        assert first.output_text == tokenizer.decode(tokens)
+        assert first.usage is not None and first.usage.input_tokens == len(ids)
+        follow = await sdk.responses.create(
+            input="again", previous_response_id=first.id, extra_body=extra, **kwargs
+        )
+        assert follow.usage is not None and follow.usage.input_tokens > len(ids)
+        # the image's blocks come from the prefix cache on the second turn
+        assert follow.usage.input_tokens_details.cached_tokens > 0
+        file_image = [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]
+        with pytest.raises(openai.BadRequestError, match="image_url must be a string"):
+            await sdk.responses.create(input=file_image, **kwargs)  # type: ignore[arg-type]
+        await sdk.close()
+
+    asyncio.run(_serve(checkpoint, body, EPD))
 
 
 @pytest.mark.parametrize("split", SPLITS)

@@ -9,6 +9,7 @@ answer's shape differs (responses_events.py). Stored responses (response_store.p
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -124,7 +125,8 @@ async def _prepare(
         history = stored.messages()
     chat = chat_request(req, history, req.model_extra or {})
     tools = tool_parser(chat, service.tool_call_parser)
-    jobs = service.jobs(chat, [service.chat_prompt(chat)])
+    prompt = await asyncio.to_thread(service.chat_prompt, chat)  # images: CPU work
+    jobs = service.jobs(chat, [prompt])
     await compile_structured(chat, jobs[0].params.structured, service.backend.info)
     return Turn(req, chat, owner, history, jobs, tools)
 

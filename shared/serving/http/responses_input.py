@@ -4,8 +4,10 @@
 messages: function_call items join the assistant message before them as its `tool_calls`, a
 function_call_output is a `tool` message answering its call (with the call's name, which some
 templates write). `instructions` is a system message first; function tools, `tool_choice` and
-`text.format` take their chat spellings. The chat path then renders the template, reads tool
-calls and compiles the grammar exactly as for /v1/chat/completions.
+`text.format` take their chat spellings; a message's `input_image` parts become chat's
+`image_url` parts (a vision model's images: the chat path decodes and checks them). The chat path
+then renders the template, reads tool calls and compiles the grammar exactly as for
+/v1/chat/completions.
 """
 
 from __future__ import annotations
@@ -68,21 +70,59 @@ def _text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):  # type: ignore[union-attr]
-            raise ApiError(
-                400,
-                f"{where}[{j}]: only text parts ({', '.join(_TEXT_PARTS)}) are supported, got "
-                f"{kind!r}: this server runs a text-only model",
-                param="input",
-            )
+            raise _unsupported(f"{where}[{j}]", kind)
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def _unsupported(where: str, kind: object) -> ApiError:
+    return ApiError(
+        400,
+        f"{where}: only text parts ({', '.join(_TEXT_PARTS)}) and input_image parts are "
+        f"supported, got {kind!r}",
+        param="input",
+    )
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:
         raise ApiError(400, f"{where}.role must be one of {', '.join(_ROLES)}", param="input")
-    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+    content = item.get("content")
+    if _has_images(content):
+        return {"role": role, "content": _parts(content, f"{where}.content")}
+    return {"role": role, "content": _text(content, f"{where}.content")}
+
+
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    )
+
+
+def _parts(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """Text and `input_image` parts as chat's `text` and `image_url` parts, in order."""
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+            continue
+        if kind != "input_image":
+            raise _unsupported(f"{where}[{j}]", kind)
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise ApiError(
+                400,
+                f"{where}[{j}].image_url must be a string (a data: URL, or an http(s) URL the "
+                "operator allowed); file_id images need OpenAI's file store",
+                param="input",
+            )
+        image: dict[str, Any] = {"url": url}
+        if part.get("detail") is not None:
+            image["detail"] = part["detail"]
+        out.append({"type": "image_url", "image_url": image})
+    return out
 
 
 def _function_call(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -> None:
