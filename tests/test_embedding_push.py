@@ -6,6 +6,7 @@ small sends the call the bytes way, and a grant that does not fit the images is 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -121,6 +122,35 @@ def test_a_grant_that_does_not_fit_the_images_is_refused(checkpoint: Path) -> No
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "1 blocks of 64 rows for 72 rows" in (refused.value.details() or "")
         assert encoder.pushed == 0
+        _conserved(landing)
+
+    _run(checkpoint, body)
+
+
+def test_a_push_that_fails_is_answered_as_bytes(checkpoint: Path) -> None:
+    """Nothing listens at the destination's address: the encoder's push fails, and the call is
+    answered with the embeddings as bytes instead (the caller takes those)."""
+
+    async def body(encoder: EncodeNode, target: str) -> None:
+        landing = EmbeddingLanding(HIDDEN, 1 << 20, "127.0.0.1")
+        await landing.start()
+        dest = landing.grant("nowhere", rows=72, lease=10)
+        assert dest is not None
+        request = encoder_pb2.EncodeRequest(
+            request_id="nowhere",
+            images=images_to_proto(IMAGES),
+            destination=destination_to_proto(dataclasses.replace(dest, address="127.0.0.1:1")),
+            landing_block_rows=BLOCK_ROWS,
+        )
+        try:
+            async with create_channel(target) as channel:
+                stub = encoder_pb2_grpc.EncoderStub(channel)
+                answer = await stub.Encode(request, timeout=30)
+        finally:
+            await landing.release(dest)
+            await landing.close()
+        assert not answer.pushed and encoder.pushed == 0
+        assert [len(e.data) for e in answer.embeddings] == [36 * HIDDEN * 4] * 2
         _conserved(landing)
 
     _run(checkpoint, body)
