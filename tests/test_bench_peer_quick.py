@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench import peer
-from pdserve.bench.peers import vllm_setup
+from pdserve.bench.peers import vllm_offline, vllm_setup
 
 
 def test_peer_quick(tmp_path: Path) -> None:
@@ -30,11 +30,29 @@ def test_peer_quick(tmp_path: Path) -> None:
     assert row["dtype"] == "float32" and row["max_batch_size"] == 4 and row["requests"] == 4
     assert row["pdserve_tokens_per_s"] > 0 and row["vllm_tokens_per_s"] > 0
     ours, theirs = row["pair_tokens_per_s"]["pdserve"], row["pair_tokens_per_s"]["vllm"]
-    assert len(ours) == len(theirs) == 2  # two pairs, the ratio the median of theirs
-    assert row["pair_ratios"] == pytest.approx([a / b for a, b in zip(ours, theirs, strict=True)])
-    assert row["ratio"] == pytest.approx(statistics.median(row["pair_ratios"]))
+    assert len(ours) == len(theirs) == 1  # one pair in a quick run
+    assert row["pair_ratios"] == pytest.approx([ours[0] / theirs[0]])
+    assert row["ratio"] == pytest.approx(row["pair_ratios"][0])
     assert 0 <= row["agreement"]["identical"] <= row["agreement"]["of"] == 4
     assert sorted(row["order"]) == ["pdserve", "vllm"]
+
+
+def test_a_row_of_pairs_is_their_medians() -> None:
+    """Three pairs of runs (no vLLM needed): each pair's ratio, the row's the median of those;
+    startup and agreement from the first pair."""
+    outputs = [[1, 2, 3], [4, 5]]
+
+    def run(ours: float, theirs: float) -> tuple[list[str], dict[str, dict[str, object]]]:
+        got = {"tokens_per_s": ours, "startup_s": 1.0, "outputs": outputs}
+        peer_run = {"tokens_per_s": theirs, "startup_s": 9.0, "outputs": [[1, 2, 9], [4, 5]]}
+        return ["vllm", "pdserve"], {"pdserve": got, "vllm": peer_run}
+
+    row = vllm_offline._row("float32", 4, 2, [run(30, 10), run(20, 20), run(50, 10)])
+    assert row["pair_ratios"] == pytest.approx([3.0, 1.0, 5.0])
+    assert row["ratio"] == pytest.approx(statistics.median([3.0, 1.0, 5.0])) == 3.0
+    assert (row["pdserve_tokens_per_s"], row["vllm_tokens_per_s"]) == (30, 10)
+    assert row["startup_s"] == {"pdserve": 1.0, "vllm": 9.0}
+    assert row["agreement"]["of"] == 2 and row["agreement"]["identical"] == 1
 
 
 def test_peer_quick_skips_without_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

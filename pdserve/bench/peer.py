@@ -119,7 +119,7 @@ def quick(a: argparse.Namespace) -> dict[str, Any]:
             {4: 4},
             w,
             a.out / "runs",
-            pairs=2,
+            pairs=1,  # a shape check; how pairs aggregate: tests/test_bench_peer_quick.py
         )
     result["engine"] = {"workload": w.__dict__, "rows": rows}
     vllm_report.write(a.out, result)
