@@ -8,7 +8,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.connector.offload import OffloadStats
 from shared.engine.connector.offload_config import OffloadConfig
 from shared.serving.limits import DRAIN_GRACE_S, PREFILL_DEFAULT_DEADLINE_S
-from shared.serving.tls import ServerTls
+from shared.serving.tls import ClientTls, ServerTls
 from transfer.protocol import resolve_bind_address
 
 # A prefill node's step budget: it runs no decode steps whose inter-token latency a big chunk
@@ -32,6 +32,7 @@ class PrefillNodeConfig:
     allow_runtime_lora: bool = False
     # encoder nodes (E/P/D, --encoder): a prompt's images are encoded there, else here
     encoder_targets: tuple[str, ...] = ()
+    encoder_tls: ClientTls | None = None  # how to reach them; None: plaintext
     # where those encoders push embeddings: a UCX listener (as a decode node's for KV) over a
     # landing area of this many bytes
     ucx_host: str = "127.0.0.1"  # advertised to the encoders
@@ -77,8 +78,9 @@ class PrefillNodeConfig:
             )
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
-        if self.tls is not None:
-            self.tls.validate()
+        for tls in (self.tls, self.encoder_tls):
+            if tls is not None:
+                tls.validate()
         if not 0 <= self.drain_grace <= 3600:
             raise ValueError(f"--drain-grace must be in [0, 3600] seconds, got {self.drain_grace}")
         if self.default_timeout <= 0:

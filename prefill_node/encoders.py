@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import grpc
 import numpy as np
 from grpc import aio
 
@@ -41,11 +42,18 @@ class EncoderClients:
         hidden_size: int,
         merge: int,
         landing: EmbeddingLanding | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
+        """`credentials`: TLS to the encoders (None: plaintext)."""
         self.targets = tuple(targets)
         self.hidden_size, self.merge = hidden_size, merge
         self.landing = landing
-        self._channels = [aio.insecure_channel(t, options=GRPC_SERVER_OPTIONS) for t in targets]
+        self._channels = [
+            aio.insecure_channel(t, options=GRPC_SERVER_OPTIONS)
+            if credentials is None
+            else aio.secure_channel(t, credentials, options=GRPC_SERVER_OPTIONS)
+            for t in targets
+        ]
         self._stubs = [encoder_pb2_grpc.EncoderStub(c) for c in self._channels]
         self._next = itertools.cycle(range(len(targets)))
         self.remote_images = 0  # encoded by an encoder node

@@ -128,8 +128,9 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
                 hidden, c.encoder_landing_bytes, c.ucx_host, c.ucx_port, c.kv_bind_host
             )
             await landing.start()
+            tls = None if c.encoder_tls is None else c.encoder_tls.credentials()
             self.encoders = EncoderClients(
-                c.encoder_targets, hidden, vision.spatial_merge_size, landing
+                c.encoder_targets, hidden, vision.spatial_merge_size, landing, tls
             )
         self.serving = await NodeServing.serve(
             self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry

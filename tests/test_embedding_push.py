@@ -21,9 +21,11 @@ from pdserve.client import create_channel
 from prefill_node.embedding_landing import BLOCK_ROWS, EmbeddingLanding
 from prefill_node.encoders import EncoderClients
 from proto.pdserve.v1 import encoder_pb2, encoder_pb2_grpc
+from shared.serving.tls import ClientTls, ServerTls
 from shared.serving.wire_destination import destination_to_proto
 from shared.serving.wire_images import images_to_proto
 from tests.support.vision_checkpoints import QWEN2_VL, build_vl_checkpoint, random_image
+from tests.test_tls import make_pki
 
 HIDDEN = TINY.hidden
 # two images of 36 rows each: 72 rows, two landing blocks of 64
@@ -35,9 +37,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_vl_checkpoint(tmp_path_factory.mktemp("vl-push"), QWEN2_VL)
 
 
-def _run(checkpoint: Path, body: Callable[[EncodeNode, str], Awaitable[None]]) -> None:
+def _run(
+    checkpoint: Path,
+    body: Callable[[EncodeNode, str], Awaitable[None]],
+    tls: ServerTls | None = None,
+) -> None:
     async def main() -> None:
-        encoder = EncodeNode(EncodeNodeConfig(model=str(checkpoint), dtype="float32", port=0))
+        config = EncodeNodeConfig(model=str(checkpoint), dtype="float32", port=0, tls=tls)
+        encoder = EncodeNode(config)
         await encoder.start()
         try:
             await body(encoder, f"127.0.0.1:{encoder.port}")
@@ -154,3 +161,29 @@ def test_a_push_that_fails_is_answered_as_bytes(checkpoint: Path) -> None:
         _conserved(landing)
 
     _run(checkpoint, body)
+
+
+def test_encoders_over_mutual_tls(checkpoint: Path, tmp_path: Path) -> None:
+    """An encoder node that requires client certificates: a prefill node with --encoder-tls-*
+    gets the pushed embeddings; one without falls back to encoding locally."""
+    pki = make_pki(tmp_path)
+    server = ServerTls(pki["server.pem"], pki["server.key"], pki["ca.pem"])
+    client = ClientTls(pki["ca.pem"], pki["client.pem"], pki["client.key"])
+
+    async def body(encoder: EncodeNode, target: str) -> None:
+        landing = EmbeddingLanding(HIDDEN, 1 << 20, "127.0.0.1")
+        await landing.start()
+        secure = EncoderClients([target], HIDDEN, MERGE, landing, client.credentials())
+        plain = EncoderClients([target], HIDDEN, MERGE)
+        try:
+            got = await secure.encode("tls", IMAGES)
+            local = await plain.encode("plain", IMAGES)
+        finally:
+            await secure.close()
+            await plain.close()
+        assert (secure.pushed_images, secure.local_images) == (2, 0)
+        assert all(image.embeddings is not None for image in got)
+        assert plain.local_images == 2 and all(image.embeddings is None for image in local)
+        _conserved(landing)
+
+    _run(checkpoint, body, server)

@@ -34,6 +34,7 @@ def add_prefill(sub: argparse._SubParsersAction) -> None:
     _ucx_args(pf, "with --encoder: this node's embedding landing address, given to encoder nodes")
     _drain_arg(pf)
     server_tls_args(pf)
+    client_tls_args(pf, "encoder-", "CA that signed the encoder nodes' certs (TLS to them)")
 
 
 def add_decode(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

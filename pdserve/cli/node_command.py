@@ -54,6 +54,7 @@ def prefill_config(a: argparse.Namespace) -> PrefillNodeConfig:
         encoder_targets=encoders,
         ucx_bind_host=a.ucx_bind,
         encoder_landing_bytes=a.encoder_landing_mb << 20,
+        encoder_tls=client_tls(a, "encoder_"),
     )
 
 
