@@ -16,6 +16,8 @@ from shared.engine.errors import RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.requests.multimodal import PromptImage
 from shared.engine.sampling.sampling_params import SamplingParams
+from shared.kv.pool import allocate_kv_pool
+from shared.model.cuda_graph_runner import engine_decode_runner
 from shared.model.loader import load_model
 from tests.engine_helpers import single_torch_thread
 from tests.support.vision_checkpoints import (
@@ -157,3 +159,68 @@ def test_preempted_image_requests_recompute_exactly(
     assert [list(r.output_token_ids) for r in requests] == expected
     assert any(r.num_preemptions for r in requests)
     llm.check_conservation()
+
+
+def test_image_decode_steps_take_the_graph_path(
+    checkpoint: Path, reference: torch.nn.Module
+) -> None:
+    """Decode steps of image requests batched with a text request go through the CUDA-graph
+    decode path (capture off on CPU: the same padded static batch), each row's rope turned by
+    its seat's delta; every answer equals transformers'."""
+    cases = [CASES[name] for name in ("text", "one-image", "two-images")]
+    prompts, all_images = [], []
+    for i, (texts, grids) in enumerate(cases):
+        images = [random_image(grid, seed=10 * i + j) for j, grid in enumerate(grids)]
+        prompts.append(image_prompt(texts, images))
+        all_images.append(images)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with single_torch_thread():
+        expected = [
+            hf_vl_greedy(reference, p, im, NEW_TOKENS)
+            for p, im in zip(prompts, all_images, strict=True)
+        ]
+        llm = _llm(checkpoint)
+        core = llm.core
+        core.runner.kv_pool = allocate_kv_pool(core.layout, 65, "cpu")  # + the scratch block
+        runner = engine_decode_runner(
+            core.model,
+            core.kv_pool,
+            max_batch_size=4,
+            max_model_len=core.max_model_len,
+            block_size=8,
+            dummy_slot_row=core.sampler.dummy_slot_row,
+            scratch_block=64,
+            use_graphs=False,
+        )
+        core.runner.decode_runner = runner
+        requests = [
+            llm.add_request(p, params, images=im) for p, im in zip(prompts, all_images, strict=True)
+        ]
+        by_id = {r.request_id: r for r in requests}
+        assert min(r.mrope_delta for r in requests) < 0  # the images shift positions
+        turned = 0  # padded steps in which some row's rope position is not its index
+        while not all(r.is_finished for r in requests):
+            before = runner.num_eager_padded
+            llm.step()
+            plan = runner.last_plan
+            if runner.num_eager_padded > before and plan is not None:
+                real = range(plan.num_real)
+                offsets = [plan.rope_positions[i] - plan.positions[i] for i in real]
+                # each row turned by its own request's delta (0 for the text request), as
+                # its seat's delta row held it (cleared once the request ends)
+                assert offsets == [by_id[plan.request_ids[i]].mrope_delta for i in real]
+                turned += any(offsets)
+    assert [list(r.output_token_ids) for r in requests] == expected
+    assert turned > 0, "no image request decoded through the graph path"
+    llm.check_conservation()
+
+
+def test_mrope_with_equal_axes_is_one_axis_rope_to_the_bit(checkpoint: Path) -> None:
+    """Why a decode token may carry index + delta on one axis: its three axes are equal, and
+    the mRoPE tables of equal axes are the one-axis tables, bit for bit."""
+    rotary = load_model(str(checkpoint), dtype=torch.float32).model.model.rotary_emb
+    positions = torch.arange(-5, 300)
+    for dtype in (torch.float32, torch.bfloat16):
+        one = rotary(positions, dtype)
+        three = rotary(positions.expand(3, -1), dtype)
+        assert all(torch.equal(a, b) for a, b in zip(one, three, strict=True))

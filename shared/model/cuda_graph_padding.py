@@ -59,13 +59,15 @@ def _next_at_least(n: int, sizes: Sequence[int]) -> int | None:
 @dataclass(frozen=True)
 class DecodeRow:
     """One real sequence's decode step: one new token at `position` (= tokens already in the
-    pool), on seat `seq_slot`, over `block_table`."""
+    pool), on seat `seq_slot`, over `block_table`; rope turns it by `position + rope_offset`
+    (an mRoPE request's delta; 0 elsewhere)."""
 
     request_id: str
     seq_slot: int | None
     token_id: int
     position: int
     block_table: Sequence[int]
+    rope_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class PaddingPlan:
     positions: tuple[int, ...]
     slot_mapping: tuple[int, ...]
     kv_block_ids: tuple[int, ...]
+    rope_positions: tuple[int, ...] = ()  # positions + each row's rope offset
 
     @property
     def num_padding(self) -> int:
@@ -166,6 +169,7 @@ class DecodePadding:
             positions=(*(r.position for r in rows), *([0] * dummies)),
             slot_mapping=(*slots, *([self.scratch_block * bs] * dummies)),
             kv_block_ids=tuple(kv_ids),
+            rope_positions=(*(r.position + r.rope_offset for r in rows), *([0] * dummies)),
         )
 
     def _check_real(self, row: DecodeRow) -> None:

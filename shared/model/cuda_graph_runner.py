@@ -57,8 +57,9 @@ class DecodeGraphRunner:
         self.device = kv_pool.device
         bmax, wmax = padding.max_batch_size, padding.kv_buckets[-1]
         self._bmax = bmax
-        # [ids | positions | slots], bmax each, then bmax * wmax KV block ids: one H2D copy
-        numel = 3 * bmax + bmax * wmax
+        # [ids | positions | rope positions | slots], bmax each, then bmax * wmax KV block ids:
+        # one H2D copy
+        numel = 4 * bmax + bmax * wmax
         self._inputs = torch.zeros(numel, dtype=torch.long, device=self.device)
         pin = self.device.type == "cuda"
         self._staging = torch.zeros(numel, dtype=torch.long, pin_memory=pin) if pin else None
@@ -100,12 +101,14 @@ class DecodeGraphRunner:
             *pad,
             *plan.positions,
             *pad,
+            *plan.rope_positions,
+            *pad,
             *plan.slot_mapping,
             *pad,
             *plan.kv_block_ids,
         ]
         host = torch.tensor(flat, dtype=torch.long)
-        n = 3 * bmax + len(plan.kv_block_ids)
+        n = 4 * bmax + len(plan.kv_block_ids)
         if self._staging is None:
             self._inputs[:n].copy_(host)
             return
@@ -124,8 +127,9 @@ class DecodeGraphRunner:
         bmax, bs = self._bmax, self.padding.block_size
         ids = self._inputs[:size]
         positions = self._inputs[bmax : bmax + size]
-        slots = self._inputs[2 * bmax : 2 * bmax + size]
-        kv_blocks = self._inputs[3 * bmax : 3 * bmax + size * width]
+        rope = self._inputs[2 * bmax : 2 * bmax + size]
+        slots = self._inputs[3 * bmax : 3 * bmax + size]
+        kv_blocks = self._inputs[4 * bmax : 4 * bmax + size * width]
         group = AttentionGroup(
             seq_ids=list(range(size)),
             query_len=1,
@@ -149,6 +153,7 @@ class DecodeGraphRunner:
             last_token_index=self._last_token_index[:size],
             groups=[group],
             block_size=bs,
+            rope_positions=rope,  # the positions themselves but for an mRoPE request's delta
         )
 
     def _capture(self, size: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

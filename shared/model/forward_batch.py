@@ -33,6 +33,10 @@ class SeqEntry:
     # mRoPE models: [3, len(token_ids)] rope positions of the new tokens when they are not
     # their indices (shared/model/mrope.py); None: the indices
     rope_positions: np.ndarray | None = None
+    # mRoPE models, tokens after the prompt (rope_positions None): their rope position is their
+    # index plus this (the request's delta), on every axis alike, so one axis carries it: a
+    # decode step keeps the [T] positions a captured CUDA graph takes
+    rope_offset: int = 0
     # embeddings that replace the token embeddings of some new tokens (an image's): (index of
     # the first of them among the new tokens, [k, hidden] rows)
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
@@ -108,7 +112,8 @@ class ForwardBatch:
     block_size: int
     # the tokens that run a LoRA adapter, by adapter; None when no sequence names one
     lora: LoraBatch | None = None
-    # [3, T] mRoPE positions when some token's differ from its index (`positions`); None else
+    # what rope turns by when some token's position differs from its index (`positions`):
+    # [3, T] mRoPE positions when some token's axes differ, else [T]; None when none differs
     rope_positions: torch.Tensor | None = None
     # rows of [T] whose embeddings are replaced, and their replacements ([R], [R, hidden])
     embed_rows: torch.Tensor | None = None
@@ -248,11 +253,20 @@ def _token_tensors(
 
 
 def _rope_positions(entries: Sequence[SeqEntry], positions: torch.Tensor) -> torch.Tensor | None:
-    """[3, T] when any entry carries its own rope positions: the others' are their indices on
-    every axis (text tokens advance all three together)."""
-    if all(e.rope_positions is None for e in entries):
+    """[3, T] when any entry carries its own rope positions: the others' are their indices
+    (plus their offset) on every axis (text tokens advance all three together); [T] when some
+    entry only has an offset; None when every token's is its index."""
+    three = any(e.rope_positions is not None for e in entries)
+    if not three and all(e.rope_offset == 0 for e in entries):
         return None
-    rope = positions.expand(3, -1).clone()
+    rope = positions.clone()
+    start = 0
+    for e in entries:
+        rope[start : start + len(e.token_ids)] += e.rope_offset
+        start += len(e.token_ids)
+    if not three:
+        return rope
+    rope = rope.expand(3, -1).clone()
     start = 0
     for e in entries:
         n = len(e.token_ids)

@@ -143,6 +143,7 @@ class ModelRunner:
                 e.token_ids[0],
                 e.num_computed,
                 e.block_table,
+                e.rope_offset,
             )
             for s, e in zip(scheduled, entries, strict=True)
         ]
@@ -166,7 +167,11 @@ class ModelRunner:
         out = []
         for s, e, row in zip(scheduled, entries, touched, strict=True):
             r = s.request
-            rope = rope_positions(r, e.num_computed, len(e.token_ids), deltas.read(r.seq_slot))
+            delta = deltas.read(r.seq_slot)
+            if e.num_computed >= r.prompt_len:  # past the prompt: index + delta on every axis
+                out.append(replace(e, rope_offset=delta))
+                continue
+            rope = rope_positions(r, e.num_computed, len(e.token_ids), delta)
             embeds = tuple((offset, next(embeddings)[rows]) for _, offset, rows in row)
             out.append(replace(e, rope_positions=rope, embeds=embeds))
         return out
