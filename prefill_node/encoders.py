@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 from grpc import aio
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prefill_node.embedding_landing import BLOCK_ROWS, EmbeddingLanding
 from proto.pdserve.v1 import encoder_pb2, encoder_pb2_grpc
@@ -43,8 +44,10 @@ class EncoderClients:
         merge: int,
         landing: EmbeddingLanding | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
-        """`credentials`: TLS to the encoders (None: plaintext)."""
+        """`credentials`: TLS to the encoders (None: plaintext); `registry`: where the image
+        counts and the landing area's free blocks are exported."""
         self.targets = tuple(targets)
         self.hidden_size, self.merge = hidden_size, merge
         self.landing = landing
@@ -59,6 +62,20 @@ class EncoderClients:
         self.remote_images = 0  # encoded by an encoder node
         self.pushed_images = 0  # of those, pushed into the landing area
         self.local_images = 0  # encoded here after an encoder failed
+        self._images = Counter(
+            "pdserve_prompt_images",
+            "A prompt's images by where their embeddings came from: an encoder's push, an "
+            "encoder's answer, or encoded here after an encoder failed",
+            ["source"],
+            registry=registry,
+        )
+        if landing is not None and registry is not None:
+            free = Gauge(
+                "pdserve_embedding_landing_free_blocks",
+                f"Free blocks ({BLOCK_ROWS} rows each) of the area encoders push embeddings into",
+                registry=registry,
+            )
+            free.set_function(lambda: landing.blocks.free)
 
     async def encode(self, request_id: str, images: Sequence[PromptImage]) -> list[PromptImage]:
         """`images` with an encoder's embeddings; unchanged (the engine encodes them) when
@@ -75,6 +92,7 @@ class EncoderClients:
         except (aio.AioRpcError, ValueError, TransferError) as e:
             log.warning("%s: encoder %s failed (%s); encoding here", request_id, self.targets[i], e)
             self.local_images += len(images)
+            self._images.labels(source="local").inc(len(images))
             return list(images)
         finally:
             if dest is not None:
@@ -102,11 +120,14 @@ class EncoderClients:
         if shapes != [(n, self.hidden_size) for n in counts]:
             raise ValueError(f"embeddings of {shapes} for images of {counts} tokens")
         if not answer.pushed:
-            return self._arrays(answer)
+            arrays = self._arrays(answer)
+            self._images.labels(source="answered").inc(len(images))
+            return arrays
         if dest is None or self.landing is None:
             raise ValueError("the encoder says it pushed embeddings nobody asked it to push")
         arrays = await self.landing.collect(dest, counts, max(0.001, deadline - time.monotonic()))
         self.pushed_images += len(images)
+        self._images.labels(source="pushed").inc(len(images))
         return arrays
 
     def _arrays(self, answer: encoder_pb2.EncodeResponse) -> list[np.ndarray]:

@@ -130,7 +130,12 @@ class PrefillNode(prefill_pb2_grpc.PrefillServicer):
             await landing.start()
             tls = None if c.encoder_tls is None else c.encoder_tls.credentials()
             self.encoders = EncoderClients(
-                c.encoder_targets, hidden, vision.spatial_merge_size, landing, tls
+                c.encoder_targets,
+                hidden,
+                vision.spatial_merge_size,
+                landing,
+                tls,
+                self.metrics.registry,
             )
         self.serving = await NodeServing.serve(
             self, SERVICE_DESCRIPTOR, self.config, self.metrics.registry

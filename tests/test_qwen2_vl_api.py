@@ -177,7 +177,7 @@ async def _check_where(cluster: PdCluster, split: str, encoder: EncodeNode | Non
     """Every prompt went to the prefill node (split); every image to the encoder (E/P/D)."""
     if split == COLOCATED:
         return
-    decode_metrics = (await asyncio.to_thread(cluster.metrics))[1]
+    prefill_metrics, decode_metrics = await asyncio.to_thread(cluster.metrics)
     assert decode_metrics.get('pdserve_prefills_total{where="local"}', 0.0) == 0
     assert decode_metrics['pdserve_prefills_total{where="remote"}'] > 0
     clients = cluster.prefills[0].encoders
@@ -187,6 +187,10 @@ async def _check_where(cluster: PdCluster, split: str, encoder: EncodeNode | Non
         assert clients.pushed_images == clients.remote_images and encoder.pushed > 0
         assert clients.landing is not None
         clients.landing.blocks.check_conservation()
+        pushed = prefill_metrics['pdserve_prompt_images_total{source="pushed"}']
+        assert pushed == clients.pushed_images
+        landing_free = prefill_metrics["pdserve_embedding_landing_free_blocks"]
+        assert landing_free == clients.landing.blocks.num_blocks
         assert encoder.cache.encoded_images > 0
 
 
