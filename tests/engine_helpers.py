@@ -10,6 +10,10 @@ from pathlib import Path
 
 import torch
 
+from shared.engine.core import EngineCore
+from shared.kv.pool import allocate_kv_pool
+from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
+
 
 def random_prompts(
     n: int,
@@ -106,3 +110,21 @@ def chat_checkpoint(src: Path, dest: Path) -> Path:
     }
     (dest / "tokenizer_config.json").write_text(json.dumps(config))
     return dest
+
+
+def pad_decode_steps(core: EngineCore, num_blocks: int) -> DecodeGraphRunner:
+    """Send `core`'s decode steps through the CUDA-graph runner eagerly (what CUDA captures):
+    its pool of `num_blocks` gets the scratch block after them, which the padding rows write."""
+    core.runner.kv_pool = allocate_kv_pool(core.layout, num_blocks + 1, "cpu")
+    runner = engine_decode_runner(
+        core.model,
+        core.kv_pool,
+        max_batch_size=core.config.max_batch_size,
+        max_model_len=core.max_model_len,
+        block_size=core.config.block_size,
+        dummy_slot_row=core.sampler.dummy_slot_row,
+        scratch_block=num_blocks,
+        use_graphs=False,
+    )
+    core.runner.decode_runner = runner
+    return runner

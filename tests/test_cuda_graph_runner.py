@@ -18,7 +18,7 @@ from shared.engine.sampling.sampling_params import SamplingParams
 from shared.kv.pool import allocate_kv_pool
 from shared.model.cuda_graph_padding import DUMMY_REQUEST_ID
 from shared.model.cuda_graph_runner import DecodeGraphRunner, engine_decode_runner
-from tests.engine_helpers import random_max_tokens, random_prompts
+from tests.engine_helpers import pad_decode_steps, random_max_tokens, random_prompts
 
 NUM_BLOCKS = 96
 CONFIG = EngineConfig(model="tiny", num_kv_blocks=NUM_BLOCKS, max_batch_size=8, device="cpu")
@@ -28,19 +28,7 @@ def padded_engine(config: EngineConfig = CONFIG) -> tuple[EngineCore, DecodeGrap
     """An engine whose decode steps go through the runner eagerly (what CUDA captures)."""
     engine = EngineCore(config, role=DecodeSettings())
     assert engine.decode_runner is None, "CPU must keep the eager path"
-    engine.runner.kv_pool = allocate_kv_pool(engine.layout, NUM_BLOCKS + 1, "cpu")
-    runner = engine_decode_runner(
-        engine.model,
-        engine.kv_pool,
-        max_batch_size=config.max_batch_size,
-        max_model_len=engine.max_model_len,
-        block_size=config.block_size,
-        dummy_slot_row=engine.sampler.dummy_slot_row,
-        scratch_block=NUM_BLOCKS,
-        use_graphs=False,
-    )
-    engine.runner.decode_runner = runner
-    return engine, runner
+    return engine, pad_decode_steps(engine, NUM_BLOCKS)
 
 
 def accounting(engine: EngineCore) -> tuple[int, int, int, int]:

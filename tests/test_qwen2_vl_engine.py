@@ -16,10 +16,8 @@ from shared.engine.errors import RequestRejected
 from shared.engine.llm import LLM
 from shared.engine.requests.multimodal import PromptImage
 from shared.engine.sampling.sampling_params import SamplingParams
-from shared.kv.pool import allocate_kv_pool
-from shared.model.cuda_graph_runner import engine_decode_runner
 from shared.model.loader import load_model
-from tests.engine_helpers import single_torch_thread
+from tests.engine_helpers import pad_decode_steps, single_torch_thread
 from tests.support.vision_checkpoints import (
     IMAGE_TOKEN,
     QWEN2_5_VL,
@@ -180,19 +178,7 @@ def test_image_decode_steps_take_the_graph_path(
             for p, im in zip(prompts, all_images, strict=True)
         ]
         llm = _llm(checkpoint)
-        core = llm.core
-        core.runner.kv_pool = allocate_kv_pool(core.layout, 65, "cpu")  # + the scratch block
-        runner = engine_decode_runner(
-            core.model,
-            core.kv_pool,
-            max_batch_size=4,
-            max_model_len=core.max_model_len,
-            block_size=8,
-            dummy_slot_row=core.sampler.dummy_slot_row,
-            scratch_block=64,
-            use_graphs=False,
-        )
-        core.runner.decode_runner = runner
+        runner = pad_decode_steps(llm.core, 64)
         requests = [
             llm.add_request(p, params, images=im) for p, im in zip(prompts, all_images, strict=True)
         ]
