@@ -90,3 +90,56 @@ def test_cuda_graphs_change_no_token(dtype: str, checkpoint: Callable[..., Path]
     for core in cores.values():
         core.check_conservation()
         assert core.shutdown()
+
+
+def test_image_requests_replay_graphs_with_their_delta(tmp_path: Path) -> None:
+    """A Qwen2-VL engine on the GPU, fp32, graphs on vs off: image and text requests batched
+    give the same tokens, and their decode steps replay captured graphs (each row's rope turned
+    by its request's mRoPE delta, an input of the graph). The CPU twin of the padded batch is
+    tests/test_qwen2_vl_engine.py::test_image_decode_steps_take_the_graph_path."""
+    from tests.support.vision_checkpoints import (
+        QWEN2_VL,
+        build_vl_checkpoint,
+        image_prompt,
+        random_image,
+    )
+
+    path = build_vl_checkpoint(tmp_path, QWEN2_VL)
+    # (text parts around the images, image grids): a text prompt, one image, two images
+    cases = [
+        ([[1, 2, 3, 4, 5]], []),
+        ([[10, 11], [12]], [(1, 4, 6)]),
+        ([[20], [21], [22]], [(1, 8, 4), (1, 2, 2)]),
+    ]
+    images = [
+        [random_image(grid, seed=10 * i + j) for j, grid in enumerate(grids)]
+        for i, (_, grids) in enumerate(cases)
+    ]
+    prompts = [image_prompt(texts, im) for (texts, _), im in zip(cases, images, strict=True)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results, runners = {}, {}
+    for graphs in (False, True):
+        config = EngineConfig(
+            model=str(path),
+            num_kv_blocks=NUM_BLOCKS,
+            max_batch_size=4,
+            device="cuda",
+            dtype="float32",
+            cuda_graphs=graphs,
+        )
+        loaded = load_model(str(path), torch.device("cuda"), torch.float32)
+        core = EngineCore(config, loaded, role=DecodeSettings())
+        requests = [
+            core.add_request(p, params, request_id=f"v{i}", images=im)
+            for i, (p, im) in enumerate(zip(prompts, images, strict=True))
+        ]
+        while core.has_work:
+            core.step()
+        results[graphs] = [list(r.output_token_ids) for r in requests]
+        runners[graphs] = core.decode_runner
+        core.check_conservation()
+        assert core.shutdown()
+    assert results[True] == results[False]
+    runner = runners[True]
+    assert runner is not None and runner.num_replays > 0
+    record("Qwen2-VL decode steps replayed as CUDA graphs", runner.num_replays)
