@@ -38,7 +38,7 @@ def test_dry_run_passes() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dry-run: ok" in out.stdout
-    assert "8 cuda tests in 3 files" in out.stdout
+    assert "9 cuda tests in 3 files" in out.stdout
     assert "bench plan ok" in out.stdout
 
 
