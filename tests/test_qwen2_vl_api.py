@@ -294,7 +294,8 @@ def test_responses_api_with_images_matches_transformers(checkpoint: Path) -> Non
 @pytest.mark.parametrize("split", SPLITS)
 def test_grpc_generate_with_images_matches_transformers(checkpoint: Path, split: str) -> None:
     """gRPC's ImageInput (a file's bytes, a data URL): the answer's token ids are
-    transformers'; a prompt without its placeholder and a text-only use of images are refused."""
+    transformers', and so is the rest of it asked as a continuation (a stream resumed on another
+    node); a prompt without its placeholder and a text-only use of images are refused."""
     pictures = [_png(24, 40, seed=4), _png(32, 16, seed=5)]
     image = "<|vision_start|><|image_pad|><|vision_end|>"
     text = f"Look {image} and {image}"
@@ -317,6 +318,13 @@ def test_grpc_generate_with_images_matches_transformers(checkpoint: Path, split:
             request = generation_pb2.GenerateRequest(text=prompt, sampling=sampling, images=inputs)
             got = [t async for r in stub.Generate(request, timeout=60) for t in r.token_ids]
             assert got == expected
+            # what the front door asks of another node when this one dies mid-stream: the same
+            # request, images included, continuing after the tokens already sent
+            resumed = generation_pb2.GenerateRequest()
+            resumed.CopyFrom(request)
+            resumed.continuation.ids.extend(expected[:2])
+            rest = [t async for r in stub.Generate(resumed, timeout=60) for t in r.token_ids]
+            assert rest == expected[2:]
             short = generation_pb2.GenerateRequest(
                 text="no placeholder", sampling=sampling, images=inputs[:1]
             )
