@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shared.model import attention, native, paged_decode
-from shared.model.forward_batch import AttentionGroup, ForwardBatch, SeqEntry
+from shared.model.attention_groups import AttentionGroup
+from shared.model.forward_batch import ForwardBatch, SeqEntry
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler here: the kernel cannot be built"

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.model import attention_choice, paged_decode, paged_prefill
-from shared.model.forward_batch import AttentionGroup, ForwardBatch
+from shared.model.attention_groups import AttentionGroup
+from shared.model.forward_batch import ForwardBatch
 
 
 class GatherScratch:

@@ -21,6 +21,7 @@ import torch
 
 from shared.cdiv import cdiv
 from shared.model.attention import GatherScratch
+from shared.model.attention_groups import AttentionGroup
 from shared.model.cuda_graph_padding import (
     DecodePadding,
     DecodeRow,
@@ -28,7 +29,7 @@ from shared.model.cuda_graph_padding import (
     default_capture_sizes,
     default_kv_buckets,
 )
-from shared.model.forward_batch import AttentionGroup, ForwardBatch
+from shared.model.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from shared.model.llama import Model

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.attention import padded_rows, valid_rows
+from shared.model.attention_groups import AttentionGroup
 from shared.model.config import ModelConfig
-from shared.model.forward_batch import AttentionGroup
 from shared.model.gemm import PackedGemm
 from shared.model.linear import Linear, register_fused_linear
 from shared.model.mla_config import MlaConfig

@@ -26,7 +26,7 @@ import logging
 import torch
 
 from shared.model import attention_choice, native
-from shared.model.forward_batch import AttentionGroup
+from shared.model.attention_groups import AttentionGroup
 
 log = logging.getLogger(__name__)
 

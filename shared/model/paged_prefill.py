@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from shared.model import gemm, native
-from shared.model.forward_batch import AttentionGroup
+from shared.model.attention_groups import AttentionGroup
 
 log = logging.getLogger(__name__)
 
