@@ -89,7 +89,7 @@ class PaddingPlan:
     positions: tuple[int, ...]
     slot_mapping: tuple[int, ...]
     kv_block_ids: tuple[int, ...]
-    rope_positions: tuple[int, ...] = ()  # positions + each row's rope offset
+    rope_positions: tuple[int, ...]  # positions + each row's rope offset
 
     @property
     def num_padding(self) -> int:
