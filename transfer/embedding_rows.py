@@ -49,9 +49,11 @@ def unpack_rows(
     """Copies of the landed rows, one array of counts[i] rows per image, read in order from
     `block_ids` of a landing pool (embedding_layout's pool_shape)."""
     hidden = pool.shape[-1]
+    # the index gathers the blocks into a tensor of its own: the images' arrays are views of
+    # it, so the pool's blocks may be granted again once this returns
     flat = pool[0, 0, list(block_ids)].reshape(-1, hidden)
     out, at = [], 0
     for n in counts:
-        out.append(flat[at : at + n].numpy().copy())
+        out.append(flat[at : at + n].numpy())
         at += n
     return out
