@@ -36,6 +36,20 @@ def run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
     return tokens
 
 
+def cuda_engine(path: Path, dtype: str, graphs: bool, max_batch_size: int) -> EngineCore:
+    """A decode engine on the GPU over `path`, with CUDA graphs on or off."""
+    config = EngineConfig(
+        model=str(path),
+        num_kv_blocks=NUM_BLOCKS,
+        max_batch_size=max_batch_size,
+        device="cuda",
+        dtype=dtype,
+        cuda_graphs=graphs,
+    )
+    loaded = load_model(str(path), torch.device("cuda"), getattr(torch, dtype))
+    return EngineCore(config, loaded, role=DecodeSettings())
+
+
 def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
     """Tokens before each request's first difference, over all tokens."""
     same = total = 0
@@ -61,16 +75,7 @@ def test_cuda_graphs_change_no_token(dtype: str, checkpoint: Callable[..., Path]
     ]
     results, cores = {}, {}
     for graphs in (False, True):
-        config = EngineConfig(
-            model=str(path),
-            num_kv_blocks=NUM_BLOCKS,
-            max_batch_size=16,
-            device="cuda",
-            dtype=dtype,
-            cuda_graphs=graphs,
-        )
-        loaded = load_model(str(path), torch.device("cuda"), getattr(torch, dtype))
-        core = EngineCore(config, loaded, role=DecodeSettings())
+        core = cuda_engine(path, dtype, graphs, max_batch_size=16)
         results[graphs], cores[graphs] = run(core, prompts, params), core
     if dtype == "float32":
         assert results[True] == results[False]
@@ -119,16 +124,7 @@ def test_image_requests_replay_graphs_with_their_delta(tmp_path: Path) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     results, runners = {}, {}
     for graphs in (False, True):
-        config = EngineConfig(
-            model=str(path),
-            num_kv_blocks=NUM_BLOCKS,
-            max_batch_size=4,
-            device="cuda",
-            dtype="float32",
-            cuda_graphs=graphs,
-        )
-        loaded = load_model(str(path), torch.device("cuda"), torch.float32)
-        core = EngineCore(config, loaded, role=DecodeSettings())
+        core = cuda_engine(path, "float32", graphs, max_batch_size=4)
         requests = [
             core.add_request(p, params, request_id=f"v{i}", images=im)
             for i, (p, im) in enumerate(zip(prompts, images, strict=True))
