@@ -143,8 +143,8 @@ class EncodeNode:
         dest = destination_from_proto(request.destination)
         merge = self.encoder.processor.merge_size
         rows = sum(image_token_count(image.grid, merge) for image in images)
-        need = blocks_for(rows, max(1, request.landing_block_rows))
-        if request.landing_block_rows < 1 or len(dest.block_ids) != need:
+        block_rows = request.landing_block_rows
+        if block_rows < 1 or len(dest.block_ids) != blocks_for(rows, block_rows):
             raise ValueError(
                 f"a landing grant of {len(dest.block_ids)} blocks of "
                 f"{request.landing_block_rows} rows for {rows} rows of embeddings"
